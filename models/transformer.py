@@ -1,0 +1,176 @@
+"""Decoder-only GPT-style language model (pre-LayerNorm, learned positions, tied head)."""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TransformerConfig:
+    vocab_size: int = 0  # filled in from the data set before the model is built
+    block_size: int = 128  # longest context the model accepts (size of the position table)
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 128
+    d_ff: int = 0  # hidden width of each MLP; 0 means 4 * d_model
+    dropout: float = 0.1
+    bias: bool = True  # biases in the Linear layers and LayerNorms
+    tie_weights: bool = True  # lm_head shares the token embedding matrix
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.vocab_size) or self.vocab_size <= 0:
+            raise ValueError(
+                f"model.vocab_size={self.vocab_size!r} must be positive (it is set from the data set); "
+                f"build the data set first and pass its vocab_size"
+            )
+        for name in ("block_size", "n_layers", "n_heads", "d_model"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"model.{name}={value!r} must be a positive integer; use 1 or more")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}; "
+                f"pick sizes where d_model % n_heads == 0"
+            )
+        if not _is_int(self.d_ff) or self.d_ff < 0:
+            raise ValueError(
+                f"model.d_ff={self.d_ff!r} must be a non-negative integer; use 0 for 4 * d_model"
+            )
+        is_number = isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+        if not is_number or not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"model.dropout={self.dropout!r} must be in [0, 1); use 0.0 to disable dropout"
+            )
+
+    @property
+    def ff_width(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True is never meant as a size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t only attends to positions <= t."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.dropout = config.dropout
+        # One fused projection: a single matmul for q, k and v is faster than three.
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim): SDPA batches over the leading dims.
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: d_model -> d_ff -> d_model."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(config.d_model, config.ff_width, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.fc_out = nn.Linear(config.ff_width, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(self.gelu(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: normalising inside the residual branch keeps deep stacks stable."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x
+
+
+class Transformer(nn.Module):
+    """Token + position embeddings, n_layers Blocks, final LayerNorm, linear head to logits."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_embedding = nn.Embedding(config.block_size, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            # The same Parameter object: one matrix both embeds tokens and scores them.
+            self.lm_head.weight = self.token_embedding.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # GPT-2: each block adds two residual branches, so scale their output projections down
+        # by sqrt(2 * n_layers) to keep the residual stream's variance independent of depth.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.fc_out.weight, mean=0.0, std=residual_std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) token ids, T <= block_size -> logits (B, T, vocab_size)."""
+        if idx.dim() != 2:
+            raise ValueError(f"expected token ids of shape (B, T), got shape {tuple(idx.shape)}")
+        T = idx.size(1)
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds model.block_size={self.config.block_size}; "
+                f"feed at most block_size tokens (crop the context) or raise model.block_size"
+            )
+        positions = torch.arange(T, device=idx.device)
+        x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def num_parameters(self, exclude_embeddings: bool = True) -> int:
+        """Trainable parameter count, each shared tensor once.
+
+        With exclude_embeddings, drop the tables that are only looked up (positions, and the
+        token table unless it is tied to lm_head, where it does a real matmul): that is the N
+        of the 6N FLOPs-per-token estimate.
+        """
+        total = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
+        if exclude_embeddings:
+            total -= self.position_embedding.weight.numel()
+            if self.lm_head.weight is not self.token_embedding.weight:
+                total -= self.token_embedding.weight.numel()
+        return total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward), the PaLM / nanoGPT estimate for MFU:
+        6N for the matmuls with the weights, plus 12 * n_layers * d_model * block_size for
+        attention scores and their weighted sums at full context."""
+        c = self.config
+        return 6 * self.num_parameters(exclude_embeddings=True) + 12 * c.n_layers * c.d_model * c.block_size

@@ -1,0 +1,77 @@
+"""A synthetic language a Transformer can learn offline: a fixed random Markov chain.
+
+Each of `vocab_size` tokens has `branching` possible successors, chosen once from the seed,
+and the next token is one of them uniformly at random. A model that has learned the chain
+reaches the entropy floor log(branching) (log 4 = 1.39 by default), far below log(vocab_size)
+(log 64 = 4.16), which is what guessing uniformly costs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from data.bundle import DataBundle, check_positive_ints
+from data.tasks import LanguageModelTask
+from data.tensors import SequenceDataset
+
+
+@dataclass
+class TokensConfig:
+    vocab_size: int = 64
+    seq_len: int = 64
+    num_train_tokens: int = 200000
+    num_val_tokens: int = 20000
+    branching: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_ints(self, "vocab_size", "seq_len", "branching")
+        if not 1 <= self.branching <= self.vocab_size:
+            raise ValueError(
+                f"data.branching={self.branching} must be between 1 and data.vocab_size={self.vocab_size}"
+            )
+        for name in ("num_train_tokens", "num_val_tokens"):
+            if getattr(self, name) < self.seq_len:
+                raise ValueError(
+                    f"data.{name}={getattr(self, name)} is less than one sequence of "
+                    f"data.seq_len={self.seq_len} tokens; raise it or lower the sequence length"
+                )
+
+    @property
+    def entropy_floor(self) -> float:
+        """The lowest loss any model can reach: the entropy of one step of the chain."""
+        return math.log(self.branching)
+
+
+def markov_sequences(
+    successors: torch.Tensor, num_sequences: int, seq_len: int, generator: torch.Generator
+) -> torch.Tensor:
+    """(num_sequences, seq_len + 1) token ids walking the chain `successors` (vocab, branching).
+
+    Every sequence starts at a uniform random token; all sequences advance together, one
+    vectorised step per position.
+    """
+    vocab_size, branching = successors.shape
+    sequences = torch.empty(num_sequences, seq_len + 1, dtype=torch.long)
+    sequences[:, 0] = torch.randint(vocab_size, (num_sequences,), generator=generator)
+    choices = torch.randint(branching, (num_sequences, seq_len), generator=generator)
+    for t in range(seq_len):
+        sequences[:, t + 1] = successors[sequences[:, t], choices[:, t]]
+    return sequences
+
+
+def build_tokens(config: TokensConfig) -> DataBundle:
+    generator = torch.Generator().manual_seed(config.seed)
+    # successors[token] = the `branching` distinct tokens that may follow it
+    shuffled = torch.rand(config.vocab_size, config.vocab_size, generator=generator).argsort(1)
+    successors = shuffled[:, : config.branching]
+    train = markov_sequences(successors, config.num_train_tokens // config.seq_len, config.seq_len, generator)
+    val = markov_sequences(successors, config.num_val_tokens // config.seq_len, config.seq_len, generator)
+    return DataBundle(
+        train=SequenceDataset(train),
+        val=SequenceDataset(val),
+        task=LanguageModelTask(),
+        model_dims={"vocab_size": config.vocab_size},
+    )

@@ -1,0 +1,36 @@
+"""ringtrain's command line: compose the config with Hydra, train, return the metric.
+
+    python train.py                                   # the default job (linear regression, CPU)
+    python train.py model=transformer                 # any group=option / key=value overrides
+    torchrun --nproc_per_node=2 train.py strategy=ddp
+    python train.py -m optimizer.lr=1e-3,3e-3         # a sweep
+"""
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from trainer.cli import (
+    check_overrides,
+    hydra_overrides_for_this_rank,
+    refuse_multirun_under_torchrun,
+    strip_legacy_local_rank_arg,
+)
+from trainer.errors import exit_on_user_error
+from trainer.run import run
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    with exit_on_user_error():
+        return run(cfg, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    with exit_on_user_error():
+        argv = strip_legacy_local_rank_arg(sys.argv)
+        refuse_multirun_under_torchrun(argv)
+        check_overrides(argv[1:])
+    sys.argv = argv + hydra_overrides_for_this_rank()
+    main()

@@ -1,0 +1,210 @@
+"""The command line before Hydra sees it.
+
+`train.py` calls these in order:
+  strip_legacy_local_rank_arg   torch.distributed.launch's `--local-rank N` is not an override
+  refuse_multirun_under_torchrun  every torchrun rank would run the whole sweep
+  check_overrides               compose every job's config now, so a typo or an unknown option
+                                is one line with the fix (exit 2) instead of Hydra's multi-line
+                                report suggesting `+key=value`
+  hydra_overrides_for_this_rank ranks other than 0 write nothing into Hydra's run directory
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+from trainer.config import ConfigError
+from trainer.distributed import env_rank, under_torchrun
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONFIG_NAME = "config"
+# More combinations than this are not all composed ahead; Hydra still checks each job itself.
+_MAX_CHECKED_JOBS = 64
+# Flags after which Hydra does not compose a config for a run.
+_NO_RUN_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version")
+
+
+def strip_legacy_local_rank_arg(argv: list[str]) -> list[str]:
+    """Remove `--local-rank N` / `--local_rank=N` (torch.distributed.launch) from argv.
+
+    Hydra would read it as a malformed override. The value is kept in LOCAL_RANK, which is
+    where torchrun puts it too.
+    """
+    kept, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        for flag in ("--local-rank", "--local_rank"):
+            if arg == flag and i + 1 < len(argv):
+                os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+                i += 1
+                break
+            if arg.startswith(flag + "="):
+                os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+                break
+        else:
+            kept.append(arg)
+        i += 1
+    return kept
+
+
+def refuse_multirun_under_torchrun(argv: list[str]) -> None:
+    if under_torchrun() and any(a in ("-m", "--multirun") for a in argv):
+        raise ConfigError(
+            "a multirun (-m) under torchrun would run the whole sweep on every rank; run "
+            "`python train.py -m strategy=ddp strategy.nproc_per_node=N ...` instead"
+        )
+
+
+def hydra_overrides_for_this_rank() -> list[str]:
+    """Only rank 0 keeps Hydra's run directory; the others write nothing there.
+
+    Every rank composes the config, but the run directory (named by a timestamp) could differ
+    between processes started a second apart. Rank 0's directory is broadcast once the
+    process group is up (trainer/run.py), so all ranks share one directory and only rank 0
+    writes logs there.
+    """
+    if not under_torchrun() or env_rank() == 0:
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+
+
+# --- composing ahead ------------------------------------------------------------------------
+
+
+def check_overrides(args: list[str]) -> None:
+    """Compose the config of every job the command line asks for; raise ConfigError on a mistake.
+
+    `args` is the command line without the program name. Sweeps are expanded as Hydra's basic
+    sweeper would (up to _MAX_CHECKED_JOBS jobs); continuous search spaces (an Optuna
+    `interval(...)`) are left to the sweeper.
+    """
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parsed_args, _ = get_args_parser().parse_known_args(args)
+    if any(getattr(parsed_args, flag, False) for flag in _NO_RUN_FLAGS):
+        return
+    if parsed_args.config_path or parsed_args.config_dir or parsed_args.config_name:
+        return  # another config than conf/config.yaml: Hydra reports on it itself
+
+    parser = OverridesParser.create()
+    overrides = []
+    for line in parsed_args.overrides:
+        try:
+            overrides.append(parser.parse_override(line))
+        except HydraException as err:  # OverrideParseException, or the grammar's own errors
+            first = str(err).strip().splitlines()[0]
+            raise ConfigError(
+                f"cannot read the override {line!r} ({first}); write group=option or key=value, "
+                f"e.g. model=mlp optimizer.lr=0.01"
+            ) from None
+
+    choices = []
+    for override in overrides:
+        if parsed_args.multirun and override.is_discrete_sweep():
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        elif override.is_sweep_override():
+            if not parsed_args.multirun:
+                raise ConfigError(
+                    f"{override.input_line!r} is a sweep; add -m to run one job per value "
+                    f"(python train.py -m {override.input_line})"
+                )
+            continue  # a continuous search space: only the sweeper can pick values
+        else:
+            choices.append([override.input_line])
+    for job in itertools.islice(itertools.product(*choices), _MAX_CHECKED_JOBS):
+        compose_or_explain(list(job))
+
+
+def compose_or_explain(overrides: list[str]):
+    """The composed config for `overrides`, or a ConfigError saying what is wrong and the fix."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    try:
+        return _compose(overrides)
+    except MissingConfigException as err:
+        raise ConfigError(_missing_option_message(err)) from None
+    except ConfigCompositionException as err:
+        raise ConfigError(_composition_message(err, overrides)) from None
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():  # called again in one process (tests)
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=CONFIG_NAME, overrides=overrides)
+
+
+def _missing_option_message(err) -> str:
+    missing = err.missing_cfg_file or ""
+    group, _, option = missing.rpartition("/")
+    if group and err.options:
+        return (
+            f"{group}={option} is not an option of {group}; choose one of "
+            f"{', '.join(sorted(err.options))}"
+        )
+    return _first_line(err)
+
+
+def _composition_message(err, overrides: list[str]) -> str:
+    message = str(err)
+    unknown = re.search(r"Could not override '([^']+)'", message)
+    if unknown:
+        return _unknown_key_message(unknown.group(1), overrides)
+    exists = re.search(r"Could not append to config. An item is already at '([^']+)'", message)
+    if exists:
+        key = exists.group(1)
+        return f"{key} already exists, so +{key}=... cannot add it; change it with {key}=<value>"
+    return _first_line(err)
+
+
+def _unknown_key_message(key: str, overrides: list[str]) -> str:
+    """Why `key` is not in the composed config, with the keys that are, or the option that has it."""
+    section, _, rest = key.partition(".")
+    others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        cfg = _compose(others)
+    except Exception:
+        return f"{key} is not a known setting; check the spelling against conf/"
+    if not rest:
+        groups = sorted(k for k in cfg if k != "hydra")
+        return f"{key} is not a config group or setting; the groups are {', '.join(groups)}"
+    if section not in cfg:
+        return f"{section} is not a config group; the groups are {', '.join(sorted(k for k in cfg))}"
+    from omegaconf import OmegaConf
+
+    parent_path = key.rpartition(".")[0]
+    parent = OmegaConf.select(cfg, parent_path)
+    chosen = cfg[section].get("name", section)
+    owners = _options_defining(section, rest)
+    if owners:
+        picks = " or ".join(f"{section}={o}" for o in owners)
+        return f"{key} is not a setting of {section}={chosen}; it belongs to {picks}: choose that option or drop the override"
+    known = ", ".join(sorted(parent)) if parent is not None and hasattr(parent, "keys") else ""
+    return f"{key} is not a setting of {parent_path}; check the spelling (known: {known})"
+
+
+def _options_defining(group: str, dotted_key: str) -> list[str]:
+    """The options of conf/<group>/ whose file sets `dotted_key`."""
+    from omegaconf import OmegaConf
+
+    owners = []
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        node = OmegaConf.load(path)
+        if "@package _global_" in path.read_text().split("\n", 1)[0]:
+            node = node.get(group, {})  # the file spells out `group:` itself
+        if OmegaConf.select(node, dotted_key, default=None) is not None:
+            owners.append(path.stem)
+    return owners
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return (lines[0] if lines else type(err).__name__) + "; see `python train.py --help`"

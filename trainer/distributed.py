@@ -1,0 +1,193 @@
+"""Process groups, rank information, starting workers, and the few collectives the loop needs.
+
+Two ways into a multi-process run, both ending in the same `setup_distributed`:
+  * torchrun (or any launcher that sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)
+  * `spawn_workers`, used when `strategy=ddp strategy.nproc_per_node=N` runs without torchrun:
+    it sets the same variables for N local processes, so the rest of the code cannot tell.
+Global rank (`rank`) and node-local rank (`local_rank`) are kept apart: nothing assumes one node.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+log = logging.getLogger(__name__)
+
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DistributedSetupError(RuntimeError):
+    """The process group or device cannot be set up as configured; message says the fix."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker started by spawn_workers failed; its own error was printed above."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None  # None: no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def under_torchrun() -> bool:
+    """True when a launcher (torchrun, or our own spawn) set the rank variables."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def resolve_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise DistributedSetupError(
+            f"local rank {local_rank} needs CUDA device {local_rank} but only {count} are visible; "
+            f"start at most {count} processes per node or use trainer.accelerator=cpu"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise DistributedSetupError(
+            "strategy.backend=nccl needs a CUDA device on every rank and this rank has none; "
+            "use strategy.backend=gloo (or auto)"
+        )
+    return requested
+
+
+def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
+    """Join the process group for strategy=ddp; describe the single process otherwise."""
+    if strategy != "ddp" or not under_torchrun():
+        return DistInfo(0, 0, 1, resolve_device(accelerator, 0), None)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = resolve_device(accelerator, local_rank)
+    backend = resolve_backend(backend, device)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=timeout_minutes),
+    )
+    return DistInfo(rank, local_rank, world_size, device, backend)
+
+
+def teardown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.is_distributed:
+        dist.barrier()
+
+
+def broadcast_object(info: DistInfo, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not info.is_distributed:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def gather_objects(info: DistInfo, obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not info.is_distributed:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
+    if info.is_distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def any_rank_true(info: DistInfo, flag: bool) -> bool:
+    """True on every rank if `flag` is true on any rank (to stop all ranks together)."""
+    if not info.is_distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+# --- starting workers without torchrun ------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    result = fn(*args)
+    if local_rank == 0:
+        results.put(result)
+
+
+def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
+    """Run `fn(*args)` in `nprocs` fresh processes on this node, as torchrun would; return rank 0's result.
+
+    If any worker fails, torch.multiprocessing terminates the others and raises here, so a
+    failing rank ends the job instead of leaving the rest waiting in a collective.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    try:
+        mp.start_processes(
+            _spawned_entry,
+            args=(nprocs, port, fn, args, results),
+            nprocs=nprocs,
+            join=True,
+            start_method="spawn",
+        )
+    except mp.ProcessExitedException as err:
+        raise WorkerFailedError(
+            f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above"
+        ) from None
+    except mp.ProcessRaisedException as err:
+        last_line = str(err).strip().splitlines()[-1]
+        raise WorkerFailedError(f"a worker failed: {last_line}") from None
+    return results.get()

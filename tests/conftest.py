@@ -1,0 +1,60 @@
+"""Shared helpers: compose configs like train.py does, train in-process or as a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+# Small, fast settings every test run starts from (the progress bar only clutters test logs).
+QUIET = ["trainer.progress_bar=false"]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=QUIET + list(overrides))
+
+
+def train_in_process(overrides: list[str], run_dir: Path):
+    """Validate and train on this process, as one rank; returns the Trainer's FitResult."""
+    from trainer.config import validate
+    from trainer.run import train_worker
+
+    return train_worker(validate(compose_config(overrides)), str(run_dir))
+
+
+def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None):
+    """`python train.py ARGS` (or under `launcher`, e.g. torchrun) as a real subprocess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    command = (launcher or [sys.executable]) + [str(REPO / "train.py"), *QUIET, *args]
+    return subprocess.run(
+        command, cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+
+
+def assert_same_weights(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        diff = (a[key].double() - b[key].double()).abs().max().item()
+        assert diff <= atol, f"{key} differs by {diff}"
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    # Two cores here; a test that grabs more threads only slows the others down.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(previous, 2))
+    yield
+    torch.set_num_threads(previous)

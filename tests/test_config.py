@@ -1,0 +1,168 @@
+"""Every config composes and builds; every user mistake is one clear line and a non-zero exit."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conftest import CONF_DIR, compose_config, run_cli
+from data import build_data
+from models import build_model
+from trainer.config import COMPATIBLE_DATA, ConfigError, validate
+from trainer.run import _with_data_sizes
+
+# Sizes that keep building every data set fast; they do not change what is being checked.
+SMALL_DATA = {
+    "regression": ["data.num_samples=64"],
+    "classification": ["data.num_samples=64", "data.num_val_samples=16", "data.num_features=8"],
+    "tokens": ["data.num_train_tokens=2000", "data.num_val_tokens=500"],
+}
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_every_group_has_its_expected_options():
+    assert _options("model") == ["linear", "mlp", "transformer"]
+    assert _options("data") == ["classification", "regression", "text", "tokens"]
+    assert _options("optimizer") == ["adam", "adamw", "sgd"]
+    assert _options("scheduler") == ["constant", "cosine"]
+    assert _options("strategy") == ["ddp", "dp", "single"]
+
+
+@pytest.mark.parametrize(
+    "model,data", [(m, d) for m, ds in COMPATIBLE_DATA.items() for d in ds if d != "text"]
+)
+def test_every_model_data_pair_composes_validates_and_builds(model, data):
+    run = validate(compose_config([f"model={model}", f"data={data}", *SMALL_DATA[data]]))
+    bundle = build_data(run.data_name, run.data)
+    net = build_model(run.model_name, _with_data_sizes(run.model, bundle.model_dims))
+    inputs, _ = bundle.train.get_batch(__import__("torch").arange(2))
+    assert net(inputs).shape[0] == 2
+
+
+def test_text_data_composes_and_builds(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, hello ringtrain. " * 200, encoding="utf-8")
+    run = validate(compose_config(["model=transformer", "data=text", f"data.path={text}",
+                                   f"data.cache_dir={tmp_path / 'cache'}"]))
+    bundle = build_data(run.data_name, run.data)
+    assert bundle.model_dims["vocab_size"] == len(set(text.read_text()))
+
+
+@pytest.mark.parametrize(
+    "optimizer,scheduler,strategy",
+    list(itertools.product(_options("optimizer"), _options("scheduler"), _options("strategy"))),
+)
+def test_every_optimizer_scheduler_strategy_option_validates(optimizer, scheduler, strategy):
+    run = validate(compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}", f"strategy={strategy}"]))
+    assert (run.optimizer.name, run.scheduler.name, run.strategy.name) == (optimizer, scheduler, strategy)
+
+
+def test_model_choice_picks_a_fitting_data_set():
+    assert compose_config(["model=transformer"]).data.name == "tokens"
+    assert compose_config(["model=mlp"]).data.name == "classification"
+    assert compose_config([]).data.name == "regression"
+    assert compose_config(["model=transformer", "data=text"]).data.name == "text"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model=transformer", "data=regression"], "model=transformer cannot learn from data=regression"),
+        (["trainer.batch_size=0"], "trainer.batch_size=0 must be positive"),
+        (["trainer.batch_size=abc"], "trainer.batch_size"),
+        (["+trainer.bach_size=4"], "trainer.bach_size: unknown key"),
+        (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
+        (["trainer.precision=16-mixed", "trainer.accelerator=cpu"], "16-mixed needs a CUDA device"),
+        (["trainer.max_epochs=0", "trainer.max_steps=0"], "set one of them positive"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
+        (["optimizer.name=lion"], "optimizer.name='lion' is unknown"),
+        (["model=transformer", "model.d_model=30", "model.n_heads=4"], "model.d_model"),
+        (["model=transformer", "model.n_layers=0"], "model.n_layers"),
+        (["model=mlp", "model.dropout=1.5"], "model.dropout"),
+        (["data.num_samples=-5"], "data.num_samples"),
+        (["model=transformer", "data=text"], "data.path is not set"),
+        (["model=transformer", "data=text", "data.path=/nonexistent/x.txt"], "does not exist"),
+        (["trainer.resume=/nonexistent/last.pt"], "trainer.resume='/nonexistent/last.pt' is not a file"),
+        (["model=mlp", "+model.in_features=5"], "model.in_features is set by the data set"),
+    ],
+)
+def test_bad_config_gives_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(overrides))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):
+    proc = run_cli(["trainer.precision=fp8", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == ["error: trainer.precision='fp8' is not supported; use one of 32, bf16-mixed, 16-mixed"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["trainer.bach_size=4"], "trainer.bach_size is not a setting of trainer; check the spelling (known: accelerator,"),
+        (["strategy.nproc_per_node=2"], "strategy.nproc_per_node is not a setting of strategy=single; it belongs to strategy=ddp"),
+        (["model.d_model=64"], "model.d_model is not a setting of model=linear; it belongs to model=transformer"),
+        (["model=transfomer"], "model=transfomer is not an option of model; choose one of linear, mlp, transformer"),
+        (["optimiser.lr=0.1"], "optimiser is not a config group; the groups are data, model, optimizer,"),
+        (["+trainer.seed=3"], "trainer.seed already exists, so +trainer.seed=... cannot add it"),
+        (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' is a sweep; add -m"),
+        (["optimizer.lr=["], "cannot read the override 'optimizer.lr=['"),
+        # In a sweep, every job is composed ahead: the second model has no d_model.
+        (["-m", "model=transformer,mlp", "model.d_model=64"], "model.d_model is not a setting of model=mlp"),
+    ],
+)
+def test_command_line_mistakes_are_explained_before_hydra_runs(args, message):
+    from trainer.cli import check_overrides
+
+    with pytest.raises(ConfigError) as info:
+        check_overrides(args)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_command_line_checks_accept_valid_runs_and_sweeps():
+    from trainer.cli import check_overrides
+
+    check_overrides(["model=transformer", "model.d_model=64", "trainer.max_steps=5"])
+    check_overrides(["-m", "optimizer.lr=1e-3,3e-3", "model=transformer", "model.d_model=64,128"])
+    check_overrides(["--cfg", "job"])
+
+
+def test_cli_unknown_override_key_exits_2_with_one_line(tmp_path):
+    proc = run_cli(["trainer.bach_size=4", f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: trainer.bach_size is not a setting of trainer")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_cli_missing_text_file_names_the_fix(tmp_path):
+    proc = run_cli(["model=transformer", "data=text", "data.path=missing.txt", f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 2
+    assert "data.path='missing.txt' does not exist" in proc.stderr
+
+
+def test_cli_bad_checkpoint_fails_clearly_and_is_left_alone(tmp_path):
+    bad = tmp_path / "last.pt"
+    bad.write_bytes(b"not a checkpoint")
+    proc = run_cli([f"trainer.resume={bad}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert f"checkpoint '{bad}' cannot be read" in proc.stderr
+    assert bad.read_bytes() == b"not a checkpoint"
+
+
+def test_cli_refuses_to_overwrite_another_runs_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(["trainer.max_steps=5", f"hydra.run.dir={run_dir}"]).returncode == 0
+    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    proc = run_cli(["trainer.max_steps=5", "trainer.seed=1", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2
+    assert "already holds checkpoints" in proc.stderr
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before

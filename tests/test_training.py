@@ -1,0 +1,152 @@
+"""The single-process loop end to end: learning, accumulation, resume, precision, checkpoints."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_same_weights, checkpoint_weights, train_in_process
+from models import build_model
+from models.linear import LinearConfig
+
+SMALL_MLP = [
+    "model=mlp", "data.num_features=32", "data.num_samples=512", "data.num_val_samples=128",
+    "model.hidden_sizes=[16]",
+]
+SMALL_TRANSFORMER = [
+    "model=transformer", "model.block_size=16", "model.d_model=32", "model.n_layers=1",
+    "model.n_heads=2", "data.num_train_tokens=4000", "data.num_val_tokens=1000", "data.vocab_size=16",
+    "data.branching=2",
+]
+
+
+def test_default_job_learns_the_tutorial_line(tmp_path):
+    result = train_in_process([], tmp_path)
+    weights = checkpoint_weights(tmp_path)
+    w, b = weights["linear.weight"].item(), weights["linear.bias"].item()
+    assert abs(w - 2) < 0.02 and abs(b - 3) < 0.02, (w, b)
+    assert result.metrics["val/loss"] < 0.02  # the noise floor is 0.1**2 = 0.01
+    assert result.steps == 10 * math.ceil(10000 / 32)
+
+
+def test_mlp_learns_its_classification_task(tmp_path):
+    result = train_in_process(SMALL_MLP + ["optimizer=adam", "optimizer.lr=0.01", "trainer.max_epochs=5"], tmp_path)
+    assert result.monitor == "val/acc" and result.metrics["val/acc"] > 0.9  # chance is 0.1
+
+
+def test_transformer_loss_falls_far_below_uniform(tmp_path):
+    result = train_in_process(
+        SMALL_TRANSFORMER + ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=150"], tmp_path
+    )
+    assert result.metrics["val/loss"] < math.log(16) - 1.0  # uniform guessing is log(16) = 2.77
+
+
+def test_accumulating_k_batches_of_b_equals_one_batch_of_k_times_b(tmp_path):
+    common = SMALL_MLP + ["trainer.max_steps=12", "trainer.seed=3"]
+    train_in_process(common + ["trainer.batch_size=32"], tmp_path / "big")
+    train_in_process(common + ["trainer.batch_size=8", "trainer.accumulate_grad_batches=4"], tmp_path / "acc")
+    assert_same_weights(checkpoint_weights(tmp_path / "big"), checkpoint_weights(tmp_path / "acc"), atol=1e-6)
+
+
+def test_resume_from_n_steps_to_2n_equals_2n_uninterrupted(tmp_path):
+    # dropout on and momentum on: the RNG state and optimizer state must both come back.
+    common = SMALL_TRANSFORMER + ["model.dropout=0.1", "optimizer=adamw", "trainer.log_every_n_steps=5"]
+    train_in_process(common + ["trainer.max_steps=40"], tmp_path / "straight")
+    train_in_process(common + ["trainer.max_steps=17"], tmp_path / "first")
+    train_in_process(
+        common + ["trainer.max_steps=40", f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}"],
+        tmp_path / "second",
+    )
+    straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+
+def test_resume_across_an_epoch_boundary_with_accumulation_matches(tmp_path):
+    common = SMALL_MLP + ["trainer.batch_size=48", "trainer.accumulate_grad_batches=2", "optimizer=adam"]
+    # 512 samples / 48 = 11 micro-batches = 6 optimizer steps per epoch (the last one short)
+    train_in_process(common + ["trainer.max_epochs=3"], tmp_path / "straight")
+    train_in_process(common + ["trainer.max_steps=8"], tmp_path / "first")
+    train_in_process(
+        common + ["trainer.max_epochs=3", f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}"],
+        tmp_path / "second",
+    )
+    straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+
+def test_bf16_mixed_trains_on_cpu(tmp_path):
+    result = train_in_process(
+        SMALL_TRANSFORMER + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",
+                             "trainer.max_steps=100"],
+        tmp_path,
+    )
+    assert result.metrics["val/loss"] < math.log(16) - 0.5
+
+
+def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
+    train_in_process(["trainer.max_epochs=2", "trainer.eval_every_n_steps=100"], tmp_path)
+    for name in ("last.pt", "best.pt"):
+        state = torch.load(tmp_path / "checkpoints" / name, weights_only=True)
+        assert {"model", "optimizer", "scheduler", "progress", "rng", "config"} <= state.keys()
+        assert state["config"]["model"]["name"] == "linear"
+        bare = build_model("linear", LinearConfig())
+        bare.load_state_dict(state["model"])  # strict: no "module." prefixes
+    assert state["progress"]["step"] == 2 * 313
+    assert not list((tmp_path / "checkpoints").glob(".*tmp*")), "temporary files left behind"
+
+
+def test_gradient_clipping_bounds_the_update(tmp_path):
+    # One SGD step with lr 1 and clip 1e-3 can move the weights by at most 1e-3 in norm.
+    train_in_process(["trainer.max_steps=1", "trainer.checkpoint=true", "trainer.max_epochs=1",
+                      "optimizer.lr=1.0", "trainer.grad_clip_norm=0.001", "trainer.seed=5"], tmp_path / "c")
+    torch.manual_seed(5)
+    start = build_model("linear", LinearConfig()).state_dict()
+    end = checkpoint_weights(tmp_path / "c")
+    moved = torch.cat([(end[k] - start[k]).flatten() for k in end]).norm().item()
+    assert 0 < moved <= 1e-3 + 1e-7
+
+
+def test_cosine_schedule_warms_up_then_decays_to_min_lr():
+    from trainer.config import SchedulerConfig
+    from trainer.optim import LRSchedule
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=123.0)
+    schedule = LRSchedule(optimizer, SchedulerConfig(name="cosine", warmup_steps=10, min_lr=0.1), 110, 1.0)
+    lrs = [schedule.lr]
+    for _ in range(110):
+        schedule.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0) and lrs[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def test_constant_schedule_warms_up_and_resumes_from_its_step_count():
+    from trainer.config import SchedulerConfig
+    from trainer.optim import LRSchedule
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    schedule = LRSchedule(optimizer, SchedulerConfig(name="constant", warmup_steps=4), 100, 0.5)
+    for _ in range(2):
+        schedule.step()
+    assert schedule.lr == pytest.approx(0.5 * 3 / 4)
+    restored = LRSchedule(optimizer, SchedulerConfig(name="constant", warmup_steps=4), 100, 0.5)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.lr == pytest.approx(0.5 * 3 / 4)
+    restored.step()
+    assert [restored.lr_at(s) for s in (3, 4, 99)] == [0.5, 0.5, 0.5] and restored.lr == 0.5
+
+
+def test_adamw_decays_matrices_but_not_biases_or_norms():
+    from models import build_model as build
+    from models.transformer import TransformerConfig
+    from trainer.optim import parameter_groups
+
+    model = build("transformer", TransformerConfig(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1))
+    decay, no_decay = parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

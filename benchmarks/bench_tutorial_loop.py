@@ -1,0 +1,111 @@
+"""ringtrain's default job vs the seed tutorial's own single-process loop, in the same run.
+
+The tutorial (seed 000, `single_gpu_training`): y = 2x + 3 + 0.1 noise, 10 000 samples, a
+per-sample `Dataset.__getitem__` + `DataLoader(batch_size=32, shuffle=True)`, SGD lr 0.01,
+10 epochs, `loss.item()` every step. ringtrain's default job trains the same model on the same
+data with the same hyperparameters (plus a validation pass and a checkpoint every epoch).
+
+    python benchmarks/bench_tutorial_loop.py [--repeats 3] [--threads 1]
+
+Prints each side's training-loop seconds (best of N), the learned w and b, and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.optim as optim
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+# --- the tutorial, as written (seed 000, section 3 and 4; prints removed) -------------------
+class SimpleDataset(Dataset):
+    def __init__(self, size=10000):
+        self.x = torch.randn(size, 1)
+        self.y = 2 * self.x + 3 + 0.1 * torch.randn(size, 1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, idx):
+        return self.x[idx], self.y[idx]
+
+
+class SimpleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def tutorial_loop() -> tuple[float, float, float]:
+    batch_size, learning_rate, epochs = 32, 0.01, 10
+    dataset = SimpleDataset(size=10000)
+    dataloader = DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    model = SimpleModel()
+    criterion = nn.MSELoss()
+    optimizer = optim.SGD(model.parameters(), lr=learning_rate)
+    start_time = time.perf_counter()
+    for epoch in range(epochs):
+        running_loss = 0.0
+        for i, (inputs, labels) in enumerate(dataloader):
+            optimizer.zero_grad()
+            outputs = model(inputs)
+            loss = criterion(outputs, labels)
+            loss.backward()
+            optimizer.step()
+            running_loss += loss.item()
+            if i % 100 == 99:
+                running_loss = 0.0
+    total_time = time.perf_counter() - start_time
+    return total_time, model.linear.weight.item(), model.linear.bias.item()
+
+
+# --- ringtrain's default job ------------------------------------------------------------------
+def ringtrain_default_job() -> tuple[float, float, float]:
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import validate
+    from trainer.run import train_worker
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["trainer.progress_bar=false"])
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = train_worker(validate(cfg), run_dir)
+        weights = torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)["model"]
+    return result.train_seconds, weights["linear.weight"].item(), weights["linear.bias"].item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    results = {"tutorial": [], "ringtrain": []}
+    for _ in range(args.repeats):  # interleaved, so drifting machine load hits both alike
+        results["tutorial"].append(tutorial_loop())
+        results["ringtrain"].append(ringtrain_default_job())
+    print(f"torch {torch.__version__}, {args.threads} thread(s), best of {args.repeats}")
+    for name, runs in results.items():
+        times = [r[0] for r in runs]
+        _, w, b = runs[-1]
+        print(f"{name:10s} loop {min(times):6.3f} s (median {statistics.median(times):6.3f})  w={w:.4f} b={b:.4f}")
+    ratio = min(r[0] for r in results["tutorial"]) / min(r[0] for r in results["ringtrain"])
+    print(f"ratio tutorial/ringtrain: {ratio:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

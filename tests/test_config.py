@@ -87,6 +87,8 @@ def test_model_choice_picks_a_fitting_data_set():
         (["model=transformer", "data=text", "data.path=/nonexistent/x.txt"], "does not exist"),
         (["trainer.resume=/nonexistent/last.pt"], "trainer.resume='/nonexistent/last.pt' is not a file"),
         (["model=mlp", "+model.in_features=5"], "model.in_features is set by the data set"),
+        (["model=transformer", "data.seq_len=128"], "data.seq_len=128 exceeds model.block_size=64"),
+        (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
     ],
 )
 def test_bad_config_gives_one_clear_error(overrides, message):

@@ -98,6 +98,24 @@ def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".*tmp*")), "temporary files left behind"
 
 
+def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monkeypatch):
+    import trainer.trainer as loop
+
+    saved = []
+
+    def recording_save(path, state):
+        saved.append((path.name, state["progress"]["step"]))
+        original_save(path, state)
+
+    original_save = loop.save_checkpoint
+    monkeypatch.setattr(loop, "save_checkpoint", recording_save)
+    # 16 steps per epoch: in 12 steps the only evaluation is the final one.
+    train_in_process(SMALL_MLP + ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=5"], tmp_path)
+    assert saved == [("last.pt", 5), ("last.pt", 10), ("last.pt", 12)]
+    assert (tmp_path / "checkpoints" / "best.pt").exists()  # the final evaluation set a best
+    assert torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)["progress"]["step"] == 12
+
+
 def test_gradient_clipping_bounds_the_update(tmp_path):
     # One SGD step with lr 1 and clip 1e-3 can move the weights by at most 1e-3 in norm.
     train_in_process(["trainer.max_steps=1", "trainer.checkpoint=true", "trainer.max_epochs=1",

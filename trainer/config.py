@@ -56,6 +56,7 @@ class TrainerConfig:
     limit_val_batches: int = 0
     log_every_n_steps: int = 50
     checkpoint: bool = True
+    checkpoint_every_n_steps: int = 0
     resume: Any = None  # str path or None
     seed: int = 0
     progress_bar: bool = True
@@ -136,6 +137,12 @@ def validate(cfg: DictConfig) -> RunConfig:
     _check_trainer(run.trainer)
     _check_optimization(run.optimizer, run.scheduler)
     _check_strategy(run.strategy, run.trainer)
+    seq_len, block_size = getattr(run.data, "seq_len", None), getattr(run.model, "block_size", None)
+    if seq_len is not None and block_size is not None and seq_len > block_size:
+        raise ConfigError(
+            f"data.seq_len={seq_len} exceeds model.block_size={block_size}; the model cannot see that "
+            f"far back: raise model.block_size or drop the data.seq_len override (it follows block_size)"
+        )
     if data_name == "text":
         from data.text import check_text_file
 
@@ -216,7 +223,7 @@ def _check_trainer(t: TrainerConfig) -> None:
     for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
-    for name in ("val_batch_size", "eval_every_n_steps", "limit_val_batches"):
+    for name in ("val_batch_size", "eval_every_n_steps", "limit_val_batches", "checkpoint_every_n_steps"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 means default)")
     if t.max_steps <= 0 and t.max_epochs <= 0:

@@ -131,6 +131,8 @@ class Trainer:
                         or (epoch_done and not cfg.eval_every_n_steps)
                     ):
                         metrics = self._evaluate_and_checkpoint(progress, batches_per_epoch, logger)
+                    elif cfg.checkpoint and cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0:
+                        self._save(progress, best=False)
                     if step == total_steps:
                         break
             train_seconds = time.perf_counter() - started

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -95,3 +98,147 @@ def test_dp_on_cpu_warns_and_trains(tmp_path):
     assert "strategy=dp needs 2 or more CUDA GPUs" in proc.stdout + proc.stderr
     weights = checkpoint_weights(tmp_path)
     assert list(weights) == ["linear.weight", "linear.bias"]
+
+
+# --- the DDP wrapper and gradient synchronisation, on a real 1-rank gloo group -------------
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """Launcher variables for a 1-rank job in this process: strategy=ddp really wraps in DDP."""
+    from trainer.distributed import _free_port
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+
+
+def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group):
+    import torch.distributed as dist
+    from trainer.config import validate
+    from trainer.distributed import setup_distributed, teardown_distributed
+    from trainer.strategy import wrap_model
+    from conftest import compose_config
+
+    run = validate(compose_config([
+        "strategy=ddp", "strategy.bucket_cap_mb=7.5", "strategy.find_unused_parameters=true",
+        "strategy.gradient_as_bucket_view=false", "strategy.static_graph=true",
+        "strategy.broadcast_buffers=false",
+    ]))
+    info = setup_distributed("ddp", "auto", "cpu", 1.0)
+    try:
+        assert dist.get_backend() == "gloo" and info.world_size == 1
+        ddp = wrap_model(torch.nn.Linear(2, 2), run.strategy, info)
+        assert ddp.bucket_bytes_cap == int(7.5 * 1024 * 1024)
+        assert ddp.find_unused_parameters and not ddp.gradient_as_bucket_view
+        assert ddp.static_graph and not ddp.broadcast_buffers
+        defaults = wrap_model(torch.nn.Linear(2, 2), validate(compose_config(["strategy=ddp"])).strategy, info)
+        assert defaults.bucket_bytes_cap == 25 * 1024 * 1024 and defaults.broadcast_buffers
+        assert not defaults.find_unused_parameters and defaults.gradient_as_bucket_view
+    finally:
+        teardown_distributed()
+
+
+def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, tmp_path, monkeypatch):
+    import trainer.trainer as loop
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    all_reduces = []
+
+    def counting_hook(state, bucket):
+        all_reduces.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    def wrap_and_count(model, strategy, dist):
+        wrapped = original_wrap(model, strategy, dist)
+        wrapped.register_comm_hook(None, counting_hook)
+        return wrapped
+
+    original_wrap = loop.wrap_model
+    monkeypatch.setattr(loop, "wrap_model", wrap_and_count)
+    train_in_process(MLP + ["strategy=ddp", "trainer.batch_size=8", "trainer.accumulate_grad_batches=4",
+                            "trainer.max_steps=3"], tmp_path)
+    assert all_reduces == [0, 0, 0]  # one bucket, once per optimizer step, not per micro-batch
+
+
+# --- whole jobs ---------------------------------------------------------------------------
+
+
+def test_scale_lr_by_world_size_doubles_the_lr_of_two_ranks(tmp_path):
+    _ok(run_cli(MLP + ["strategy=ddp", "strategy.scale_lr_by_world_size=true", "trainer.max_steps=2",
+                       f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN))
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [pytest.approx(0.1)]  # 2 * 0.05
+
+
+def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
+    launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2"]
+    # It passes --local-rank=N to each worker: Hydra would refuse it as an override.
+    _ok(run_cli(["strategy=ddp", "trainer.max_steps=3", f"hydra.run.dir={tmp_path}"], launcher=launch))
+    assert (tmp_path / "checkpoints" / "last.pt").exists()
+
+
+FAIL_ON_RANK_1 = """
+import sys, time
+sys.path.insert(0, {repo!r})
+sys.argv = [sys.argv[0]] + {args!r}
+import trainer.trainer as loop
+from trainer.distributed import env_rank
+
+original_step = loop.Trainer._optimizer_step
+def step_then_fail(self, *args, **kwargs):
+    if env_rank() == 1 and self.schedule.steps_done == 3:
+        raise RuntimeError("rank 1 broke at step 3")
+    return original_step(self, *args, **kwargs)
+loop.Trainer._optimizer_step = step_then_fail
+exec(open({train!r}).read(), {{"__name__": "__main__", "__file__": {train!r}}})
+"""
+
+
+def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_path):
+    from conftest import REPO
+
+    args = MLP + ["strategy=ddp", "trainer.max_steps=50", "strategy.timeout_minutes=10",
+                  f"hydra.run.dir={tmp_path / 'run'}"]
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(FAIL_ON_RANK_1.format(repo=str(REPO), args=args, train=str(REPO / "train.py")))
+    started = time.monotonic()
+    proc = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "rank 1 broke at step 3" in proc.stderr
+    assert time.monotonic() - started < 60, "the surviving rank waited for the collective timeout"
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no half-trained checkpoint
+
+
+def train_but_fail_on_rank_1(run, run_dir):
+    """A spawned worker (importable by the child processes): rank 1 raises at step 3."""
+    import trainer.trainer as loop
+    from trainer.distributed import env_rank
+    from trainer.run import train_worker
+
+    original_step = loop.Trainer._optimizer_step
+
+    def step_then_fail(self, *args, **kwargs):
+        if env_rank() == 1 and self.schedule.steps_done == 3:
+            raise RuntimeError("rank 1 broke at step 3")
+        return original_step(self, *args, **kwargs)
+
+    loop.Trainer._optimizer_step = step_then_fail
+    return train_worker(run, run_dir)
+
+
+def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_path):
+    from conftest import compose_config
+    from trainer.config import validate
+    from trainer.distributed import WorkerFailedError, spawn_workers
+
+    run = validate(compose_config(MLP + ["strategy=ddp", "trainer.max_steps=50", "strategy.timeout_minutes=10"]))
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        spawn_workers(2, train_but_fail_on_rank_1, (run, str(tmp_path / "run")))
+    # Whichever rank is reported first: rank 1's own error, or rank 0 losing its peer.
+    assert "rank 1 broke at step 3" in str(info.value) or "worker rank 0" in str(info.value)
+    assert info.value.exit_code == 1  # a crash, not a configuration mistake (2)
+    assert time.monotonic() - started < 60, "the surviving rank waited for the collective timeout"
+    assert not (tmp_path / "run" / "checkpoints").exists()

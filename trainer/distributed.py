@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -29,7 +30,15 @@ class DistributedSetupError(RuntimeError):
 
 
 class WorkerFailedError(RuntimeError):
-    """A worker started by spawn_workers failed; its own error was printed above."""
+    """A worker started by spawn_workers failed; its own error was printed above.
+
+    `exit_code` is what the whole job exits with: the worker's own status (2 when it reported a
+    mistake in the configuration, 1 for a crash).
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,11 @@ def _free_port() -> int:
 
 
 def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: N workers with all cores' threads each would fight over the cores
+        # (2.5x slower measured with 2 workers on 2 cores). OMP_NUM_THREADS overrides this.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -185,9 +199,12 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
         )
     except mp.ProcessExitedException as err:
         raise WorkerFailedError(
-            f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above"
+            f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
+            exit_code=err.exit_code if err.exit_code and err.exit_code > 0 else 1,
         ) from None
     except mp.ProcessRaisedException as err:
+        # An unexpected exception: its traceback is what a developer needs, so show it whole.
+        print(str(err).rstrip(), file=sys.stderr)
         last_line = str(err).strip().splitlines()[-1]
-        raise WorkerFailedError(f"a worker failed: {last_line}") from None
+        raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
     return results.get()

@@ -12,7 +12,7 @@ from trainer.distributed import DistributedSetupError, WorkerFailedError
 
 # Exit status for a mistake in the configuration or inputs (argparse uses 2 as well).
 USER_ERROR_EXIT = 2
-USER_ERRORS = (ConfigError, DataError, CheckpointError, DistributedSetupError, RunDirError, WorkerFailedError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, DistributedSetupError, RunDirError)
 
 
 @contextlib.contextmanager
@@ -22,3 +22,6 @@ def exit_on_user_error() -> Iterator[None]:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
+    except WorkerFailedError as err:  # a spawned worker's own error is already printed above
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

@@ -18,6 +18,9 @@ def wrap_model(model: nn.Module, strategy: StrategyConfig, dist: DistInfo) -> nn
     """DDP / DataParallel / the model itself. The bare model stays reachable as `.module`."""
     if strategy.name == "ddp" and dist.is_distributed:
         on_cuda = dist.device.type == "cuda"
+        # Syncing buffers from rank 0 in every forward is DDP's default; newer torch deprecates
+        # saying so explicitly, so the flag is only passed to turn it off.
+        buffers = {} if strategy.broadcast_buffers else {"broadcast_buffers": False}
         return DistributedDataParallel(
             model,
             device_ids=[dist.device.index] if on_cuda else None,
@@ -26,7 +29,7 @@ def wrap_model(model: nn.Module, strategy: StrategyConfig, dist: DistInfo) -> nn
             find_unused_parameters=strategy.find_unused_parameters,
             gradient_as_bucket_view=strategy.gradient_as_bucket_view,
             static_graph=strategy.static_graph,
-            broadcast_buffers=strategy.broadcast_buffers,
+            **buffers,
         )
     if strategy.name == "dp":
         gpus = torch.cuda.device_count() if dist.device.type == "cuda" else 0

@@ -62,11 +62,33 @@ def markov_sequences(
     return sequences
 
 
+def random_successors(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:
+    """(vocab_size, branching): for each token, `branching` distinct successors, uniformly.
+
+    Usually (branching^2 <= vocab_size) rows are drawn with replacement and only rows that
+    repeat a token are drawn again: each row stays uniform over distinct tuples, most rows
+    pass at once, and the cost is O(vocab * branching), so GPT-2's 50304-token vocabulary
+    needs no vocabulary x vocabulary table. Denser chains take the `branching` smallest of
+    random scores, a block of rows at a time.
+    """
+    if branching * branching <= vocab_size:
+        successors = torch.randint(vocab_size, (vocab_size, branching), generator=generator)
+        while True:
+            ordered = successors.sort(dim=1).values
+            repeats = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+            if not repeats.any():
+                return successors
+            successors[repeats] = torch.randint(vocab_size, (int(repeats.sum()), branching), generator=generator)
+    blocks = []
+    for start in range(0, vocab_size, 1024):
+        scores = torch.rand(min(1024, vocab_size - start), vocab_size, generator=generator)
+        blocks.append(scores.topk(branching, dim=1, largest=False).indices)
+    return torch.cat(blocks)
+
+
 def build_tokens(config: TokensConfig) -> DataBundle:
     generator = torch.Generator().manual_seed(config.seed)
-    # successors[token] = the `branching` distinct tokens that may follow it
-    shuffled = torch.rand(config.vocab_size, config.vocab_size, generator=generator).argsort(1)
-    successors = shuffled[:, : config.branching]
+    successors = random_successors(config.vocab_size, config.branching, generator)
     train = markov_sequences(successors, config.num_train_tokens // config.seq_len, config.seq_len, generator)
     val = markov_sequences(successors, config.num_val_tokens // config.seq_len, config.seq_len, generator)
     return DataBundle(

@@ -54,6 +54,8 @@ class TrainerConfig:
     grad_clip_norm: float = 0.0
     eval_every_n_steps: int = 0
     limit_val_batches: int = 0
+    overfit_batches: int = 0
+    profile_steps: int = 0
     log_every_n_steps: int = 50
     checkpoint: bool = True
     checkpoint_every_n_steps: int = 0
@@ -223,7 +225,8 @@ def _check_trainer(t: TrainerConfig) -> None:
     for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
-    for name in ("val_batch_size", "eval_every_n_steps", "limit_val_batches", "checkpoint_every_n_steps"):
+    for name in ("val_batch_size", "eval_every_n_steps", "limit_val_batches", "checkpoint_every_n_steps",
+                 "overfit_batches", "profile_steps"):
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 means default)")
     if t.max_steps <= 0 and t.max_epochs <= 0:

@@ -45,17 +45,20 @@ class BatchLoader:
         sampler: Iterable[int],
         device: torch.device,
         drop_last: bool = False,
+        limit_batches: int = 0,
     ):
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler = sampler
         self.device = device
         self.drop_last = drop_last
+        self.limit_batches = limit_batches  # > 0: only the first batches of each epoch
 
     def __len__(self) -> int:
         """Batches per epoch."""
         n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        batches = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return min(batches, self.limit_batches) if self.limit_batches else batches
 
     def batches(self, epoch: int = 0, skip_batches: int = 0) -> Iterator[Batch]:
         """The batches of `epoch`, on the device, from batch `skip_batches` on (for resuming)."""
@@ -75,19 +78,23 @@ class BatchLoader:
     def _dataloader_batches(self, skip_batches: int) -> Iterator[Batch]:
         loader = DataLoader(
             self.dataset, batch_size=self.batch_size,
-            sampler=list(self.sampler)[skip_batches * self.batch_size :],
+            sampler=list(self.sampler)[skip_batches * self.batch_size : len(self) * self.batch_size],
             drop_last=self.drop_last, pin_memory=self.device.type == "cuda",
         )
         for inputs, targets in loader:
             yield inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
 
-def build_train_loader(dataset, batch_size, rank, world_size, seed, drop_last, device) -> BatchLoader:
+def build_train_loader(
+    dataset, batch_size, rank, world_size, seed, drop_last, device, shuffle=True, limit_batches=0
+) -> BatchLoader:
     sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
+        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
-    return BatchLoader(dataset, batch_size, sampler, device, drop_last=drop_last)
+    return BatchLoader(dataset, batch_size, sampler, device, drop_last=drop_last, limit_batches=limit_batches)
 
 
-def build_val_loader(dataset, batch_size, rank, world_size, device) -> BatchLoader:
-    return BatchLoader(dataset, batch_size, ShardSampler(len(dataset), rank, world_size), device)
+def build_val_loader(dataset, batch_size, rank, world_size, device, limit_samples=0) -> BatchLoader:
+    """Each sample on exactly one rank; `limit_samples` > 0 validates on the first ones only."""
+    length = min(len(dataset), limit_samples) if limit_samples else len(dataset)
+    return BatchLoader(dataset, batch_size, ShardSampler(length, rank, world_size), device)

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -80,12 +81,19 @@ class Trainer:
             load_model_weights(model, resumed, cfg.resume)
         self.wrapped = wrap_model(model, self.run.strategy, dist)
 
+        val_batch_size = cfg.val_batch_size or cfg.batch_size
+        overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
         train_loader = build_train_loader(
-            data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, self.device
+            data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, self.device,
+            shuffle=not overfit, limit_batches=overfit,
         )
-        self.val_loader = build_val_loader(
-            data.val, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, self.device
-        )
+        if overfit:  # the samples the ranks train on: the first overfit * batch * world_size
+            self.val_loader = build_val_loader(
+                data.train, val_batch_size, dist.rank, dist.world_size, self.device,
+                limit_samples=overfit * cfg.batch_size * dist.world_size,
+            )
+        else:
+            self.val_loader = build_val_loader(data.val, val_batch_size, dist.rank, dist.world_size, self.device)
         batches_per_epoch = len(train_loader)
         if batches_per_epoch == 0:
             raise ConfigError(
@@ -104,7 +112,7 @@ class Trainer:
 
         metrics: dict[str, float] = {}
         started = time.perf_counter()
-        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger:
+        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler:
             logger.config(self.run.resolved)
             logger.advance(progress.step)
             meter = TrainMeter()
@@ -125,6 +133,8 @@ class Trainer:
                     if log_now:
                         logger.scalars({**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}, step)
                     logger.advance(1)
+                    if profiler:
+                        profiler.step()
                     if (
                         step == total_steps
                         or (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0)
@@ -191,6 +201,21 @@ class Trainer:
         if not grads:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    def _profiler(self) -> contextlib.AbstractContextManager:
+        """torch.profiler over `profile_steps` optimizer steps after two to settle (rank 0 only);
+        the trace goes to <run dir>/profiler, for TensorBoard's PyTorch Profiler plugin or Perfetto."""
+        if not (self.cfg.profile_steps and self.dist.is_main):
+            return contextlib.nullcontext()
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        return profile(
+            activities=activities,
+            schedule=schedule(wait=1, warmup=1, active=self.cfg.profile_steps, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(str(self.run_dir / "profiler"), worker_name="rank0"),
+            record_shapes=True,
+        )
 
     # --- evaluation and checkpoints ----------------------------------------------------------
 

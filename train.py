@@ -19,6 +19,7 @@ from trainer.cli import (
 )
 from trainer.errors import exit_on_user_error
 from trainer.run import run
+from trainer.sweep import register_resolvers
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -33,4 +34,5 @@ if __name__ == "__main__":
         refuse_multirun_under_torchrun(argv)
         check_overrides(argv[1:])
     sys.argv = argv + hydra_overrides_for_this_rank()
+    register_resolvers()
     main()

@@ -10,6 +10,7 @@ from typing import Callable
 from data.bundle import DataBundle, DataError
 from data.classification import ClassificationConfig, build_classification
 from data.regression import RegressionConfig, build_regression
+from data.tasks import ClassificationTask, LanguageModelTask, RegressionTask, Task
 from data.text import TextConfig, build_text
 from data.tokens import TokensConfig, build_tokens
 
@@ -18,6 +19,14 @@ DATASETS: dict[str, tuple[type, Callable[..., DataBundle]]] = {
     "classification": (ClassificationConfig, build_classification),
     "tokens": (TokensConfig, build_tokens),
     "text": (TextConfig, build_text),
+}
+
+# The task each data set trains for, known before any data is built (a sweep's direction).
+TASKS: dict[str, type[Task]] = {
+    "regression": RegressionTask,
+    "classification": ClassificationTask,
+    "tokens": LanguageModelTask,
+    "text": LanguageModelTask,
 }
 
 
@@ -31,4 +40,4 @@ def build_data(name: str, config) -> DataBundle:
     return builder(config)
 
 
-__all__ = ["DATASETS", "DataBundle", "DataError", "build_data"]
+__all__ = ["DATASETS", "TASKS", "DataBundle", "DataError", "build_data"]

@@ -146,9 +146,12 @@ def _missing_option_message(err) -> str:
     missing = err.missing_cfg_file or ""
     group, _, option = missing.rpartition("/")
     if group and err.options:
+        hint = ""
+        if group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
+            hint = " (Optuna and joblib come with pip install -e '.[sweep]', submitit with '.[slurm]')"
         return (
             f"{group}={option} is not an option of {group}; choose one of "
-            f"{', '.join(sorted(err.options))}"
+            f"{', '.join(sorted(err.options))}{hint}"
         )
     return _first_line(err)
 
@@ -206,5 +209,11 @@ def _options_defining(group: str, dotted_key: str) -> list[str]:
 
 
 def _first_line(err: BaseException) -> str:
+    """Hydra's report in one line: its first line, the reason under it, and the key."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[0] if lines else type(err).__name__) + "; see `python train.py --help`"
+    if not lines:
+        return type(err).__name__
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    reason = lines[1] if len(lines) > 1 and not lines[1].startswith("full_key:") else ""
+    parts = [lines[0].rstrip(":"), reason, f"(at {key})" if key else ""]
+    return " ".join(p for p in parts if p) + "; see `python train.py --help`"

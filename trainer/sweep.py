@@ -1,0 +1,91 @@
+"""What a multirun leaves behind: one summary of every job, naming the best.
+
+Hydra calls `SweepSummary.on_multirun_end` in the launching process once every job has
+finished, whatever the launcher (registered in conf/config.yaml under hydra.callbacks). Each
+job's rank 0 wrote `metrics.json` into its own directory; the summary collects them into
+`<sweep dir>/sweep_summary.json` and logs one line per job, best first.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("ringtrain")
+
+SUMMARY_FILE = "sweep_summary.json"
+
+
+def register_resolvers() -> None:
+    """`${ringtrain.direction:${data.name}}`: "minimize" or "maximize", as the data set's task
+    monitors a loss or an accuracy (hparams_search presets use it for Optuna's direction)."""
+    if not OmegaConf.has_resolver("ringtrain.direction"):
+        OmegaConf.register_new_resolver("ringtrain.direction", optimization_direction)
+
+
+def optimization_direction(data_name: str) -> str:
+    from data import TASKS
+
+    if data_name not in TASKS:
+        raise ValueError(f"data.name={data_name!r} is not a known data set; choose one of {', '.join(TASKS)}")
+    return "maximize" if TASKS[data_name].mode == "max" else "minimize"
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        summary = summarize_sweep(sweep_dir)
+        (sweep_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        for line in format_summary(summary):
+            log.info(line)
+
+
+def summarize_sweep(sweep_dir: Path) -> dict:
+    """Every job directory of the sweep with its overrides and final metric; the best per metric.
+
+    A job without metrics.json failed or was interrupted; it is listed with value None. A
+    diverged job (non-finite metric) is listed but never best.
+    """
+    jobs = []
+    for job_dir in sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()):
+        overrides_file = job_dir / ".hydra" / "overrides.yaml"
+        overrides = list(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+        job = {"dir": job_dir.name, "overrides": [str(o) for o in overrides],
+               "monitor": None, "mode": None, "value": None}
+        metrics_file = job_dir / "metrics.json"
+        if metrics_file.exists():
+            metrics = json.loads(metrics_file.read_text())
+            job.update(
+                monitor=metrics["monitor"], mode=metrics["mode"],
+                value=metrics["final"].get(metrics["monitor"]), steps=metrics["steps"],
+                train_seconds=metrics["train_seconds"],
+            )
+        jobs.append(job)
+
+    best: dict[str, dict] = {}
+    for job in jobs:
+        value = job["value"]
+        if value is None or not math.isfinite(value):
+            continue
+        current = best.get(job["monitor"])
+        better = current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"])
+        if better:
+            best[job["monitor"]] = job
+    return {"sweep_dir": str(sweep_dir), "jobs": jobs, "best": best}
+
+
+def format_summary(summary: dict) -> list[str]:
+    lines = [f"sweep of {len(summary['jobs'])} jobs in {summary['sweep_dir']}"]
+    for monitor, job in summary["best"].items():
+        lines.append(f"best {monitor}: {job['value']:.5g} in {job['dir']} ({' '.join(job['overrides'])})")
+    for job in summary["jobs"]:
+        value = "failed" if job["value"] is None else f"{job['monitor']}={job['value']:.5g}"
+        lines.append(f"  {job['dir']}: {value}")
+    return lines

@@ -34,7 +34,8 @@ def train_in_process(overrides: list[str], run_dir: Path):
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None):
     """`python train.py ARGS` (or under `launcher`, e.g. torchrun) as a real subprocess."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    command = (launcher or [sys.executable]) + [str(REPO / "train.py"), *QUIET, *args]
+    # QUIET after args: Hydra's argument parser wants -m before any override.
+    command = (launcher or [sys.executable]) + [str(REPO / "train.py"), *args, *QUIET]
     return subprocess.run(
         command, cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

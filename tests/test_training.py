@@ -168,3 +168,28 @@ def test_adamw_decays_matrices_but_not_biases_or_norms():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path, monkeypatch):
+    import os
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import trainer.trainer as loop
+
+    original_step = loop.Trainer._optimizer_step
+
+    def step_then_fail(self, *args, **kwargs):
+        if self.schedule.steps_done == 7:
+            raise RuntimeError("out of memory, say")
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop.Trainer, "_optimizer_step", step_then_fail)
+    with pytest.raises(RuntimeError, match="out of memory, say"):
+        train_in_process(["trainer.log_every_n_steps=2", "trainer.max_steps=20"], tmp_path)
+    (event_file,) = tmp_path.glob("events.out.tfevents.*")
+    open_files = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+    assert str(event_file.resolve()) not in open_files, "the event file was left open"
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+    assert not (tmp_path / "checkpoints").exists()

@@ -109,9 +109,15 @@ def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_min
     return DistInfo(rank, local_rank, world_size, device, backend)
 
 
-def teardown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def teardown_distributed(clean_exit: bool = True) -> None:
+    """Leave the process group. After a clean run every rank waits for the others first, so
+    none closes its connections while a peer may still be using them; after an error there
+    is no waiting, since the peers may be gone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean_exit:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def barrier(info: DistInfo) -> None:

@@ -62,6 +62,7 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
     dist = setup_distributed(
         run.strategy.name, run.strategy.backend, run.trainer.accelerator, run.strategy.timeout_minutes
     )
+    clean_exit = False
     try:
         _configure_rank_logging(dist)
         # Rank 0's directory for everyone: under torchrun each rank's Hydra picked its own.
@@ -83,9 +84,10 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
         result = Trainer(run, dist, shared_dir).fit(model, data)
         if dist.is_main:
             _report(result, model)
+        clean_exit = True
         return result
     finally:
-        teardown_distributed()
+        teardown_distributed(clean_exit)
 
 
 def _with_data_sizes(model_config, model_dims: dict[str, int]):

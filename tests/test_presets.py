@@ -1,0 +1,106 @@
+"""Every experiment and debug preset composes, validates and runs its smallest form; the debug
+options they rely on do what they say."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import CONF_DIR, SHAKESPEARE, compose_config, train_in_process
+
+# The smallest form of each experiment: its own settings, with sizes and steps cut down.
+TINY_TRANSFORMER = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.block_size=16"]
+SMALLEST = {
+    "linear_regression": ["data.num_samples=256", "data.num_val_samples=64", "trainer.max_steps=4"],
+    "shakespeare_char": TINY_TRANSFORMER + ["trainer.max_steps=3", "trainer.limit_val_batches=2"],
+    "gpt2_small": TINY_TRANSFORMER + ["data.vocab_size=512", "data.num_train_tokens=2048",
+                                      "data.num_val_tokens=512", "trainer.max_steps=2", "trainer.batch_size=4"],
+}
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_the_presets_are_the_documented_ones():
+    assert _options("experiment") == sorted(SMALLEST)
+    assert _options("debug") == ["fast_dev_run", "overfit", "profiler"]
+
+
+@pytest.mark.parametrize("name", sorted(SMALLEST))
+def test_every_experiment_preset_runs_its_smallest_form(name, tmp_path):
+    extra = SMALLEST[name]
+    if name == "shakespeare_char":
+        text = tmp_path / "tiny.txt"
+        text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40, encoding="utf-8")
+        extra = extra + [f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}"]
+    result = train_in_process([f"experiment={name}", *extra], tmp_path / "run")
+    assert result.steps == int(next(o for o in extra if o.startswith("trainer.max_steps")).split("=")[1])
+    assert all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values()) and result.metrics
+
+
+def test_experiment_presets_keep_their_shapes():
+    gpt2 = compose_config(["experiment=gpt2_small"])
+    assert (gpt2.model.n_layers, gpt2.model.n_heads, gpt2.model.d_model, gpt2.model.block_size) == (12, 12, 768, 1024)
+    assert gpt2.data.vocab_size == 50304 and gpt2.data.seq_len == 1024 and gpt2.trainer.precision == "bf16-mixed"
+    shakespeare = compose_config(["experiment=shakespeare_char"])
+    assert shakespeare.data.name == "text" and shakespeare.optimizer.name == "adamw"
+    assert compose_config(["experiment=linear_regression"]).optimizer.lr == 0.01
+
+
+def test_debug_fast_dev_run_trains_three_steps_and_writes_no_checkpoint(tmp_path):
+    result = train_in_process(["model=transformer", "debug=fast_dev_run", "data.num_train_tokens=4096"], tmp_path)
+    assert result.steps == 3 and "val/loss" in result.metrics
+    assert not (tmp_path / "checkpoints").exists()
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_debug_overfit_drives_the_loss_on_its_own_batches_far_down(tmp_path):
+    # MLP with dropout off: on 4 fixed batches the loss must fall to near zero.
+    result = train_in_process(["model=mlp", "debug=overfit", "data.num_features=64", "data.num_samples=512",
+                               "optimizer=adam", "optimizer.lr=3e-3", "trainer.max_steps=100"], tmp_path)
+    assert result.metrics["val/acc"] == 1.0 and result.metrics["val/loss"] < 0.01
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_overfit_batches_validates_on_exactly_the_samples_trained_on(world_size):
+    from data.regression import RegressionConfig, build_regression
+    from trainer.loaders import build_train_loader, build_val_loader
+
+    train = build_regression(RegressionConfig(num_samples=500)).train
+    cpu = torch.device("cpu")
+    trained, validated = [], []
+    for rank in range(world_size):  # what the Trainer builds on each rank with overfit_batches=3
+        loader = build_train_loader(train, 8, rank, world_size, 0, False, cpu, shuffle=False, limit_batches=3)
+        val = build_val_loader(train, 16, rank, world_size, cpu, limit_samples=3 * 8 * world_size)
+        epoch_0, epoch_1 = (torch.cat([x for x, _ in loader.batches(epoch)]) for epoch in (0, 1))
+        assert epoch_0.shape == (24, 1) and torch.equal(epoch_0, epoch_1)  # the same batches every epoch
+        trained.append(epoch_0)
+        validated.append(torch.cat([x for x, _ in val.batches()]))
+    first_samples = sorted(train.inputs[: 24 * world_size].flatten().tolist())
+    assert sorted(torch.cat(trained).flatten().tolist()) == first_samples
+    assert sorted(torch.cat(validated).flatten().tolist()) == first_samples
+
+
+def test_debug_profiler_writes_a_trace_tensorboard_can_open(tmp_path):
+    result = train_in_process(["model=transformer", "debug=profiler", "data.num_train_tokens=8192"], tmp_path)
+    assert result.steps == 10
+    traces = list((tmp_path / "profiler").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {f"ProfilerStep#{i}" for i in range(2, 7)}  # 5 steps after 2 to settle
+    assert any("aten::scaled_dot_product_attention" in e.get("name", "") for e in events)
+
+
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not here")
+def test_shakespeare_preset_builds_the_real_text(tmp_path):
+    from data import build_data
+    from trainer.config import validate
+
+    run = validate(compose_config(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}",
+                                   f"data.cache_dir={tmp_path}"]))
+    bundle = build_data(run.data_name, run.data)
+    assert bundle.model_dims["vocab_size"] == 65
+    assert len(bundle.train) == (int(len(SHAKESPEARE.read_text()) * 0.9) - 1) // 64

@@ -54,7 +54,9 @@ def test_a_2x2_multirun_gives_four_jobs_and_a_summary_naming_the_best(sweep_2x2)
     assert {job["dir"]: job["value"] for job in summary["jobs"]} == values
     best_dir = min(values, key=values.get)
     assert summary["best"]["val/loss"]["dir"] == best_dir
-    assert f"best val/loss: {values[best_dir]:.5g} in {best_dir}" in proc.stdout + proc.stderr
+    best = next(job for job in summary["jobs"] if job["dir"] == best_dir)
+    swept = " ".join(o for o in best["overrides"] if o.startswith(("optimizer.lr", "trainer.batch_size")))
+    assert f"best val/loss {values[best_dir]:.5g}: job {best_dir.split('_')[0]} ({swept})" in proc.stdout + proc.stderr
     swept = {tuple(o for o in job["overrides"] if o.split("=")[0] in ("optimizer.lr", "trainer.batch_size"))
              for job in summary["jobs"]}
     assert swept == {(f"optimizer.lr={lr}", f"trainer.batch_size={b}") for lr in LRS for b in BATCHES}
@@ -76,14 +78,15 @@ def test_event_files_hold_every_runs_scalars_and_hparams(sweep_2x2):
         assert steps == sorted(steps) and steps[-1] == events.Scalars("val/loss")[-1].step
 
         hparams = events.PluginTagToContent("hparams")
-        assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(hparams)
+        assert {"_hparams_/session_start_info", "_hparams_/session_end_info"} <= set(hparams)
+        # No experiment record of its own: TensorBoard builds one from all runs and shows first
+        # the hyperparameters whose values differ between them.
+        assert "_hparams_/experiment" not in hparams
         start = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
         chosen = {k: v.number_value for k, v in start.session_start_info.hparams.items() if v.HasField("number_value")}
         overrides = dict(o.split("=", 1) for o in OmegaConf.load(job / ".hydra" / "overrides.yaml"))
         assert chosen["optimizer.lr"] == float(overrides["optimizer.lr"])
         assert chosen["trainer.batch_size"] == float(overrides["trainer.batch_size"])
-        experiment = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/experiment"]).experiment
-        assert "final/val/loss" in {m.name.tag for m in experiment.metric_infos}
         assert "final/val/loss" in events.Tags()["scalars"]
 
 
@@ -124,6 +127,14 @@ def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
             query = urllib.parse.urlencode({"run": run, "tag": "val/loss"})
             points = _get_json(f"{base}/data/plugin/scalars/scalars?{query}")
             assert points and all(math.isfinite(value) for _, _, value in points)
+        # The HPARAMS tab: the swept hyperparameters first, marked as differing between runs.
+        request = urllib.request.Request(f"{base}/data/plugin/hparams/experiment", method="POST",
+                                         data=b'{"experimentName": ""}', headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            experiment = json.loads(response.read())
+        first = [(h["name"], h.get("differs", False)) for h in experiment["hparamInfos"][:2]]
+        assert first == [("optimizer.lr", True), ("trainer.batch_size", True)]
+        assert "final/val/loss" in {m["name"]["tag"] for m in experiment["metricInfos"]}
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -87,18 +87,21 @@ class RunLogger:
     def hparams(self, resolved: dict, final_metrics: dict[str, float], step: int) -> None:
         """Record the run's hyperparameters and final metrics for TensorBoard's HPARAMS tab.
 
-        The metric values are written as scalars under the same tags, in this run's own event
-        file (SummaryWriter.add_hparams would start a second event file in a sub-directory).
+        Only the session records are written, no experiment record: TensorBoard then builds
+        the experiment from all runs it finds, marks the hyperparameters whose values differ
+        between them and shows those first, which is what a sweep varies. The final metrics
+        are scalars under `final/`, in this run's own event file (SummaryWriter.add_hparams
+        would start a second event file in a sub-directory).
         """
         if not self.writer:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        hparam_values = flatten({k: v for k, v in resolved.items() if k != "hydra"})
+        values = flatten({k: v for k, v in resolved.items() if k != "hydra"})
         metrics = {f"final/{k}": (v if math.isfinite(v) else float("nan")) for k, v in final_metrics.items()}
-        experiment, session_start, session_end = hparams(hparam_values, metrics)
-        for summary in (experiment, session_start, session_end):
-            self.writer.file_writer.add_summary(summary)
+        _, session_start, session_end = hparams(values, metrics)
+        self.writer.file_writer.add_summary(session_start)
+        self.writer.file_writer.add_summary(session_end)
         self.scalars(metrics, step)
 
     def summary(self, values: dict) -> None:

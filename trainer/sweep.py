@@ -82,10 +82,18 @@ def summarize_sweep(sweep_dir: Path) -> dict:
 
 
 def format_summary(summary: dict) -> list[str]:
-    lines = [f"sweep of {len(summary['jobs'])} jobs in {summary['sweep_dir']}"]
+    """Log lines naming each job by its number and the overrides that vary across the sweep."""
+    jobs = summary["jobs"]
+    shared = set.intersection(*(set(job["overrides"]) for job in jobs)) if jobs else set()
+
+    def label(job: dict) -> str:
+        varying = " ".join(o for o in job["overrides"] if o not in shared)
+        return f"job {job['dir'].split('_', 1)[0]} ({varying})" if varying else f"job {job['dir']}"
+
+    lines = [f"sweep of {len(jobs)} jobs in {summary['sweep_dir']}, summary in {SUMMARY_FILE}"]
     for monitor, job in summary["best"].items():
-        lines.append(f"best {monitor}: {job['value']:.5g} in {job['dir']} ({' '.join(job['overrides'])})")
-    for job in summary["jobs"]:
+        lines.append(f"best {monitor} {job['value']:.5g}: {label(job)}")
+    for job in jobs:
         value = "failed" if job["value"] is None else f"{job['monitor']}={job['value']:.5g}"
-        lines.append(f"  {job['dir']}: {value}")
+        lines.append(f"  {value}  {label(job)}")
     return lines

@@ -54,6 +54,8 @@ def test_self_launched_ddp_resume_equals_uninterrupted(tmp_path):
     straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
+    # Spawned ranks have no Hydra logging of their own; rank 0's log still reaches train.log.
+    assert "done: 30 steps" in (tmp_path / "straight" / "train.log").read_text()
 
 
 def test_torchrun_job_writes_one_run_dir_from_rank_0_only(tmp_path):
@@ -64,6 +66,7 @@ def test_torchrun_job_writes_one_run_dir_from_rank_0_only(tmp_path):
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
     assert proc.stdout.count("learned w=") + proc.stderr.count("learned w=") == 1
+    assert (run / "train.log").read_text().count("learned w=") == 1
 
 
 @pytest.mark.parametrize("flag", [["--local-rank=0"], ["--local_rank", "0"]])
@@ -178,19 +181,28 @@ def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
     assert (tmp_path / "checkpoints" / "last.pt").exists()
 
 
-FAIL_ON_RANK_1 = """
-import sys, time
-sys.path.insert(0, {repo!r})
-sys.argv = [sys.argv[0]] + {args!r}
-import trainer.trainer as loop
-from trainer.distributed import env_rank
+def make_rank_1_fail_at_step_3() -> None:
+    """Patch the Trainer in this process so that rank 1 raises at its fourth optimizer step."""
+    import trainer.trainer as loop
+    from trainer.distributed import env_rank
 
-original_step = loop.Trainer._optimizer_step
-def step_then_fail(self, *args, **kwargs):
-    if env_rank() == 1 and self.schedule.steps_done == 3:
-        raise RuntimeError("rank 1 broke at step 3")
-    return original_step(self, *args, **kwargs)
-loop.Trainer._optimizer_step = step_then_fail
+    original_step = loop.Trainer._optimizer_step
+
+    def step_then_fail(self, *args, **kwargs):
+        if env_rank() == 1 and self.schedule.steps_done == 3:
+            raise RuntimeError("rank 1 broke at step 3")
+        return original_step(self, *args, **kwargs)
+
+    loop.Trainer._optimizer_step = step_then_fail
+
+
+# train.py, run under torchrun with the Trainer patched in each rank's process.
+FAILING_TRAIN_PY = """
+import sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+sys.argv = [sys.argv[0]] + {args!r}
+from test_distributed import make_rank_1_fail_at_step_3
+make_rank_1_fail_at_step_3()
 exec(open({train!r}).read(), {{"__name__": "__main__", "__file__": {train!r}}})
 """
 
@@ -200,8 +212,9 @@ def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_pat
 
     args = MLP + ["strategy=ddp", "trainer.max_steps=50", "strategy.timeout_minutes=10",
                   f"hydra.run.dir={tmp_path / 'run'}"]
-    script = tmp_path / "fail_on_rank_1.py"
-    script.write_text(FAIL_ON_RANK_1.format(repo=str(REPO), args=args, train=str(REPO / "train.py")))
+    script = tmp_path / "failing_train.py"
+    script.write_text(FAILING_TRAIN_PY.format(repo=str(REPO), tests=str(REPO / "tests"), args=args,
+                                              train=str(REPO / "train.py")))
     started = time.monotonic()
     proc = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -213,18 +226,9 @@ def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_pat
 
 def train_but_fail_on_rank_1(run, run_dir):
     """A spawned worker (importable by the child processes): rank 1 raises at step 3."""
-    import trainer.trainer as loop
-    from trainer.distributed import env_rank
     from trainer.run import train_worker
 
-    original_step = loop.Trainer._optimizer_step
-
-    def step_then_fail(self, *args, **kwargs):
-        if env_rank() == 1 and self.schedule.steps_done == 3:
-            raise RuntimeError("rank 1 broke at step 3")
-        return original_step(self, *args, **kwargs)
-
-    loop.Trainer._optimizer_step = step_then_fail
+    make_rank_1_fail_at_step_3()
     return train_worker(run, run_dir)
 
 

@@ -49,32 +49,26 @@ def test_accumulating_k_batches_of_b_equals_one_batch_of_k_times_b(tmp_path):
     assert_same_weights(checkpoint_weights(tmp_path / "big"), checkpoint_weights(tmp_path / "acc"), atol=1e-6)
 
 
-def test_resume_from_n_steps_to_2n_equals_2n_uninterrupted(tmp_path):
-    # dropout on and momentum on: the RNG state and optimizer state must both come back.
-    common = SMALL_TRANSFORMER + ["model.dropout=0.1", "optimizer=adamw", "trainer.log_every_n_steps=5"]
-    train_in_process(common + ["trainer.max_steps=40"], tmp_path / "straight")
-    train_in_process(common + ["trainer.max_steps=17"], tmp_path / "first")
-    train_in_process(
-        common + ["trainer.max_steps=40", f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}"],
-        tmp_path / "second",
-    )
+def assert_resumed_run_equals_uninterrupted(common: list[str], full: list[str], partial: list[str], tmp_path):
+    """Train `full` straight; train `partial`, then resume it to `full`: identical weights."""
+    train_in_process(common + full, tmp_path / "straight")
+    train_in_process(common + partial, tmp_path / "first")
+    train_in_process(common + full + [f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}"], tmp_path / "second")
     straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
+
+
+def test_resume_from_n_steps_to_2n_equals_2n_uninterrupted(tmp_path):
+    # dropout on and momentum on: the RNG state and optimizer state must both come back.
+    common = SMALL_TRANSFORMER + ["model.dropout=0.1", "optimizer=adamw", "trainer.log_every_n_steps=5"]
+    assert_resumed_run_equals_uninterrupted(common, ["trainer.max_steps=40"], ["trainer.max_steps=17"], tmp_path)
 
 
 def test_resume_across_an_epoch_boundary_with_accumulation_matches(tmp_path):
     common = SMALL_MLP + ["trainer.batch_size=48", "trainer.accumulate_grad_batches=2", "optimizer=adam"]
     # 512 samples / 48 = 11 micro-batches = 6 optimizer steps per epoch (the last one short)
-    train_in_process(common + ["trainer.max_epochs=3"], tmp_path / "straight")
-    train_in_process(common + ["trainer.max_steps=8"], tmp_path / "first")
-    train_in_process(
-        common + ["trainer.max_epochs=3", f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}"],
-        tmp_path / "second",
-    )
-    straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
-    for key in straight:
-        assert torch.equal(straight[key], resumed[key]), key
+    assert_resumed_run_equals_uninterrupted(common, ["trainer.max_epochs=3"], ["trainer.max_steps=8"], tmp_path)
 
 
 def test_bf16_mixed_trains_on_cpu(tmp_path):

@@ -6,9 +6,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -16,11 +18,11 @@ from omegaconf import DictConfig
 
 from data import build_data
 from models import build_model
+from models.linear import LinearRegression
 from trainer.checkpoint import RunDirError
 from trainer.config import ConfigError, RunConfig, validate
 from trainer.distributed import (
     DistInfo,
-    WorkerFailedError,
     broadcast_object,
     setup_distributed,
     spawn_workers,
@@ -64,9 +66,9 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
     )
     clean_exit = False
     try:
-        _configure_rank_logging(dist)
         # Rank 0's directory for everyone: under torchrun each rank's Hydra picked its own.
         shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
+        _configure_rank_logging(dist, shared_dir)
         _refuse_to_overwrite(shared_dir, run)
 
         data = build_data(run.data_name, run.data)
@@ -91,8 +93,7 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
 
 
 def _with_data_sizes(model_config, model_dims: dict[str, int]):
-    import dataclasses
-
+    """The model config with the sizes the data set dictates (input features, vocabulary...)."""
     fields = {f.name for f in dataclasses.fields(model_config)}
     return dataclasses.replace(model_config, **{k: v for k, v in model_dims.items() if k in fields})
 
@@ -109,18 +110,27 @@ def _refuse_to_overwrite(run_dir: Path, run: RunConfig) -> None:
         )
 
 
-def _configure_rank_logging(dist: DistInfo) -> None:
-    """Rank 0 logs through Hydra's handlers; other ranks only report warnings and errors."""
+def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
+    """Rank 0 logs to the console and to train.log; other ranks only report warnings and errors.
+
+    Under Hydra (a plain run, torchrun) its handlers are in place. A worker spawned for a
+    self-launched DDP job starts with none, so it sets up what Hydra would have.
+    """
     root = logging.getLogger()
-    if not root.handlers:  # a spawned worker: Hydra configured nothing in this process
-        logging.basicConfig(format="[%(asctime)s][rank " + str(dist.rank) + "][%(levelname)s] %(message)s")
+    if not root.handlers:
+        formatter = logging.Formatter(f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s")
+        handlers = [logging.StreamHandler(sys.stdout)]
+        if dist.is_main:
+            handlers.append(logging.FileHandler(run_dir / "train.log"))  # appends to the launcher's
+        for handler in handlers:
+            handler.setFormatter(formatter)
+            root.addHandler(handler)
     root.setLevel(logging.INFO if dist.is_main else logging.WARNING)
 
 
 def _report(result: FitResult, model: torch.nn.Module) -> None:
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
     log.info(f"done: {result.steps} steps in {result.train_seconds:.2f}s, {metrics}")
-    bare = model.module if hasattr(model, "module") else model
-    if hasattr(bare, "linear") and bare.linear.weight.numel() == 1:
+    if isinstance(model, LinearRegression) and model.linear.weight.numel() == 1:
         # The tutorial's question: did we learn y = 2x + 3?
-        log.info(f"learned w={bare.linear.weight.item():.4f} b={bare.linear.bias.item():.4f}")
+        log.info(f"learned w={model.linear.weight.item():.4f} b={model.linear.bias.item():.4f}")

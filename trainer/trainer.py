@@ -33,7 +33,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import ConfigError, RunConfig
 from trainer.distributed import DistInfo, all_reduce_sum, barrier, gather_objects
-from trainer.loaders import Batch, build_train_loader, build_val_loader
+from trainer.loaders import Batch, BatchLoader, build_train_loader, build_val_loader
 from trainer.logger import RunLogger
 from trainer.optim import LRSchedule, build_optimizer
 from trainer.precision import Precision
@@ -48,6 +48,16 @@ class Progress:
     epoch: int = 0  # epochs completed
     batches_into_epoch: int = 0  # micro-batches of the current epoch already trained on
     best_metric: float | None = None
+
+    def finish_step(self, micro_batches: int, batches_per_epoch: int) -> bool:
+        """Count one optimizer step over `micro_batches`; True when it completed the epoch."""
+        self.step += 1
+        self.batches_into_epoch += micro_batches
+        if self.batches_into_epoch < batches_per_epoch:
+            return False
+        self.epoch += 1
+        self.batches_into_epoch = 0
+        return True
 
 
 @dataclass
@@ -73,8 +83,57 @@ class Trainer:
 
     def fit(self, model: nn.Module, data: DataBundle) -> FitResult:
         cfg, dist = self.cfg, self.dist
-        self.task = data.task
         resumed = load_checkpoint(cfg.resume, self.device) if cfg.resume else None
+        train_loader = self._setup(model, data, resumed)
+        total_steps, batches_per_epoch = self.schedule.total_steps, len(train_loader)
+        progress = self._restore(resumed) if resumed else Progress()
+
+        metrics: dict[str, float] = {}
+        started = time.perf_counter()
+        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler:
+            logger.config(self.run.resolved)
+            logger.advance(progress.step)
+            meter = TrainMeter()
+            while progress.step < total_steps:
+                epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
+                for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
+                    step = progress.step + 1
+                    log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
+                    lr_used = self.schedule.lr
+                    grad_norm = self._optimizer_step(micro_batches, meter, measure_grad_norm=log_now)
+                    epoch_done = progress.finish_step(len(micro_batches), batches_per_epoch)
+
+                    if log_now:
+                        logger.scalars({**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}, step)
+                    logger.advance(1)
+                    if profiler:
+                        profiler.step()
+                    if self._evaluation_due(step, epoch_done, total_steps):
+                        metrics = self._evaluate_and_checkpoint(progress, batches_per_epoch, logger)
+                    elif self._checkpoint_due(step):
+                        self._save(progress, best=False)
+                    if step == total_steps:
+                        break
+            train_seconds = time.perf_counter() - started
+            logger.hparams(self.run.resolved, metrics, progress.step)
+            logger.summary({
+                "final": metrics, "monitor": self.task.monitor, "mode": self.task.mode,
+                "best": progress.best_metric, "steps": progress.step, "train_seconds": train_seconds,
+            })
+        return FitResult(
+            metrics=metrics,
+            monitor=self.task.monitor,
+            mode=self.task.mode,
+            best_metric=progress.best_metric,
+            steps=progress.step,
+            train_seconds=train_seconds,
+        )
+
+    def _setup(self, model: nn.Module, data: DataBundle, resumed: dict | None) -> BatchLoader:
+        """Place and wrap the model; build the loaders, optimizer, lr schedule and precision.
+        Returns the training loader."""
+        cfg, dist = self.cfg, self.dist
+        self.task = data.task
         self.model = model.to(self.device)
         self.params = list(model.parameters())
         if resumed:
@@ -94,71 +153,30 @@ class Trainer:
             )
         else:
             self.val_loader = build_val_loader(data.val, val_batch_size, dist.rank, dist.world_size, self.device)
-        batches_per_epoch = len(train_loader)
-        if batches_per_epoch == 0:
+        if len(train_loader) == 0:
             raise ConfigError(
                 f"the training set has {len(data.train)} samples, too few for one batch of "
                 f"{cfg.batch_size} on each of {dist.world_size} processes; lower trainer.batch_size "
                 f"or the number of processes"
             )
-        steps_per_epoch = math.ceil(batches_per_epoch / cfg.accumulate_grad_batches)
+        steps_per_epoch = math.ceil(len(train_loader) / cfg.accumulate_grad_batches)
         total_steps = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.max_epochs
 
         lr = self.run.optimizer.lr * (dist.world_size if self.run.strategy.scale_lr_by_world_size else 1)
         self.optimizer = build_optimizer(model, self.run.optimizer, lr, self.device)
         self.schedule = LRSchedule(self.optimizer, self.run.scheduler, total_steps, lr)
         self.precision = Precision(cfg.precision, self.device)
-        progress = self._restore(resumed) if resumed else Progress()
+        return train_loader
 
-        metrics: dict[str, float] = {}
-        started = time.perf_counter()
-        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler:
-            logger.config(self.run.resolved)
-            logger.advance(progress.step)
-            meter = TrainMeter()
-            while progress.step < total_steps:
-                epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
-                for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
-                    step = progress.step + 1
-                    log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
-                    lr_used = self.schedule.lr
-                    grad_norm = self._optimizer_step(micro_batches, meter, measure_grad_norm=log_now)
-                    progress.step = step
-                    progress.batches_into_epoch += len(micro_batches)
-                    epoch_done = progress.batches_into_epoch == batches_per_epoch
-                    if epoch_done:
-                        progress.epoch += 1
-                        progress.batches_into_epoch = 0
+    def _evaluation_due(self, step: int, epoch_done: bool, total_steps: int) -> bool:
+        """At the last step, every eval_every_n_steps steps, or (by default) at each epoch's end."""
+        every = self.cfg.eval_every_n_steps
+        return step == total_steps or (step % every == 0 if every else epoch_done)
 
-                    if log_now:
-                        logger.scalars({**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}, step)
-                    logger.advance(1)
-                    if profiler:
-                        profiler.step()
-                    if (
-                        step == total_steps
-                        or (cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0)
-                        or (epoch_done and not cfg.eval_every_n_steps)
-                    ):
-                        metrics = self._evaluate_and_checkpoint(progress, batches_per_epoch, logger)
-                    elif cfg.checkpoint and cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0:
-                        self._save(progress, best=False)
-                    if step == total_steps:
-                        break
-            train_seconds = time.perf_counter() - started
-            logger.hparams(self.run.resolved, metrics, progress.step)
-            logger.summary({
-                "final": metrics, "monitor": self.task.monitor, "mode": self.task.mode,
-                "best": progress.best_metric, "steps": progress.step, "train_seconds": train_seconds,
-            })
-        return FitResult(
-            metrics=metrics,
-            monitor=self.task.monitor,
-            mode=self.task.mode,
-            best_metric=progress.best_metric,
-            steps=progress.step,
-            train_seconds=train_seconds,
-        )
+    def _checkpoint_due(self, step: int) -> bool:
+        """last.pt between evaluations, every checkpoint_every_n_steps steps."""
+        every = self.cfg.checkpoint_every_n_steps
+        return self.cfg.checkpoint and every > 0 and step % every == 0
 
     def _optimizer_step(
         self, micro_batches: list[Batch], meter: TrainMeter, measure_grad_norm: bool

@@ -1,0 +1,198 @@
+"""The data sets on their own, and the loader that feeds them to the Trainer."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from data import DATASETS, TASKS, DataError, build_data
+from data.classification import ClassificationConfig, build_classification
+from data.regression import RegressionConfig, build_regression
+from data.text import TextConfig, build_text, check_text_file
+from data.tokens import TokensConfig, build_tokens
+from trainer.loaders import build_train_loader, build_val_loader
+
+CPU = torch.device("cpu")
+
+
+def test_every_data_set_trains_for_its_registered_task():
+    configs = {"regression": RegressionConfig(num_samples=64), "tokens": TokensConfig(num_train_tokens=640),
+               "classification": ClassificationConfig(num_samples=64, num_features=8)}
+    for name, config in configs.items():
+        assert type(build_data(name, config).task) is TASKS[name]
+    assert set(TASKS) == set(DATASETS)
+
+
+def test_regression_is_the_tutorial_line_with_its_noise():
+    data = build_regression(RegressionConfig())
+    x, y = data.train.inputs, data.train.targets
+    residual = y - (2 * x + 3)
+    assert len(data.train) == 10000 and len(data.val) == 1000
+    assert abs(residual.mean().item()) < 0.005 and residual.std().item() == pytest.approx(0.1, rel=0.05)
+
+
+def test_classification_is_learnable_far_above_chance():
+    data = build_classification(ClassificationConfig(num_features=64, num_samples=4000, num_val_samples=1000))
+    x, y = data.train.inputs, data.train.targets
+    centres = torch.stack([x[y == c].mean(0) for c in range(10)])
+    guess = torch.cdist(data.val.inputs, centres).argmin(1)  # nearest class mean, learned from train
+    assert (guess == data.val.targets).float().mean().item() > 0.9  # chance: 0.1
+
+
+def test_tokens_follow_a_fixed_chain_with_the_promised_branching():
+    config = TokensConfig(vocab_size=16, branching=3, seq_len=8, num_train_tokens=4000, num_val_tokens=800)
+    data = build_tokens(config)
+    windows = torch.cat([data.train.windows, data.val.windows])
+    followers = {}
+    for a, b in zip(windows[:, :-1].flatten().tolist(), windows[:, 1:].flatten().tolist()):
+        followers.setdefault(a, set()).add(b)
+    assert all(len(f) == 3 for f in followers.values()) and len(followers) == 16
+    assert build_tokens(config).train.windows.equal(data.train.windows)  # the seed fixes it
+
+
+def test_batches_equal_the_per_sample_items_they_gather():
+    for data in (build_regression(RegressionConfig(num_samples=50)),
+                 build_tokens(TokensConfig(num_train_tokens=640, seq_len=8))):
+        indices = torch.tensor([3, 0, 7, 7])
+        inputs, targets = data.train.get_batch(indices)
+        items = [data.train[i] for i in indices.tolist()]
+        assert torch.equal(inputs, torch.stack([x for x, _ in items]))
+        assert torch.equal(targets, torch.stack([y for _, y in items]))
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "play.txt"
+    path.write_text("To be, or not to be, that is the question. Ñ\n" * 30, encoding="utf-8")
+    return path
+
+
+def test_text_vocabulary_ids_and_windows_round_trip(text_file, tmp_path):
+    config = TextConfig(path=str(text_file), seq_len=16, val_fraction=0.2, cache_dir="")
+    data = build_text(config)
+    text = text_file.read_text(encoding="utf-8")
+    vocab = "".join(sorted(set(text)))
+    assert data.model_dims == {"vocab_size": len(vocab)}
+    inputs, targets = data.train.get_batch(torch.arange(len(data.train)))
+    decoded = "".join(vocab[i] for i in inputs[0].tolist())
+    assert decoded == text[:16] and torch.equal(inputs[1:, 0], targets[:-1, -1])  # windows chain up
+    # Every character of the training part is a target exactly once (up to the last partial window).
+    split = int(len(text) * 0.8)
+    assert targets.numel() == (split - 1) // 16 * 16
+
+
+def test_text_encoding_is_cached_by_path_size_and_mtime(text_file, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    config = TextConfig(path=str(text_file), seq_len=16, cache_dir=str(cache))
+    first = build_text(config)
+    (cached,) = cache.glob("text-play-*.pt")
+    # A second build reads the cache, not the file.
+    import pathlib
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the text was read again")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", no_reading)
+    assert torch.equal(build_text(config).train.windows, first.train.windows)
+    monkeypatch.undo()
+    # A changed file gets a new cache entry.
+    text_file.write_text(text_file.read_text(encoding="utf-8") + "More.\n", encoding="utf-8")
+    os.utime(text_file, ns=(1, 1))
+    assert build_text(config).train.windows.numel() > first.train.windows.numel()
+    assert len(list(cache.glob("text-play-*.pt"))) == 2 and cached.exists()
+
+
+def test_an_empty_cache_dir_turns_the_cache_off(text_file, tmp_path, monkeypatch):
+    import data.text
+
+    def no_writing(*args):
+        raise AssertionError("the cache was written")
+
+    monkeypatch.setattr(data.text, "_write_cache", no_writing)
+    build_text(TextConfig(path=str(text_file), seq_len=16, cache_dir=""))
+    with pytest.raises(AssertionError, match="the cache was written"):  # the control: a cache_dir writes
+        build_text(TextConfig(path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache")))
+
+
+def test_a_damaged_cache_is_rebuilt_not_fatal(text_file, tmp_path):
+    config = TextConfig(path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    expected = build_text(config).train.windows
+    (cached,) = (tmp_path / "cache").glob("*.pt")
+    cached.write_bytes(b"garbage")
+    assert torch.equal(build_text(config).train.windows, expected)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"", "is empty"),
+        ("caf\u00e9".encode("latin-1") + b" and more text" * 10, "is not UTF-8 text"),
+        (b"short", "fewer than one window"),
+    ],
+)
+def test_unusable_text_files_are_refused_with_the_fix(tmp_path, content, message):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        check_text_file(str(path))
+        build_text(TextConfig(path=str(path), seq_len=16, cache_dir=""))
+
+
+def test_missing_or_unset_text_path_is_refused(tmp_path):
+    with pytest.raises(DataError, match="data.path is not set"):
+        check_text_file("")
+    with pytest.raises(DataError, match="does not exist"):
+        check_text_file(str(tmp_path / "nope.txt"))
+    with pytest.raises(DataError, match="is not a file"):
+        check_text_file(str(tmp_path))
+
+
+# --- the loader --------------------------------------------------------------------------------
+
+
+class ItemsOnly(Dataset):
+    """A Dataset without get_batch: the loader falls back to a torch DataLoader."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+
+@pytest.mark.parametrize("rank,world_size", [(0, 1), (1, 2)])
+def test_gathered_batches_equal_a_torch_dataloader_in_the_same_order(rank, world_size):
+    data = build_regression(RegressionConfig(num_samples=203)).train
+    fast = build_train_loader(data, 16, rank, world_size, seed=5, drop_last=False, device=CPU)
+    slow = build_train_loader(ItemsOnly(data), 16, rank, world_size, seed=5, drop_last=False, device=CPU)
+    assert len(fast) == len(slow) == (7 if world_size == 2 else 13)  # ceil(102 / 16), ceil(203 / 16)
+    for epoch in (0, 1):
+        pairs = list(zip(fast.batches(epoch), slow.batches(epoch)))
+        assert len(pairs) == len(fast)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs)
+    # Resuming mid-epoch skips exactly the batches already seen, on both paths.
+    assert torch.equal(next(fast.batches(1, skip_batches=3))[0], list(slow.batches(1))[3][0])
+    assert torch.equal(next(slow.batches(1, skip_batches=3))[0], list(fast.batches(1))[3][0])
+
+
+def test_epochs_shuffle_differently_and_ranks_split_each_epoch_exactly():
+    data = build_regression(RegressionConfig(num_samples=200)).train
+    loaders = [build_train_loader(data, 10, r, 2, seed=0, drop_last=False, device=CPU) for r in (0, 1)]
+    seen = [torch.cat([x for x, _ in loader.batches(0)]) for loader in loaders]
+    assert sorted(torch.cat(seen).flatten().tolist()) == sorted(data.inputs.flatten().tolist())
+    assert not torch.equal(torch.cat([x for x, _ in loaders[0].batches(1)]), seen[0])
+
+
+def test_validation_shards_cover_every_sample_once_without_padding():
+    data = build_regression(RegressionConfig(num_samples=10, num_val_samples=101)).val
+    shards = [torch.cat([x for x, _ in build_val_loader(data, 8, r, 3, CPU).batches()]) for r in range(3)]
+    assert [len(s) for s in shards] == [34, 34, 33]
+    assert sorted(torch.cat(shards).flatten().tolist()) == sorted(data.inputs.flatten().tolist())

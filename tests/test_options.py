@@ -1,0 +1,97 @@
+"""Every option in conf/ reaches the code it configures and changes what it says it changes."""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from conftest import checkpoint_weights, compose_config, train_in_process
+from trainer.config import ConfigError, validate
+
+
+def _optimizer(overrides: list[str]) -> torch.optim.Optimizer:
+    from models.linear import LinearConfig, LinearRegression
+    from trainer.optim import build_optimizer
+
+    run = validate(compose_config(overrides))
+    return build_optimizer(LinearRegression(LinearConfig()), run.optimizer, run.optimizer.lr, torch.device("cpu"))
+
+
+def test_optimizer_options_reach_the_torch_optimizer():
+    sgd = _optimizer(["optimizer.lr=0.2", "optimizer.momentum=0.9", "optimizer.nesterov=true",
+                      "optimizer.weight_decay=0.01"])
+    assert type(sgd) is torch.optim.SGD
+    assert {k: sgd.defaults[k] for k in ("lr", "momentum", "nesterov", "weight_decay")} == {
+        "lr": 0.2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+    adam = _optimizer(["optimizer=adam", "optimizer.betas=[0.8,0.9]", "optimizer.eps=1e-6", "optimizer.weight_decay=0.02"])
+    assert type(adam) is torch.optim.Adam
+    assert (adam.defaults["betas"], adam.defaults["eps"], adam.defaults["weight_decay"]) == ((0.8, 0.9), 1e-6, 0.02)
+    adamw = _optimizer(["optimizer=adamw", "optimizer.weight_decay=0.3"])
+    assert type(adamw) is torch.optim.AdamW
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.3, 0.0]  # the weight matrix, then the bias
+
+
+def test_val_batch_size_and_limit_val_batches(tmp_path):
+    # Metrics are sums over samples: the validation batch size cannot change them.
+    base = ["trainer.max_steps=20", "data.num_val_samples=100"]
+    default = train_in_process(base, tmp_path / "a").metrics["val/loss"]
+    odd = train_in_process(base + ["trainer.val_batch_size=7"], tmp_path / "b").metrics["val/loss"]
+    assert odd == pytest.approx(default, rel=1e-6)  # float32 rounding of other batch groupings
+    # limit_val_batches=2 with batches of 10: the metric of exactly the first 20 samples.
+    limited = train_in_process(base + ["trainer.val_batch_size=10", "trainer.limit_val_batches=2"], tmp_path / "c")
+    from data.regression import RegressionConfig, build_regression
+
+    val = build_regression(RegressionConfig(num_val_samples=100)).val
+    weights = checkpoint_weights(tmp_path / "c")
+    predictions = val.inputs[:20] @ weights["linear.weight"].T + weights["linear.bias"]
+    expected = (predictions - val.targets[:20]).pow(2).mean().item()
+    assert limited.metrics["val/loss"] == pytest.approx(expected, rel=1e-5) and expected != pytest.approx(default)
+
+
+@pytest.mark.parametrize("drop_last,steps_per_epoch", [(False, 4), (True, 3)])
+def test_drop_last_drops_the_short_batch(tmp_path, drop_last, steps_per_epoch):
+    result = train_in_process(["data.num_samples=100", f"trainer.drop_last={str(drop_last).lower()}",
+                               "trainer.max_epochs=2"], tmp_path)
+    assert result.steps == 2 * steps_per_epoch  # 100 samples in batches of 32
+
+
+def test_progress_bar_shows_steps_and_the_train_loss(tmp_path, capsys):
+    train_in_process(["trainer.progress_bar=true", "trainer.max_steps=10", "trainer.log_every_n_steps=5"], tmp_path)
+    err = capsys.readouterr().err
+    assert "train: 100%" in err and "10/10" in err and "loss=" in err
+
+
+def test_strategy_timeout_reaches_the_process_group(monkeypatch):
+    import trainer.distributed as distributed
+
+    seen = {}
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    run = validate(compose_config(["strategy=ddp", "strategy.timeout_minutes=1.5", "strategy.backend=gloo"]))
+    distributed.setup_distributed(run.strategy.name, run.strategy.backend, "cpu", run.strategy.timeout_minutes)
+    assert seen["timeout"] == datetime.timedelta(minutes=1.5) and seen["backend"] == "gloo"
+    assert seen["init_method"] == "env://"
+
+
+def test_regression_line_and_class_separation_are_the_data_sets_knobs():
+    from data.classification import ClassificationConfig, build_classification
+    from data.regression import RegressionConfig, build_regression
+
+    data = build_regression(RegressionConfig(weight=-1.5, bias=0.25, noise_std=0.0, num_samples=50))
+    assert torch.allclose(data.train.targets, -1.5 * data.train.inputs + 0.25)
+
+    def centre_accuracy(separation: float) -> float:
+        data = build_classification(ClassificationConfig(num_features=32, num_samples=3000, class_separation=separation))
+        x, y = data.train.inputs, data.train.targets
+        centres = torch.stack([x[y == c].mean(0) for c in range(10)])
+        return (torch.cdist(data.val.inputs, centres).argmin(1) == data.val.targets).float().mean().item()
+
+    assert centre_accuracy(1.0) < 0.6 < 0.95 < centre_accuracy(8.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_accelerator_cuda_without_a_gpu_is_refused():
+    with pytest.raises(ConfigError, match="trainer.accelerator=cuda but no CUDA device is visible"):
+        validate(compose_config(["trainer.accelerator=cuda"]))

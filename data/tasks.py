@@ -4,7 +4,8 @@ A task turns model outputs and targets into
   loss(outputs, targets)        the mean training loss of a batch (what backward() sees)
   eval_sums(outputs, targets)   per-batch *sums* plus a "count", e.g. {"loss": Σ, "count": n}
 Sums, not means, so that batches and ranks add up exactly: the validation metric of N ranks
-is their summed sums over their summed counts, equal to the single-process metric.
+is their summed sums over their summed counts, equal to the single-process metric. Every sum
+is a tensor on the targets' device, so the sums of a batch stack and all-reduce as one.
 `monitor` names the metric a sweep optimises and best.pt is chosen by, `mode` its direction.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ class RegressionTask:
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         squared = (outputs.float() - targets).pow(2).flatten(1).mean(1)  # per-sample MSE
-        return {"loss": squared.sum(), "count": torch.tensor(float(len(targets)))}
+        return {"loss": squared.sum(), "count": torch.tensor(float(len(targets)), device=targets.device)}
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class ClassificationTask:
         return {
             "loss": F.cross_entropy(outputs, targets, reduction="sum"),
             "acc": (outputs.argmax(1) == targets).sum().float(),
-            "count": torch.tensor(float(len(targets))),
+            "count": torch.tensor(float(len(targets)), device=targets.device),
         }
 
 
@@ -61,7 +62,7 @@ class LanguageModelTask:
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         loss = F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        return {"loss": loss, "count": torch.tensor(float(targets.numel()))}
+        return {"loss": loss, "count": torch.tensor(float(targets.numel()), device=targets.device)}
 
 
 Task = RegressionTask | ClassificationTask | LanguageModelTask

@@ -196,3 +196,17 @@ def test_validation_shards_cover_every_sample_once_without_padding():
     shards = [torch.cat([x for x, _ in build_val_loader(data, 8, r, 3, CPU).batches()]) for r in range(3)]
     assert [len(s) for s in shards] == [34, 34, 33]
     assert sorted(torch.cat(shards).flatten().tolist()) == sorted(data.inputs.flatten().tolist())
+
+
+@pytest.mark.parametrize("task,outputs,targets", [
+    (TASKS["regression"](), (4, 1), ("float", (4, 1))),
+    (TASKS["classification"](), (4, 3), ("long", (4,))),
+    (TASKS["tokens"](), (2, 5, 7), ("long", (2, 5))),
+])
+def test_every_validation_sum_lives_on_the_models_device(task, outputs, targets):
+    # "meta" stands in for a GPU: a sum made on the CPU instead would not stack with the others.
+    meta = torch.device("meta")
+    dtype, shape = targets
+    target = torch.empty(shape, dtype=torch.long if dtype == "long" else torch.float, device=meta)
+    sums = task.eval_sums(torch.empty(outputs, device=meta), target)
+    assert "count" in sums and {value.device for value in sums.values()} == {meta}

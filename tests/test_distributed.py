@@ -83,10 +83,12 @@ def test_nccl_without_cuda_fails_clearly_on_every_rank(tmp_path):
     assert proc.stderr.count("error: strategy.backend=nccl needs a CUDA device") == 2
 
 
-def test_more_ranks_than_samples_fails_clearly(tmp_path):
-    proc = run_cli(["strategy=ddp", "data.num_samples=1", f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN)
+@pytest.mark.parametrize("split,key", [("training", "data.num_samples"), ("validation", "data.num_val_samples")])
+def test_more_ranks_than_samples_fails_clearly(tmp_path, split, key):
+    # A rank without validation samples used to leave the all-reduce of the metrics hanging.
+    proc = run_cli(["strategy=ddp", f"{key}=1", f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN, timeout=120)
     assert proc.returncode != 0
-    assert proc.stderr.count("error: the training set has 1 samples but 2 processes") == 2
+    assert proc.stderr.count(f"error: the {split} set has 1 samples but 2 processes") == 2
 
 
 def test_multirun_under_torchrun_is_refused(tmp_path):

@@ -94,7 +94,10 @@ def build_train_loader(
     return BatchLoader(dataset, batch_size, sampler, device, drop_last=drop_last, limit_batches=limit_batches)
 
 
-def build_val_loader(dataset, batch_size, rank, world_size, device, limit_samples=0) -> BatchLoader:
-    """Each sample on exactly one rank; `limit_samples` > 0 validates on the first ones only."""
+def build_val_loader(
+    dataset, batch_size, rank, world_size, device, limit_samples=0, limit_batches=0
+) -> BatchLoader:
+    """Each sample on exactly one rank; `limit_samples` > 0 validates on the first samples only,
+    `limit_batches` > 0 on each rank's first batches only."""
     length = min(len(dataset), limit_samples) if limit_samples else len(dataset)
-    return BatchLoader(dataset, batch_size, ShardSampler(length, rank, world_size), device)
+    return BatchLoader(dataset, batch_size, ShardSampler(length, rank, world_size), device, limit_batches=limit_batches)

@@ -72,11 +72,12 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
         _refuse_to_overwrite(shared_dir, run)
 
         data = build_data(run.data_name, run.data)
-        if len(data.train) < dist.world_size:
-            raise ConfigError(
-                f"the training set has {len(data.train)} samples but {dist.world_size} processes "
-                f"need at least one each; use fewer processes or more data"
-            )
+        for split, dataset in (("training", data.train), ("validation", data.val)):
+            if len(dataset) < dist.world_size:  # every rank trains and validates on its own share
+                raise ConfigError(
+                    f"the {split} set has {len(dataset)} samples but {dist.world_size} processes "
+                    f"need at least one each; use fewer processes or more data"
+                )
         # Same seed on every rank: identical initial weights. Then a per-rank seed, so dropout
         # masks differ between ranks (the data order is the sampler's business, not this RNG's).
         torch.manual_seed(run.trainer.seed)

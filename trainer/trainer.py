@@ -146,13 +146,11 @@ class Trainer:
             data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, self.device,
             shuffle=not overfit, limit_batches=overfit,
         )
-        if overfit:  # the samples the ranks train on: the first overfit * batch * world_size
-            self.val_loader = build_val_loader(
-                data.train, val_batch_size, dist.rank, dist.world_size, self.device,
-                limit_samples=overfit * cfg.batch_size * dist.world_size,
-            )
-        else:
-            self.val_loader = build_val_loader(data.val, val_batch_size, dist.rank, dist.world_size, self.device)
+        self.val_loader = build_val_loader(
+            data.train if overfit else data.val, val_batch_size, dist.rank, dist.world_size, self.device,
+            # overfit: the samples the ranks train on, the first overfit * batch * world_size
+            limit_samples=overfit * cfg.batch_size * dist.world_size, limit_batches=cfg.limit_val_batches,
+        )
         if len(train_loader) == 0:
             raise ConfigError(
                 f"the training set has {len(data.train)} samples, too few for one batch of "
@@ -242,22 +240,15 @@ class Trainer:
         """Validation metrics over the whole validation set, identical for any number of ranks."""
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
-        batches = self.val_loader.batches()
-        if self.cfg.limit_val_batches:
-            batches = islice(batches, self.cfg.limit_val_batches)
-        for inputs, targets in batches:
+        for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
             with self.precision.autocast():
                 outputs = self.model(inputs)
             for key, value in self.task.eval_sums(outputs, targets).items():
                 sums[key] = sums.get(key, 0) + value.double()
         self.model.train()
-        keys = sorted(sums) if sums else ["count"]
-        stacked = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64) for k in keys])
-        stacked = all_reduce_sum(self.dist, stacked.to(self.device)).cpu()
-        totals = dict(zip(keys, stacked))
-        if float(totals.get("count", 0)) == 0:
-            return {}
-        return {f"val/{k}": v for k, v in metrics_from_sums(totals).items()}
+        keys = sorted(sums)  # the same task, so the same keys on every rank
+        totals = all_reduce_sum(self.dist, torch.stack([sums[k] for k in keys]).to(self.device)).cpu()
+        return {f"val/{k}": v for k, v in metrics_from_sums(dict(zip(keys, totals))).items()}
 
     def _evaluate_and_checkpoint(self, progress: Progress, batches_per_epoch: int, logger: RunLogger) -> dict[str, float]:
         metrics = self.evaluate()

@@ -7,7 +7,6 @@ reaches the entropy floor log(branching) (log 4 = 1.39 by default), far below lo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +37,6 @@ class TokensConfig:
                     f"data.{name}={getattr(self, name)} is less than one sequence of "
                     f"data.seq_len={self.seq_len} tokens; raise it or lower the sequence length"
                 )
-
-    @property
-    def entropy_floor(self) -> float:
-        """The lowest loss any model can reach: the entropy of one step of the chain."""
-        return math.log(self.branching)
 
 
 def markov_sequences(

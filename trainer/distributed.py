@@ -8,7 +8,6 @@ Global rank (`rank`) and node-local rank (`local_rank`) are kept apart: nothing 
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -19,11 +18,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-log = logging.getLogger(__name__)
-
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 class DistributedSetupError(RuntimeError):
     """The process group or device cannot be set up as configured; message says the fix."""
@@ -147,15 +141,6 @@ def all_reduce_sum(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     if info.is_distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-def any_rank_true(info: DistInfo, flag: bool) -> bool:
-    """True on every rank if `flag` is true on any rank (to stop all ranks together)."""
-    if not info.is_distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
 
 
 # --- starting workers without torchrun ------------------------------------------------------

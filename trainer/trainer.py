@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -38,9 +37,6 @@ from trainer.logger import RunLogger
 from trainer.optim import LRSchedule, build_optimizer
 from trainer.precision import Precision
 from trainer.strategy import gradient_sync, wrap_model
-
-log = logging.getLogger("ringtrain")
-
 
 @dataclass
 class Progress:

@@ -17,6 +17,7 @@ from trainer.cli import (
     refuse_multirun_under_torchrun,
     strip_legacy_local_rank_arg,
 )
+from trainer.distributed import exit_rank, under_torchrun
 from trainer.errors import exit_on_user_error
 from trainer.run import run
 from trainer.sweep import register_resolvers
@@ -36,3 +37,5 @@ if __name__ == "__main__":
     sys.argv = argv + hydra_overrides_for_this_rank()
     register_resolvers()
     main()
+    if under_torchrun():  # errors exit inside main(); here the rank finished cleanly
+        exit_rank(0)

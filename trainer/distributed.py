@@ -8,12 +8,13 @@ Global rank (`rank`) and node-local rank (`local_rank`) are kept apart: nothing 
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,24 @@ def teardown_distributed(clean_exit: bool = True) -> None:
     dist.destroy_process_group()
 
 
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank's process after a clean teardown, without Python's interpreter finalisation.
+
+    torch's gloo backend keeps its worker threads after destroy_process_group, and they free
+    the last collectives' work objects a moment later. Freeing the Python tensors those hold
+    takes the GIL; if the interpreter is finalising by then, Python ends the thread and the
+    process aborts (std::terminate, SIGABRT), so torchrun reports a failed job after a run that
+    succeeded. A core dump showed it: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> take
+    the GIL during Py_FinalizeEx (about 1 in 70 two-rank runs here). Nothing of ours needs
+    finalising: logs and the standard streams are flushed first; event files and checkpoints
+    are closed by then.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def barrier(info: DistInfo) -> None:
     if info.is_distributed:
         dist.barrier()
@@ -168,7 +187,8 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
     )
     result = fn(*args)
     if local_rank == 0:
-        results.put(result)
+        results.put(result)  # written to the pipe before returning
+    exit_rank(0)
 
 
 def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:

@@ -92,6 +92,8 @@ def test_debug_profiler_writes_a_trace_tensorboard_can_open(tmp_path):
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {f"ProfilerStep#{i}" for i in range(2, 7)}  # 5 steps after 2 to settle
     assert any("aten::scaled_dot_product_attention" in e.get("name", "") for e in events)
+    # Under the profiler the optimizer takes the plain step(), so its ranges are in the trace.
+    assert sum(e.get("name") == "Optimizer.step#SGD.step" for e in events) == 5
 
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not here")

@@ -164,6 +164,52 @@ def test_adamw_decays_matrices_but_not_biases_or_norms():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+def test_fast_backward_gives_the_gradients_of_loss_backward_bit_for_bit():
+    from models.transformer import TransformerConfig
+    from trainer.fastpath import backward
+
+    torch.manual_seed(0)
+    model = build_model("transformer", TransformerConfig(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1))
+    tokens = torch.randint(0, 11, (4, 8))
+    grads = []
+    for run_backward in (lambda loss: loss.backward(), backward):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout masks
+        logits = model(tokens)
+        run_backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert len(grads[1]) == len(list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    {"momentum": 0.5, "dampening": 0.3, "maximize": True},
+])
+def test_fast_sgd_step_is_sgd_step_bit_for_bit(options):
+    from trainer.fastpath import optimizer_step
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, foreach=False, **options) for m in models]
+    for step in range(4):
+        inputs = torch.randn(8, 3)
+        for model in models:
+            model.zero_grad(set_to_none=True)
+            model(inputs).square().mean().backward()
+        models[1][0].bias.grad = None  # a parameter without a gradient is skipped, as step() does
+        models[0][0].bias.grad = None
+        optimizers[0].step()
+        optimizer_step(optimizers[1])
+        assert_same_weights(models[0].state_dict(), models[1].state_dict(), atol=0)
+    plain, fast = (o.state_dict() for o in optimizers)
+    assert plain["param_groups"] == fast["param_groups"]
+    assert plain["state"].keys() == fast["state"].keys()
+    for key, state in plain["state"].items():
+        assert torch.equal(state["momentum_buffer"], fast["state"][key]["momentum_buffer"])
+
+
 def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path, monkeypatch):
     import os
 

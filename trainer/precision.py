@@ -10,6 +10,8 @@ import contextlib
 
 import torch
 
+from trainer.fastpath import backward, optimizer_step
+
 
 class Precision:
     def __init__(self, name: str, device: torch.device):
@@ -25,10 +27,7 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+        backward(loss if self.scaler is None else self.scaler.scale(loss))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients back to their true scale (before clipping or reading their norm)."""
@@ -38,7 +37,7 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer step; with 16-mixed it is skipped when gradients overflowed."""
         if self.scaler is None:
-            optimizer.step()
+            optimizer_step(optimizer)
         else:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -5,14 +5,14 @@ import os
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 
 from data import DATASETS, TASKS, DataError, build_data
 from data.classification import ClassificationConfig, build_classification
 from data.regression import RegressionConfig, build_regression
 from data.text import TextConfig, build_text, check_text_file
 from data.tokens import TokensConfig, build_tokens
-from trainer.loaders import build_train_loader, build_val_loader
+from trainer.loaders import ShuffledShards, build_train_loader, build_val_loader
 
 CPU = torch.device("cpu")
 
@@ -181,6 +181,19 @@ def test_gathered_batches_equal_a_torch_dataloader_in_the_same_order(rank, world
     # Resuming mid-epoch skips exactly the batches already seen, on both paths.
     assert torch.equal(next(fast.batches(1, skip_batches=3))[0], list(slow.batches(1))[3][0])
     assert torch.equal(next(slow.batches(1, skip_batches=3))[0], list(fast.batches(1))[3][0])
+
+
+@pytest.mark.parametrize("length,world_size", [(10, 1), (10, 3), (7, 4), (2, 5), (12, 4)])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_training_order_is_distributed_samplers_index_for_index(length, world_size, shuffle, drop_last):
+    for rank in range(world_size):
+        ours = ShuffledShards(length, rank, world_size, seed=3, shuffle=shuffle, drop_last=drop_last)
+        theirs = DistributedSampler(range(length), world_size, rank, shuffle=shuffle, seed=3, drop_last=drop_last)
+        assert len(ours) == len(theirs)
+        for epoch in (0, 1, 7):
+            theirs.set_epoch(epoch)
+            assert ours.indices(epoch).tolist() == list(theirs)
 
 
 def test_epochs_shuffle_differently_and_ranks_split_each_epoch_exactly():

@@ -4,18 +4,20 @@ Every built-in data set is an in-memory tensor with `get_batch(indices)`. The lo
 the samples of GATHER_BATCHES batches with one indexing operation and splits the result into
 batch views, instead of `batch_size` Python `__getitem__` calls plus a collate per batch: for
 small models that per-sample work is most of the tutorial loop's time. Any other torch
-Dataset goes through a torch DataLoader with the same sampler.
+Dataset goes through a torch DataLoader with the same order.
 
-The same DistributedSampler (shuffle, seed, epoch) orders the data for one process and for
-many, so rank r of N sees exactly every N-th sample of the single-process order: a DDP run with
-per-rank batch B consumes the same samples per step as one process with batch N*B.
+Orders are index tensors, never Python lists (a list of a million indices costs ~90 ms an
+epoch to build). The training order is DistributedSampler's, index for index, so rank r of N
+sees exactly every N-th sample of the single-process order: a DDP run with per-rank batch B
+consumes the same samples per step as one process with batch N*B.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import math
+from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 # Batches per gather: amortises the indexing call while bounding the extra memory to a few
 # dozen batches.
@@ -24,17 +26,46 @@ GATHER_BATCHES = 32
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class ShardSampler:
+class ShuffledShards:
+    """This rank's training order of each epoch: `DistributedSampler(dataset, world_size, rank,
+    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py)."""
+
+    def __init__(self, length: int, rank: int, world_size: int, seed: int, shuffle: bool, drop_last: bool):
+        self.length, self.rank, self.world_size = length, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        if drop_last and length % world_size:
+            per_rank = math.ceil((length - world_size) / world_size)  # drop the tail
+        else:
+            per_rank = math.ceil(length / world_size)  # pad with the first indices again
+        self.per_rank = per_rank
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.length, generator=generator)
+        else:
+            order = torch.arange(self.length)
+        total = self.per_rank * self.world_size
+        if total > self.length:  # repeat the order until every rank has per_rank samples
+            order = order.repeat(math.ceil(total / self.length))
+        return order[self.rank : total : self.world_size]
+
+
+class Shards:
     """rank, rank+N, rank+2N, ...: each validation sample on exactly one rank, no padding."""
 
     def __init__(self, length: int, rank: int, world_size: int):
-        self.indices = range(rank, length, world_size)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+        self.length, self.rank, self.world_size = length, rank, world_size
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(range(self.rank, self.length, self.world_size))
+
+    def indices(self, epoch: int = 0) -> torch.Tensor:
+        return torch.arange(self.rank, self.length, self.world_size)
 
 
 class BatchLoader:
@@ -42,43 +73,40 @@ class BatchLoader:
         self,
         dataset: Dataset,
         batch_size: int,
-        sampler: Iterable[int],
+        order: ShuffledShards | Shards,
         device: torch.device,
         drop_last: bool = False,
         limit_batches: int = 0,
     ):
         self.dataset = dataset
         self.batch_size = batch_size
-        self.sampler = sampler
+        self.order = order
         self.device = device
         self.drop_last = drop_last
         self.limit_batches = limit_batches  # > 0: only the first batches of each epoch
 
     def __len__(self) -> int:
         """Batches per epoch."""
-        n = len(self.sampler)
+        n = len(self.order)
         batches = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
         return min(batches, self.limit_batches) if self.limit_batches else batches
 
     def batches(self, epoch: int = 0, skip_batches: int = 0) -> Iterator[Batch]:
         """The batches of `epoch`, on the device, from batch `skip_batches` on (for resuming)."""
-        if isinstance(self.sampler, DistributedSampler):
-            self.sampler.set_epoch(epoch)
+        indices = self.order.indices(epoch)[skip_batches * self.batch_size : len(self) * self.batch_size]
         if not hasattr(self.dataset, "get_batch"):
-            yield from self._dataloader_batches(skip_batches)
+            yield from self._dataloader_batches(indices)
             return
-        indices = torch.tensor(list(self.sampler), dtype=torch.long)[: len(self) * self.batch_size]
         chunk = GATHER_BATCHES * self.batch_size
-        for start in range(skip_batches * self.batch_size, len(indices), chunk):
+        for start in range(0, len(indices), chunk):
             inputs, targets = self.dataset.get_batch(indices[start : start + chunk])
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
 
-    def _dataloader_batches(self, skip_batches: int) -> Iterator[Batch]:
+    def _dataloader_batches(self, indices: torch.Tensor) -> Iterator[Batch]:
         loader = DataLoader(
-            self.dataset, batch_size=self.batch_size,
-            sampler=list(self.sampler)[skip_batches * self.batch_size : len(self) * self.batch_size],
+            self.dataset, batch_size=self.batch_size, sampler=indices.tolist(),
             drop_last=self.drop_last, pin_memory=self.device.type == "cuda",
         )
         for inputs, targets in loader:
@@ -88,10 +116,8 @@ class BatchLoader:
 def build_train_loader(
     dataset, batch_size, rank, world_size, seed, drop_last, device, shuffle=True, limit_batches=0
 ) -> BatchLoader:
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-    )
-    return BatchLoader(dataset, batch_size, sampler, device, drop_last=drop_last, limit_batches=limit_batches)
+    order = ShuffledShards(len(dataset), rank, world_size, seed, shuffle, drop_last)
+    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, limit_batches=limit_batches)
 
 
 def build_val_loader(
@@ -100,4 +126,4 @@ def build_val_loader(
     """Each sample on exactly one rank; `limit_samples` > 0 validates on the first samples only,
     `limit_batches` > 0 on each rank's first batches only."""
     length = min(len(dataset), limit_samples) if limit_samples else len(dataset)
-    return BatchLoader(dataset, batch_size, ShardSampler(length, rank, world_size), device, limit_batches=limit_batches)
+    return BatchLoader(dataset, batch_size, Shards(length, rank, world_size), device, limit_batches=limit_batches)

@@ -85,11 +85,11 @@ class Trainer:
         progress = self._restore(resumed) if resumed else Progress()
 
         metrics: dict[str, float] = {}
-        started = time.perf_counter()
         with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler:
             logger.config(self.run.resolved)
             logger.advance(progress.step)
             meter = TrainMeter()
+            started = time.perf_counter()  # the loop's time: set-up and imports are not in it
             while progress.step < total_steps:
                 epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
                 for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):

@@ -34,10 +34,9 @@ class ShuffledShards:
         self.length, self.rank, self.world_size = length, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         if drop_last and length % world_size:
-            per_rank = math.ceil((length - world_size) / world_size)  # drop the tail
+            self.per_rank = math.ceil((length - world_size) / world_size)  # drop the tail
         else:
-            per_rank = math.ceil(length / world_size)  # pad with the first indices again
-        self.per_rank = per_rank
+            self.per_rank = math.ceil(length / world_size)  # pad with the first indices again
 
     def __len__(self) -> int:
         return self.per_rank
@@ -65,6 +64,7 @@ class Shards:
         return len(range(self.rank, self.length, self.world_size))
 
     def indices(self, epoch: int = 0) -> torch.Tensor:
+        """The same every epoch."""
         return torch.arange(self.rank, self.length, self.world_size)
 
 

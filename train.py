@@ -4,7 +4,9 @@
     python train.py model=transformer                 # any group=option / key=value overrides
     torchrun --nproc_per_node=2 train.py strategy=ddp
     python train.py -m optimizer.lr=1e-3,3e-3         # a sweep
+    python train.py --config-dir my_conf model=my_net # your own components (README)
 """
+import os
 import sys
 
 import hydra
@@ -30,6 +32,9 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would: Python puts
+    # this script's folder on the path, not the current directory.
+    sys.path.insert(1, os.getcwd())
     with exit_on_user_error():
         argv = strip_legacy_local_rank_arg(sys.argv)
         refuse_multirun_under_torchrun(argv)

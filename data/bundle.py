@@ -1,11 +1,18 @@
-"""What every data set builder returns, and the checks their configs share."""
+"""What ringtrain trains on: a data component's train and validation splits, the sizes they
+dictate to the model, and (for text) the vocabulary to decode samples with.
+
+A data component is anything a `_target_` builds that has `train` and `val` Datasets. If it
+also has `setup()`, it follows LightningDataModule's contract: the constructor only stores
+and checks its arguments (ringtrain builds it once during validation, before any work, to
+catch mistakes), and `setup()` builds the splits, on every rank. ringtrain's own data sets
+(regression, classification, tokens, text, token_file, cifar10) are such `DataModule`s.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch.utils.data import Dataset
-
-from data.tasks import Task
 
 
 class DataError(ValueError):
@@ -16,13 +23,34 @@ class DataError(ValueError):
 class DataBundle:
     train: Dataset
     val: Dataset
-    task: Task
-    # Model sizes the data dictates, e.g. {"vocab_size": 65}; filled into the model config.
-    model_dims: dict[str, int]
+    # Model sizes the data dictates, e.g. {"vocab_size": 65}: a model argument of that name
+    # that the config leaves unset is filled with it.
+    dims: dict[str, int] = field(default_factory=dict)
+    # How to decode token ids back to text (data/vocab.py), for text data; kept in checkpoints.
+    vocab: dict[str, Any] | None = None
 
 
-def check_positive_ints(config: object, *names: str) -> None:
+class DataModule:
+    """Base of ringtrain's data components: a cheap, checking constructor, then `setup()`.
+
+    `dims` is known from the constructor's arguments where it can be (so a model that does not
+    fit is refused before any data is built); a size whose value only `setup()` can know is
+    listed with the value None. `train` and `val` exist after `setup()`.
+    """
+
+    train: Dataset
+    val: Dataset
+    vocab: dict[str, Any] | None = None
+
+    def __init__(self) -> None:
+        self.dims: dict[str, int] = {}
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+
+def check_positive_ints(owner: object, *names: str) -> None:
     for name in names:
-        value = getattr(config, name)
+        value = getattr(owner, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"data.{name}={value!r} must be a positive integer")

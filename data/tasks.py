@@ -6,11 +6,16 @@ A task turns model outputs and targets into
 Sums, not means, so that batches and ranks add up exactly: the validation metric of N ranks
 is their summed sums over their summed counts, equal to the single-process metric. Every sum
 is a tensor on the targets' device, so the sums of a batch stack and all-reduce as one.
-`monitor` names the metric a sweep optimises and best.pt is chosen by, `mode` its direction.
+`monitor` names the metric a sweep optimises and best.pt is chosen by, `mode` its direction;
+both are constructor arguments, so `task.monitor=val/loss task.mode=min` overrides them.
+
+A user's own task is any object with `loss`, `eval_sums`, `monitor` and `mode`; for a plain
+loss function, `LossTask(loss=..., metrics={...})` builds one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +70,43 @@ class LanguageModelTask:
         return {"loss": loss, "count": torch.tensor(float(targets.numel()), device=targets.device)}
 
 
-Task = RegressionTask | ClassificationTask | LanguageModelTask
+@dataclass(frozen=True)
+class LossTask:
+    """A user's loss callable (and optional metric callables), e.g. `torch.nn.SmoothL1Loss()`.
+
+    Each callable takes (outputs, targets) and returns the batch *mean*; validation weights
+    each batch's mean by its number of samples, so the metric over any split into batches and
+    ranks equals the mean over the whole set. Metrics are reported as val/<name>.
+    """
+
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    monitor: str = "val/loss"
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        for name, fn in {"loss": self.loss, **dict(self.metrics)}.items():
+            if not callable(fn):
+                raise ValueError(f"task.{name} must be callable (outputs, targets) -> mean, got {fn!r}")
+        if "count" in self.metrics or "loss" in self.metrics:
+            raise ValueError("task.metrics cannot be named 'loss' or 'count'; those are ringtrain's own")
+
+    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = float(len(targets))
+        sums = {name: fn(outputs, targets).detach().double() * n for name, fn in {"loss": self.loss, **dict(self.metrics)}.items()}
+        sums["count"] = torch.tensor(n, dtype=torch.float64, device=targets.device)
+        return sums
+
+
+Task = RegressionTask | ClassificationTask | LanguageModelTask | LossTask
+
+
+def check_monitor(task) -> None:
+    """The monitored metric must be one the task reports, and its direction min or max."""
+    if getattr(task, "mode", None) not in ("min", "max"):
+        raise ValueError(f"task.mode={getattr(task, 'mode', None)!r} must be min or max")
+    if not str(getattr(task, "monitor", "")).startswith("val/"):
+        raise ValueError(f"task.monitor={getattr(task, 'monitor', None)!r} must name a validation metric, e.g. val/loss")
 
 
 def metrics_from_sums(totals: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -13,31 +13,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from data.bundle import DataBundle, DataError, check_positive_ints
-from data.tasks import LanguageModelTask
+from data.bundle import DataError, DataModule, check_positive_ints
 from data.tensors import SequenceDataset, windows_of
 
 log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 1
-
-
-@dataclass
-class TextConfig:
-    path: str = ""
-    seq_len: int = 64
-    val_fraction: float = 0.1
-    cache_dir: str = "~/.cache/ringtrain"
-
-    def __post_init__(self) -> None:
-        check_positive_ints(self, "seq_len")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction={self.val_fraction} must be between 0 and 1, e.g. 0.1")
 
 
 def check_text_file(path: str) -> None:
@@ -74,10 +59,10 @@ def encode_text(text: str) -> tuple[str, torch.Tensor]:
     return vocab, ids.to(dtype)
 
 
-def load_encoded(config: TextConfig) -> tuple[str, torch.Tensor]:
+def load_encoded(path: str, cache_dir: str) -> tuple[str, torch.Tensor]:
     """The file's vocabulary and ids, from the cache when the file has not changed."""
-    file = Path(config.path).expanduser().resolve()
-    cache = _cache_path(file, config.cache_dir)
+    file = Path(path).expanduser().resolve()
+    cache = _cache_path(file, cache_dir)
     if cache is not None and cache.exists():
         try:
             state = torch.load(cache, weights_only=True)
@@ -89,7 +74,7 @@ def load_encoded(config: TextConfig) -> tuple[str, torch.Tensor]:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(
-            f"data.path={config.path!r} is not UTF-8 text (byte {err.start}); convert it to UTF-8 first"
+            f"data.path={path!r} is not UTF-8 text (byte {err.start}); convert it to UTF-8 first"
         ) from None
     vocab, ids = encode_text(text)
     if cache is not None:
@@ -97,24 +82,32 @@ def load_encoded(config: TextConfig) -> tuple[str, torch.Tensor]:
     return vocab, ids
 
 
-def build_text(config: TextConfig) -> DataBundle:
-    check_text_file(config.path)
-    vocab, ids = load_encoded(config)
-    split = int(len(ids) * (1 - config.val_fraction))
-    train_ids, val_ids = ids[:split], ids[split:]
-    for name, part in (("training", train_ids), ("validation", val_ids)):
-        if len(part) < config.seq_len + 1:
-            raise DataError(
-                f"data.path={config.path!r} gives {len(part)} {name} characters, fewer than one "
-                f"window of data.seq_len + 1 = {config.seq_len + 1}; use a longer file, a smaller "
-                f"seq_len (model.block_size) or another data.val_fraction"
-            )
-    return DataBundle(
-        train=SequenceDataset(windows_of(train_ids, config.seq_len)),
-        val=SequenceDataset(windows_of(val_ids, config.seq_len)),
-        task=LanguageModelTask(),
-        model_dims={"vocab_size": len(vocab)},
-    )
+class CharText(DataModule):
+    """Character-level windows of a UTF-8 file; `vocab_size` and the vocabulary come from it."""
+
+    def __init__(self, path: str, seq_len: int = 64, val_fraction: float = 0.1, cache_dir: str = "~/.cache/ringtrain"):
+        self.path, self.seq_len, self.val_fraction, self.cache_dir = path, seq_len, val_fraction, cache_dir
+        check_positive_ints(self, "seq_len")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
+        check_text_file(path)
+        self.dims = {"vocab_size": None}  # given, but known only once setup() has read the file
+
+    def setup(self) -> None:
+        vocab, ids = load_encoded(self.path, self.cache_dir)
+        split = int(len(ids) * (1 - self.val_fraction))
+        train_ids, val_ids = ids[:split], ids[split:]
+        for name, part in (("training", train_ids), ("validation", val_ids)):
+            if len(part) < self.seq_len + 1:
+                raise DataError(
+                    f"data.path={self.path!r} gives {len(part)} {name} characters, fewer than one "
+                    f"window of data.seq_len + 1 = {self.seq_len + 1}; use a longer file, a smaller "
+                    f"seq_len (model.block_size) or another data.val_fraction"
+                )
+        self.train = SequenceDataset(windows_of(train_ids, self.seq_len))
+        self.val = SequenceDataset(windows_of(val_ids, self.seq_len))
+        self.dims = {"vocab_size": len(vocab)}
+        self.vocab = {"kind": "char", "chars": vocab}
 
 
 def _cache_path(file: Path, cache_dir: str) -> Path | None:

@@ -7,36 +7,10 @@ reaches the entropy floor log(branching) (log 4 = 1.39 by default), far below lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from data.bundle import DataBundle, check_positive_ints
-from data.tasks import LanguageModelTask
+from data.bundle import DataModule, check_positive_ints
 from data.tensors import SequenceDataset
-
-
-@dataclass
-class TokensConfig:
-    vocab_size: int = 64
-    seq_len: int = 64
-    num_train_tokens: int = 200000
-    num_val_tokens: int = 20000
-    branching: int = 4
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_positive_ints(self, "vocab_size", "seq_len", "branching")
-        if not 1 <= self.branching <= self.vocab_size:
-            raise ValueError(
-                f"data.branching={self.branching} must be between 1 and data.vocab_size={self.vocab_size}"
-            )
-        for name in ("num_train_tokens", "num_val_tokens"):
-            if getattr(self, name) < self.seq_len:
-                raise ValueError(
-                    f"data.{name}={getattr(self, name)} is less than one sequence of "
-                    f"data.seq_len={self.seq_len} tokens; raise it or lower the sequence length"
-                )
 
 
 def markov_sequences(
@@ -80,14 +54,32 @@ def random_successors(vocab_size: int, branching: int, generator: torch.Generato
     return torch.cat(blocks)
 
 
-def build_tokens(config: TokensConfig) -> DataBundle:
-    generator = torch.Generator().manual_seed(config.seed)
-    successors = random_successors(config.vocab_size, config.branching, generator)
-    train = markov_sequences(successors, config.num_train_tokens // config.seq_len, config.seq_len, generator)
-    val = markov_sequences(successors, config.num_val_tokens // config.seq_len, config.seq_len, generator)
-    return DataBundle(
-        train=SequenceDataset(train),
-        val=SequenceDataset(val),
-        task=LanguageModelTask(),
-        model_dims={"vocab_size": config.vocab_size},
-    )
+class MarkovTokens(DataModule):
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        seq_len: int = 64,
+        num_train_tokens: int = 200000,
+        num_val_tokens: int = 20000,
+        branching: int = 4,
+        seed: int = 0,
+    ) -> None:
+        self.vocab_size, self.seq_len, self.branching, self.seed = vocab_size, seq_len, branching, seed
+        self.num_train_tokens, self.num_val_tokens = num_train_tokens, num_val_tokens
+        check_positive_ints(self, "vocab_size", "seq_len", "branching")
+        if not 1 <= branching <= vocab_size:
+            raise ValueError(f"data.branching={branching} must be between 1 and data.vocab_size={vocab_size}")
+        for name in ("num_train_tokens", "num_val_tokens"):
+            if getattr(self, name) < seq_len:
+                raise ValueError(
+                    f"data.{name}={getattr(self, name)} is less than one sequence of "
+                    f"data.seq_len={seq_len} tokens; raise it or lower the sequence length"
+                )
+        self.dims = {"vocab_size": vocab_size}
+
+    def setup(self) -> None:
+        generator = torch.Generator().manual_seed(self.seed)
+        successors = random_successors(self.vocab_size, self.branching, generator)
+        train = markov_sequences(successors, self.num_train_tokens // self.seq_len, self.seq_len, generator)
+        val = markov_sequences(successors, self.num_val_tokens // self.seq_len, self.seq_len, generator)
+        self.train, self.val = SequenceDataset(train), SequenceDataset(val)

@@ -1,56 +1,37 @@
 """Multi-layer perceptron classifier: in_features -> hidden_sizes -> num_classes logits."""
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 
-@dataclass
-class MLPConfig:
-    # in_features and num_classes come from the data set (3072 = 3*32*32 images, 10 classes).
-    in_features: int = 3072
-    num_classes: int = 10
-    hidden_sizes: list[int] = field(default_factory=lambda: [512])
-    dropout: float = 0.0
+class MLPClassifier(nn.Module):
+    """Linear -> ReLU -> Dropout for each hidden size, then a Linear to the class logits.
 
-    def __post_init__(self) -> None:
-        for name in ("in_features", "num_classes"):
-            value = getattr(self, name)
+    in_features and num_classes normally come from the data set (3072 = 3*32*32 images and
+    10 classes for CIFAR-10 and the synthetic classification task).
+    """
+
+    def __init__(
+        self, in_features: int, num_classes: int, hidden_sizes: Sequence[int] = (512,), dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        for name, value in (("in_features", in_features), ("num_classes", num_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"model.{name}={value!r} must be a positive integer; "
-                    f"it is set from the data set, so fix it on the data side"
-                )
-        sizes = self.hidden_sizes
-        if (
-            not isinstance(sizes, (list, tuple))
-            or not sizes
-            or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sizes)
-        ):
+                raise ValueError(f"model.{name}={value!r} must be a positive integer")
+        if not hidden_sizes or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in hidden_sizes):
             raise ValueError(
-                f"model.hidden_sizes={sizes!r} must be a non-empty list of positive integers; "
+                f"model.hidden_sizes={list(hidden_sizes)!r} must be a non-empty list of positive integers; "
                 f"e.g. model.hidden_sizes=[512] or [512,256]"
             )
-        self.hidden_sizes = list(sizes)  # a tuple from code or a ListConfig copy: store a list
-        is_number = isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
-        if not is_number or not 0 <= self.dropout < 1:
-            raise ValueError(
-                f"model.dropout={self.dropout!r} must be in [0, 1); use 0.0 to disable dropout"
-            )
-
-
-class MLPClassifier(nn.Module):
-    """Linear -> ReLU -> Dropout for each hidden size, then a Linear to the class logits."""
-
-    def __init__(self, config: MLPConfig) -> None:
-        super().__init__()
-        self.config = config
+        if not 0 <= dropout < 1:
+            raise ValueError(f"model.dropout={dropout!r} must be in [0, 1); use 0.0 to disable dropout")
         layers: list[nn.Module] = []
-        width = config.in_features
-        for hidden in config.hidden_sizes:
-            layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(config.dropout)]
+        width = in_features
+        for hidden in hidden_sizes:
+            layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout)]
             width = hidden
-        layers.append(nn.Linear(width, config.num_classes))
+        layers.append(nn.Linear(width, num_classes))
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,23 +9,20 @@ from torch import nn
 
 @dataclass
 class TransformerConfig:
-    vocab_size: int = 0  # filled in from the data set before the model is built
-    block_size: int = 128  # longest context the model accepts (size of the position table)
-    n_layers: int = 4
-    n_heads: int = 4
-    d_model: int = 128
-    d_ff: int = 0  # hidden width of each MLP; 0 means 4 * d_model
-    dropout: float = 0.1
-    bias: bool = True  # biases in the Linear layers and LayerNorms
-    tie_weights: bool = True  # lm_head shares the token embedding matrix
+    """The model's shape, checked; `Transformer(**fields)` builds it (defaults live there)."""
+
+    vocab_size: int  # from the data set: the vocabulary of the text or token file
+    block_size: int  # longest context the model accepts (size of the position table)
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_ff: int  # hidden width of each MLP; 0 means 4 * d_model
+    dropout: float
+    bias: bool  # biases in the Linear layers and LayerNorms
+    tie_weights: bool  # lm_head shares the token embedding matrix
 
     def __post_init__(self) -> None:
-        if not _is_int(self.vocab_size) or self.vocab_size <= 0:
-            raise ValueError(
-                f"model.vocab_size={self.vocab_size!r} must be positive (it is set from the data set); "
-                f"build the data set first and pass its vocab_size"
-            )
-        for name in ("block_size", "n_layers", "n_heads", "d_model"):
+        for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"model.{name}={value!r} must be a positive integer; use 1 or more")
@@ -111,9 +108,22 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Token + position embeddings, n_layers Blocks, final LayerNorm, linear head to logits."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        d_model: int = 128,
+        d_ff: int = 0,
+        dropout: float = 0.1,
+        bias: bool = True,
+        tie_weights: bool = True,
+    ) -> None:
         super().__init__()
-        self.config = config
+        self.config = config = TransformerConfig(
+            vocab_size, block_size, n_layers, n_heads, d_model, d_ff, dropout, bias, tie_weights
+        )
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.block_size, config.d_model)
         self.dropout = nn.Dropout(config.dropout)

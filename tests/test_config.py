@@ -6,10 +6,9 @@ import itertools
 import pytest
 
 from conftest import CONF_DIR, compose_config, run_cli
-from data import build_data
-from models import build_model
-from trainer.config import COMPATIBLE_DATA, ConfigError, validate
-from trainer.run import _with_data_sizes
+from trainer.builders import build_data, build_model
+from trainer.config import validate
+from trainer.errors import ConfigError
 
 # Sizes that keep building every data set fast; they do not change what is being checked.
 SMALL_DATA = {
@@ -29,17 +28,34 @@ def test_every_group_has_its_expected_options():
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
     assert _options("strategy") == ["ddp", "dp", "single"]
+    assert _options("task") == ["classification", "language_model", "regression"]
 
 
-@pytest.mark.parametrize(
-    "model,data", [(m, d) for m, ds in COMPATIBLE_DATA.items() for d in ds if d != "text"]
-)
+def test_every_component_option_is_a_target_node():
+    """No name-to-class registry: each built-in option is a YAML `_target_`."""
+    for group in ("model", "data", "task", "optimizer", "scheduler"):
+        for option in _options(group):
+            node = compose_config([f"{group}={option}"] + (["data.path=README.md"] if option == "text" else []))[group]
+            assert "_target_" in node and "name" not in node, (group, option)
+
+
+FITTING = [("linear", "regression"), ("mlp", "classification"), ("transformer", "tokens")]
+
+
+@pytest.mark.parametrize("model,data", FITTING)
 def test_every_model_data_pair_composes_validates_and_builds(model, data):
     run = validate(compose_config([f"model={model}", f"data={data}", *SMALL_DATA[data]]))
-    bundle = build_data(run.data_name, run.data)
-    net = build_model(run.model_name, _with_data_sizes(run.model, bundle.model_dims))
+    bundle = build_data(run.data)
+    net = build_model(run.model, bundle.dims)
     inputs, _ = bundle.train.get_batch(__import__("torch").arange(2))
     assert net(inputs).shape[0] == 2
+
+
+@pytest.mark.parametrize("model,data", [(m, d) for m, _ in FITTING for _, d in FITTING if (m, d) not in FITTING])
+def test_a_model_the_data_does_not_fit_is_refused_naming_the_missing_size(model, data):
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config([f"model={model}", f"data={data}"]))
+    assert "is required by models." in str(info.value) and "pick data that gives it" in str(info.value)
 
 
 def test_text_data_composes_and_builds(tmp_path):
@@ -47,8 +63,9 @@ def test_text_data_composes_and_builds(tmp_path):
     text.write_text("hello world, hello ringtrain. " * 200, encoding="utf-8")
     run = validate(compose_config(["model=transformer", "data=text", f"data.path={text}",
                                    f"data.cache_dir={tmp_path / 'cache'}"]))
-    bundle = build_data(run.data_name, run.data)
-    assert bundle.model_dims["vocab_size"] == len(set(text.read_text()))
+    bundle = build_data(run.data)
+    assert bundle.dims["vocab_size"] == len(set(text.read_text()))
+    assert bundle.vocab == {"kind": "char", "chars": "".join(sorted(set(text.read_text())))}
 
 
 @pytest.mark.parametrize(
@@ -57,28 +74,37 @@ def test_text_data_composes_and_builds(tmp_path):
 )
 def test_every_optimizer_scheduler_strategy_option_validates(optimizer, scheduler, strategy):
     run = validate(compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}", f"strategy={strategy}"]))
-    assert (run.optimizer.name, run.scheduler.name, run.strategy.name) == (optimizer, scheduler, strategy)
+    expected = compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}"])
+    assert run.optimizer["_target_"] == expected.optimizer._target_ and run.strategy.name == strategy
+    assert run.scheduler["_target_"] == expected.scheduler._target_
 
 
-def test_model_choice_picks_a_fitting_data_set():
-    assert compose_config(["model=transformer"]).data.name == "tokens"
-    assert compose_config(["model=mlp"]).data.name == "classification"
-    assert compose_config([]).data.name == "regression"
-    assert compose_config(["model=transformer", "data=text"]).data.name == "text"
+def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
+    def chosen(overrides):
+        cfg = compose_config(overrides)
+        return cfg.data._target_.rsplit(".", 1)[1], cfg.task._target_.rsplit(".", 1)[1]
+
+    assert chosen(["model=transformer"]) == ("MarkovTokens", "LanguageModelTask")
+    assert chosen(["model=mlp"]) == ("ClassificationData", "ClassificationTask")
+    assert chosen([]) == ("RegressionData", "RegressionTask")
+    assert chosen(["model=transformer", "data=text"]) == ("CharText", "LanguageModelTask")
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["model=transformer", "data=regression"], "model=transformer cannot learn from data=regression"),
+        (["model=transformer", "data=regression"], "model.vocab_size is required by models.transformer.Transformer"),
         (["trainer.batch_size=0"], "trainer.batch_size=0 must be positive"),
         (["trainer.batch_size=abc"], "trainer.batch_size"),
         (["+trainer.bach_size=4"], "trainer.bach_size: unknown key"),
         (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
         (["trainer.precision=16-mixed", "trainer.accelerator=cpu"], "16-mixed needs a CUDA device"),
         (["trainer.max_epochs=0", "trainer.max_steps=0"], "set one of them positive"),
-        (["optimizer.lr=-1"], "optimizer.lr=-1.0 must be positive"),
-        (["optimizer.name=lion"], "optimizer.name='lion' is unknown"),
+        (["optimizer.lr=-1"], "optimizer (torch.optim.SGD): Invalid learning rate: -1"),
+        (["optimizer._target_=torch.optim.Lion"], "torch.optim has no module or attribute 'Lion'"),
+        (["scheduler=cosine", "scheduler.min_lr=1"], "scheduler.min_lr=1 exceeds optimizer.lr=0.01"),
+        (["trainer.precision=bf16"], "trainer.precision=bf16-mixed is the mixed-precision name here"),
+        (["trainer.persistent_workers=true"], "set trainer.num_workers >= 1"),
         (["model=transformer", "model.d_model=30", "model.n_heads=4"], "model.d_model"),
         (["model=transformer", "model.n_layers=0"], "model.n_layers"),
         (["model=mlp", "model.dropout=1.5"], "model.dropout"),
@@ -86,7 +112,7 @@ def test_model_choice_picks_a_fitting_data_set():
         (["model=transformer", "data=text"], "data.path is not set"),
         (["model=transformer", "data=text", "data.path=/nonexistent/x.txt"], "does not exist"),
         (["trainer.resume=/nonexistent/last.pt"], "trainer.resume='/nonexistent/last.pt' is not a file"),
-        (["model=mlp", "+model.in_features=5"], "model.in_features is set by the data set"),
+        (["model=mlp", "+model.in_features=5"], "model.in_features=5 but the data has in_features=3072"),
         (["model=transformer", "data.seq_len=128"], "data.seq_len=128 exceeds model.block_size=64"),
         (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
     ],
@@ -103,7 +129,7 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert errors == ["error: trainer.precision='fp8' is not supported; use one of 32, bf16-mixed, 16-mixed"]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists(), "a mistake caught before work starts leaves nothing on disk"
 
 
 @pytest.mark.parametrize(
@@ -111,14 +137,22 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):
     [
         (["trainer.bach_size=4"], "trainer.bach_size is not a setting of trainer; check the spelling (known: accelerator,"),
         (["strategy.nproc_per_node=2"], "strategy.nproc_per_node is not a setting of strategy=single; it belongs to strategy=ddp"),
-        (["model.d_model=64"], "model.d_model is not a setting of model=linear; it belongs to model=transformer"),
+        (["model.d_model=64"], "model.d_model is not a setting of this model; it belongs to model=transformer"),
         (["model=transfomer"], "model=transfomer is not an option of model; choose one of linear, mlp, transformer"),
         (["optimiser.lr=0.1"], "optimiser is not a config group; the groups are data, model, optimizer,"),
+        (["optimiser=adam"], "experiment, debug, hparams_search"),
+        (["trainer.devices=2"], "trainer.devices is not a setting here; use strategy=ddp strategy.nproc_per_node=N"),
+        (["trainer.fast_dev_run=true"], "use debug=fast_dev_run"),
+        (["ckpt_path=x.pt"], "use trainer.resume=<path to last.pt>"),
+        (["seed=42"], "seed is not a setting here; use trainer.seed"),
+        (["model.widht=3"], "model.widht is not set by this model (models.linear.LinearRegression)"),
         (["+trainer.seed=3"], "trainer.seed already exists, so +trainer.seed=... cannot add it"),
         (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' is a sweep; add -m"),
         (["optimizer.lr=["], "cannot read the override 'optimizer.lr=['"),
         # In a sweep, every job is composed ahead: the second model has no d_model.
-        (["-m", "model=transformer,mlp", "model.d_model=64"], "model.d_model is not a setting of model=mlp"),
+        (["-m", "model=transformer,mlp", "model.d_model=64"], "model.d_model is not a setting of this model"),
+        # ... and validated: the second job's learning rate is impossible.
+        (["-m", "optimizer.lr=0.1,-1"], "Invalid learning rate: -1"),
     ],
 )
 def test_command_line_mistakes_are_explained_before_hydra_runs(args, message):
@@ -146,9 +180,10 @@ def test_cli_unknown_override_key_exits_2_with_one_line(tmp_path):
 
 
 def test_cli_missing_text_file_names_the_fix(tmp_path):
-    proc = run_cli(["model=transformer", "data=text", "data.path=missing.txt", f"hydra.run.dir={tmp_path}"])
+    proc = run_cli(["model=transformer", "data=text", "data.path=missing.txt", f"hydra.run.dir={tmp_path / 'run'}"])
     assert proc.returncode == 2
     assert "data.path='missing.txt' does not exist" in proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_bad_checkpoint_fails_clearly_and_is_left_alone(tmp_path):

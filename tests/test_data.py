@@ -7,26 +7,32 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from data import DATASETS, TASKS, DataError, build_data
-from data.classification import ClassificationConfig, build_classification
-from data.regression import RegressionConfig, build_regression
-from data.text import TextConfig, build_text, check_text_file
-from data.tokens import TokensConfig, build_tokens
+from data import DataError
+from data.classification import ClassificationData
+from data.regression import RegressionData
+from data.tasks import ClassificationTask, LanguageModelTask, LossTask, RegressionTask
+from data.text import CharText, check_text_file
+from data.tokens import MarkovTokens
 from trainer.loaders import ShuffledShards, build_train_loader, build_val_loader
 
 CPU = torch.device("cpu")
 
 
-def test_every_data_set_trains_for_its_registered_task():
-    configs = {"regression": RegressionConfig(num_samples=64), "tokens": TokensConfig(num_train_tokens=640),
-               "classification": ClassificationConfig(num_samples=64, num_features=8)}
-    for name, config in configs.items():
-        assert type(build_data(name, config).task) is TASKS[name]
-    assert set(TASKS) == set(DATASETS)
+def made(data_class, **arguments):
+    """A data component built and set up, as each rank does."""
+    data = data_class(**arguments)
+    data.setup()
+    return data
+
+
+def test_data_components_know_the_model_sizes_they_give_before_setup():
+    assert RegressionData().dims == {"in_features": 1, "out_features": 1}
+    assert ClassificationData(num_features=8, num_classes=3).dims == {"in_features": 8, "num_classes": 3}
+    assert MarkovTokens(vocab_size=32).dims == {"vocab_size": 32}
 
 
 def test_regression_is_the_tutorial_line_with_its_noise():
-    data = build_regression(RegressionConfig())
+    data = made(RegressionData)
     x, y = data.train.inputs, data.train.targets
     residual = y - (2 * x + 3)
     assert len(data.train) == 10000 and len(data.val) == 1000
@@ -34,7 +40,7 @@ def test_regression_is_the_tutorial_line_with_its_noise():
 
 
 def test_classification_is_learnable_far_above_chance():
-    data = build_classification(ClassificationConfig(num_features=64, num_samples=4000, num_val_samples=1000))
+    data = made(ClassificationData, num_features=64, num_samples=4000, num_val_samples=1000)
     x, y = data.train.inputs, data.train.targets
     centres = torch.stack([x[y == c].mean(0) for c in range(10)])
     guess = torch.cdist(data.val.inputs, centres).argmin(1)  # nearest class mean, learned from train
@@ -42,19 +48,19 @@ def test_classification_is_learnable_far_above_chance():
 
 
 def test_tokens_follow_a_fixed_chain_with_the_promised_branching():
-    config = TokensConfig(vocab_size=16, branching=3, seq_len=8, num_train_tokens=4000, num_val_tokens=800)
-    data = build_tokens(config)
+    config = dict(vocab_size=16, branching=3, seq_len=8, num_train_tokens=4000, num_val_tokens=800)
+    data = made(MarkovTokens, **config)
     windows = torch.cat([data.train.windows, data.val.windows])
     followers = {}
     for a, b in zip(windows[:, :-1].flatten().tolist(), windows[:, 1:].flatten().tolist()):
         followers.setdefault(a, set()).add(b)
     assert all(len(f) == 3 for f in followers.values()) and len(followers) == 16
-    assert build_tokens(config).train.windows.equal(data.train.windows)  # the seed fixes it
+    assert made(MarkovTokens, **config).train.windows.equal(data.train.windows)  # the seed fixes it
 
 
 def test_batches_equal_the_per_sample_items_they_gather():
-    for data in (build_regression(RegressionConfig(num_samples=50)),
-                 build_tokens(TokensConfig(num_train_tokens=640, seq_len=8))):
+    for data in (made(RegressionData, num_samples=50),
+                 made(MarkovTokens, num_train_tokens=640, seq_len=8)):
         indices = torch.tensor([3, 0, 7, 7])
         inputs, targets = data.train.get_batch(indices)
         items = [data.train[i] for i in indices.tolist()]
@@ -73,11 +79,11 @@ def text_file(tmp_path):
 
 
 def test_text_vocabulary_ids_and_windows_round_trip(text_file, tmp_path):
-    config = TextConfig(path=str(text_file), seq_len=16, val_fraction=0.2, cache_dir="")
-    data = build_text(config)
+    config = dict(path=str(text_file), seq_len=16, val_fraction=0.2, cache_dir="")
+    data = made(CharText, **config)
     text = text_file.read_text(encoding="utf-8")
     vocab = "".join(sorted(set(text)))
-    assert data.model_dims == {"vocab_size": len(vocab)}
+    assert data.dims == {"vocab_size": len(vocab)} and data.vocab == {"kind": "char", "chars": vocab}
     inputs, targets = data.train.get_batch(torch.arange(len(data.train)))
     decoded = "".join(vocab[i] for i in inputs[0].tolist())
     assert decoded == text[:16] and torch.equal(inputs[1:, 0], targets[:-1, -1])  # windows chain up
@@ -88,8 +94,8 @@ def test_text_vocabulary_ids_and_windows_round_trip(text_file, tmp_path):
 
 def test_text_encoding_is_cached_by_path_size_and_mtime(text_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    config = TextConfig(path=str(text_file), seq_len=16, cache_dir=str(cache))
-    first = build_text(config)
+    config = dict(path=str(text_file), seq_len=16, cache_dir=str(cache))
+    first = made(CharText, **config)
     (cached,) = cache.glob("text-play-*.pt")
     # A second build reads the cache, not the file.
     import pathlib
@@ -98,12 +104,12 @@ def test_text_encoding_is_cached_by_path_size_and_mtime(text_file, tmp_path, mon
         raise AssertionError("the text was read again")
 
     monkeypatch.setattr(pathlib.Path, "read_text", no_reading)
-    assert torch.equal(build_text(config).train.windows, first.train.windows)
+    assert torch.equal(made(CharText, **config).train.windows, first.train.windows)
     monkeypatch.undo()
     # A changed file gets a new cache entry.
     text_file.write_text(text_file.read_text(encoding="utf-8") + "More.\n", encoding="utf-8")
     os.utime(text_file, ns=(1, 1))
-    assert build_text(config).train.windows.numel() > first.train.windows.numel()
+    assert made(CharText, **config).train.windows.numel() > first.train.windows.numel()
     assert len(list(cache.glob("text-play-*.pt"))) == 2 and cached.exists()
 
 
@@ -114,17 +120,17 @@ def test_an_empty_cache_dir_turns_the_cache_off(text_file, tmp_path, monkeypatch
         raise AssertionError("the cache was written")
 
     monkeypatch.setattr(data.text, "_write_cache", no_writing)
-    build_text(TextConfig(path=str(text_file), seq_len=16, cache_dir=""))
+    made(CharText, path=str(text_file), seq_len=16, cache_dir="")
     with pytest.raises(AssertionError, match="the cache was written"):  # the control: a cache_dir writes
-        build_text(TextConfig(path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache")))
+        made(CharText, path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache"))
 
 
 def test_a_damaged_cache_is_rebuilt_not_fatal(text_file, tmp_path):
-    config = TextConfig(path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache"))
-    expected = build_text(config).train.windows
+    config = dict(path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    expected = made(CharText, **config).train.windows
     (cached,) = (tmp_path / "cache").glob("*.pt")
     cached.write_bytes(b"garbage")
-    assert torch.equal(build_text(config).train.windows, expected)
+    assert torch.equal(made(CharText, **config).train.windows, expected)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +146,7 @@ def test_unusable_text_files_are_refused_with_the_fix(tmp_path, content, message
     path.write_bytes(content)
     with pytest.raises(DataError, match=message):
         check_text_file(str(path))
-        build_text(TextConfig(path=str(path), seq_len=16, cache_dir=""))
+        made(CharText, path=str(path), seq_len=16, cache_dir="")
 
 
 def test_missing_or_unset_text_path_is_refused(tmp_path):
@@ -170,7 +176,7 @@ class ItemsOnly(Dataset):
 
 @pytest.mark.parametrize("rank,world_size", [(0, 1), (1, 2)])
 def test_gathered_batches_equal_a_torch_dataloader_in_the_same_order(rank, world_size):
-    data = build_regression(RegressionConfig(num_samples=203)).train
+    data = made(RegressionData, num_samples=203).train
     fast = build_train_loader(data, 16, rank, world_size, seed=5, drop_last=False, device=CPU)
     slow = build_train_loader(ItemsOnly(data), 16, rank, world_size, seed=5, drop_last=False, device=CPU)
     assert len(fast) == len(slow) == (7 if world_size == 2 else 13)  # ceil(102 / 16), ceil(203 / 16)
@@ -197,7 +203,7 @@ def test_training_order_is_distributed_samplers_index_for_index(length, world_si
 
 
 def test_epochs_shuffle_differently_and_ranks_split_each_epoch_exactly():
-    data = build_regression(RegressionConfig(num_samples=200)).train
+    data = made(RegressionData, num_samples=200).train
     loaders = [build_train_loader(data, 10, r, 2, seed=0, drop_last=False, device=CPU) for r in (0, 1)]
     seen = [torch.cat([x for x, _ in loader.batches(0)]) for loader in loaders]
     assert sorted(torch.cat(seen).flatten().tolist()) == sorted(data.inputs.flatten().tolist())
@@ -205,16 +211,17 @@ def test_epochs_shuffle_differently_and_ranks_split_each_epoch_exactly():
 
 
 def test_validation_shards_cover_every_sample_once_without_padding():
-    data = build_regression(RegressionConfig(num_samples=10, num_val_samples=101)).val
+    data = made(RegressionData, num_samples=10, num_val_samples=101).val
     shards = [torch.cat([x for x, _ in build_val_loader(data, 8, r, 3, CPU).batches()]) for r in range(3)]
     assert [len(s) for s in shards] == [34, 34, 33]
     assert sorted(torch.cat(shards).flatten().tolist()) == sorted(data.inputs.flatten().tolist())
 
 
 @pytest.mark.parametrize("task,outputs,targets", [
-    (TASKS["regression"](), (4, 1), ("float", (4, 1))),
-    (TASKS["classification"](), (4, 3), ("long", (4,))),
-    (TASKS["tokens"](), (2, 5, 7), ("long", (2, 5))),
+    (RegressionTask(), (4, 1), ("float", (4, 1))),
+    (ClassificationTask(), (4, 3), ("long", (4,))),
+    (LanguageModelTask(), (2, 5, 7), ("long", (2, 5))),
+    (LossTask(loss=torch.nn.SmoothL1Loss(), metrics={"mae": torch.nn.L1Loss()}), (4, 1), ("float", (4, 1))),
 ])
 def test_every_validation_sum_lives_on_the_models_device(task, outputs, targets):
     # "meta" stands in for a GPU: a sum made on the CPU instead would not stack with the others.
@@ -223,3 +230,15 @@ def test_every_validation_sum_lives_on_the_models_device(task, outputs, targets)
     target = torch.empty(shape, dtype=torch.long if dtype == "long" else torch.float, device=meta)
     sums = task.eval_sums(torch.empty(outputs, device=meta), target)
     assert "count" in sums and {value.device for value in sums.values()} == {meta}
+
+
+def test_a_loss_task_weights_batch_means_so_any_split_gives_the_whole_sets_mean():
+    from data.tasks import metrics_from_sums
+
+    task = LossTask(loss=torch.nn.MSELoss(), metrics={"mae": torch.nn.L1Loss()})
+    outputs, targets = torch.randn(10, 1), torch.randn(10, 1)
+    whole = metrics_from_sums(task.eval_sums(outputs, targets))
+    parts = [task.eval_sums(outputs[a:b], targets[a:b]) for a, b in ((0, 3), (3, 10))]
+    split = metrics_from_sums({k: parts[0][k] + parts[1][k] for k in parts[0]})
+    assert whole["loss"] == pytest.approx(((outputs - targets) ** 2).mean().item())
+    assert split == pytest.approx(whole) and whole["mae"] == pytest.approx((outputs - targets).abs().mean().item())

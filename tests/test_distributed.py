@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 import time
 
 import pytest
@@ -128,24 +129,26 @@ def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group)
     run = validate(compose_config([
         "strategy=ddp", "strategy.bucket_cap_mb=7.5", "strategy.find_unused_parameters=true",
         "strategy.gradient_as_bucket_view=false", "strategy.static_graph=true",
-        "strategy.broadcast_buffers=false",
+        "strategy.forward_sync_buffers=false",
     ]))
     info = setup_distributed("ddp", "auto", "cpu", 1.0)
     try:
         assert dist.get_backend() == "gloo" and info.world_size == 1
-        ddp = wrap_model(torch.nn.Linear(2, 2), run.strategy, info)
+        with warnings.catch_warnings():  # no deprecation warning on any rank
+            warnings.simplefilter("error", FutureWarning)
+            ddp = wrap_model(torch.nn.Linear(2, 2), run.strategy, info)
         assert ddp.bucket_bytes_cap == int(7.5 * 1024 * 1024)
         assert ddp.find_unused_parameters and not ddp.gradient_as_bucket_view
-        assert ddp.static_graph and not ddp.broadcast_buffers
+        assert ddp.static_graph and not ddp.forward_sync_buffers
         defaults = wrap_model(torch.nn.Linear(2, 2), validate(compose_config(["strategy=ddp"])).strategy, info)
-        assert defaults.bucket_bytes_cap == 25 * 1024 * 1024 and defaults.broadcast_buffers
+        assert defaults.bucket_bytes_cap == 25 * 1024 * 1024 and defaults.forward_sync_buffers
         assert not defaults.find_unused_parameters and defaults.gradient_as_bucket_view
     finally:
         teardown_distributed()
 
 
 def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, tmp_path, monkeypatch):
-    import trainer.trainer as loop
+    import trainer.loop as loop
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     all_reduces = []
@@ -185,17 +188,17 @@ def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
 
 def make_rank_1_fail_at_step_3() -> None:
     """Patch the Trainer in this process so that rank 1 raises at its fourth optimizer step."""
-    import trainer.trainer as loop
+    import trainer.loop as loop
     from trainer.distributed import env_rank
 
-    original_step = loop.Trainer._optimizer_step
+    original_step = loop.TrainingLoop._optimizer_step
 
     def step_then_fail(self, *args, **kwargs):
-        if env_rank() == 1 and self.schedule.steps_done == 3:
+        if env_rank() == 1 and self.scheduler.last_epoch == 3:
             raise RuntimeError("rank 1 broke at step 3")
         return original_step(self, *args, **kwargs)
 
-    loop.Trainer._optimizer_step = step_then_fail
+    loop.TrainingLoop._optimizer_step = step_then_fail
 
 
 # train.py, run under torchrun with the Trainer patched in each rank's process.

@@ -5,39 +5,42 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import MODELS, build_model
-from models.linear import LinearConfig, LinearRegression
-from models.mlp import MLPClassifier, MLPConfig
-from models.transformer import Transformer, TransformerConfig
+from models.linear import LinearRegression
+from models.mlp import MLPClassifier
+from models.transformer import Transformer
 
 
 def tiny_transformer(**overrides) -> Transformer:
     values = dict(vocab_size=11, block_size=16, n_layers=2, n_heads=2, d_model=32, dropout=0.0)
-    return Transformer(TransformerConfig(**{**values, **overrides}))
+    return Transformer(**{**values, **overrides})
 
 
 # --- shapes and names ----------------------------------------------------------------------
 
-def test_registry_builds_each_model_from_its_config():
-    assert set(MODELS) == {"linear", "mlp", "transformer"}
-    assert isinstance(build_model("linear", LinearConfig()), LinearRegression)
-    assert isinstance(build_model("mlp", MLPConfig(in_features=4, num_classes=2)), MLPClassifier)
-    assert isinstance(build_model("transformer", TransformerConfig(vocab_size=5)), Transformer)
+def test_each_model_option_builds_its_class_from_its_target_node():
+    from conftest import compose_config
+    from trainer.builders import build_model
+
+    for option, cls, dims in [("linear", LinearRegression, {"in_features": 1, "out_features": 1}),
+                              ("mlp", MLPClassifier, {"in_features": 4, "num_classes": 2}),
+                              ("transformer", Transformer, {"vocab_size": 5})]:
+        node = dict(compose_config([f"model={option}"]).model)
+        assert type(build_model(node, dims)) is cls
 
 
 def test_linear_maps_n_by_in_to_n_by_out():
-    assert LinearRegression(LinearConfig())(torch.randn(5, 1)).shape == (5, 1)
-    assert LinearRegression(LinearConfig(3, 2))(torch.randn(4, 3)).shape == (4, 2)
+    assert LinearRegression(1, 1)(torch.randn(5, 1)).shape == (5, 1)
+    assert LinearRegression(3, 2)(torch.randn(4, 3)).shape == (4, 2)
 
 
 def test_linear_parameters_are_named_linear_weight_and_bias():
-    names = dict(LinearRegression(LinearConfig(3, 2)).named_parameters())
+    names = dict(LinearRegression(3, 2).named_parameters())
     assert set(names) == {"linear.weight", "linear.bias"}
     assert names["linear.weight"].shape == (2, 3) and names["linear.bias"].shape == (2,)
 
 
 def test_mlp_returns_logits_and_flattens_images():
-    model = MLPClassifier(MLPConfig(in_features=48, num_classes=3, hidden_sizes=[16, 8]))
+    model = MLPClassifier(in_features=48, num_classes=3, hidden_sizes=[16, 8])
     assert model(torch.randn(7, 48)).shape == (7, 3)
     assert model(torch.randn(7, 3, 4, 4)).shape == (7, 3)
     linear_widths = [m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -145,7 +148,7 @@ def test_linear_learns_y_equals_2x_plus_3():
     torch.manual_seed(0)
     x = torch.linspace(-2, 2, 64).unsqueeze(1)
     y = 2 * x + 3
-    model = LinearRegression(LinearConfig())
+    model = LinearRegression(1, 1)
     losses = train(model, lambda m: F.mse_loss(m(x), y), steps=200, lr=0.1)
     assert losses[-1] < losses[0]
     assert abs(model.linear.weight.item() - 2) < 0.05
@@ -156,7 +159,7 @@ def test_mlp_separates_two_blobs():
     torch.manual_seed(0)
     labels = torch.randint(0, 2, (128,))
     x = torch.randn(128, 4) * 0.5 + (labels.float().unsqueeze(1) * 2 - 1)  # blobs at -1 and +1
-    model = MLPClassifier(MLPConfig(in_features=4, num_classes=2, hidden_sizes=[16]))
+    model = MLPClassifier(in_features=4, num_classes=2, hidden_sizes=[16])
     losses = train(model, lambda m: F.cross_entropy(m(x), labels), steps=100, lr=0.01)
     assert losses[-1] < losses[0] / 4
     assert (model(x).argmax(1) == labels).float().mean().item() > 0.95
@@ -176,54 +179,41 @@ def test_transformer_memorises_a_repeating_sequence():
 # --- config checks ---------------------------------------------------------------------------
 
 TRANSFORMER_OK = dict(vocab_size=11)
+LINEAR_OK = dict(in_features=1, out_features=1)
+MLP_OK = dict(in_features=4, num_classes=2)
 
 BAD_CONFIGS = [
-    (LinearConfig, dict(in_features=0), "model.in_features"),
-    (LinearConfig, dict(out_features=-1), "model.out_features"),
-    (MLPConfig, dict(in_features=0), "model.in_features"),
-    (MLPConfig, dict(num_classes=0), "model.num_classes"),
-    (MLPConfig, dict(hidden_sizes=[]), "model.hidden_sizes"),
-    (MLPConfig, dict(hidden_sizes=[64, 0]), "model.hidden_sizes"),
-    (MLPConfig, dict(hidden_sizes=[64.5]), "model.hidden_sizes"),
-    (MLPConfig, dict(dropout=1.0), "model.dropout"),
-    (MLPConfig, dict(dropout=-0.1), "model.dropout"),
-    (TransformerConfig, dict(vocab_size=0), "model.vocab_size"),
-    (TransformerConfig, dict(TRANSFORMER_OK, block_size=0), "model.block_size"),
-    (TransformerConfig, dict(TRANSFORMER_OK, n_layers=0), "model.n_layers"),
-    (TransformerConfig, dict(TRANSFORMER_OK, n_heads=0), "model.n_heads"),
-    (TransformerConfig, dict(TRANSFORMER_OK, d_model=-8), "model.d_model"),
-    (TransformerConfig, dict(TRANSFORMER_OK, d_model=100, n_heads=3), "model.d_model"),
-    (TransformerConfig, dict(TRANSFORMER_OK, d_ff=-1), "model.d_ff"),
-    (TransformerConfig, dict(TRANSFORMER_OK, dropout=1.0), "model.dropout"),
-    (TransformerConfig, dict(TRANSFORMER_OK, dropout=-0.5), "model.dropout"),
+    (LinearRegression, dict(LINEAR_OK, in_features=0), "model.in_features"),
+    (LinearRegression, dict(LINEAR_OK, out_features=-1), "model.out_features"),
+    (MLPClassifier, dict(MLP_OK, in_features=0), "model.in_features"),
+    (MLPClassifier, dict(MLP_OK, num_classes=0), "model.num_classes"),
+    (MLPClassifier, dict(MLP_OK, hidden_sizes=[]), "model.hidden_sizes"),
+    (MLPClassifier, dict(MLP_OK, hidden_sizes=[64, 0]), "model.hidden_sizes"),
+    (MLPClassifier, dict(MLP_OK, hidden_sizes=[64.5]), "model.hidden_sizes"),
+    (MLPClassifier, dict(MLP_OK, dropout=1.0), "model.dropout"),
+    (MLPClassifier, dict(MLP_OK, dropout=-0.1), "model.dropout"),
+    (Transformer, dict(vocab_size=0), "model.vocab_size"),
+    (Transformer, dict(TRANSFORMER_OK, block_size=0), "model.block_size"),
+    (Transformer, dict(TRANSFORMER_OK, n_layers=0), "model.n_layers"),
+    (Transformer, dict(TRANSFORMER_OK, n_heads=0), "model.n_heads"),
+    (Transformer, dict(TRANSFORMER_OK, d_model=-8), "model.d_model"),
+    (Transformer, dict(TRANSFORMER_OK, d_model=100, n_heads=3), "model.d_model"),
+    (Transformer, dict(TRANSFORMER_OK, d_ff=-1), "model.d_ff"),
+    (Transformer, dict(TRANSFORMER_OK, dropout=1.0), "model.dropout"),
+    (Transformer, dict(TRANSFORMER_OK, dropout=-0.5), "model.dropout"),
 ]
 
 
 @pytest.mark.parametrize(
-    "config_class, values, field", BAD_CONFIGS, ids=[f"{c.__name__}-{v}" for c, v, _ in BAD_CONFIGS]
+    "model_class, values, field", BAD_CONFIGS, ids=[f"{c.__name__}-{v}" for c, v, _ in BAD_CONFIGS]
 )
-def test_bad_config_value_raises_one_line_naming_the_field(config_class, values, field):
+def test_bad_argument_value_raises_one_line_naming_the_field(model_class, values, field):
     with pytest.raises(ValueError) as err:
-        config_class(**values)
+        model_class(**values)
     message = str(err.value)
     assert field in message and "\n" not in message
 
 
-def test_vocab_size_error_says_it_comes_from_the_data_set():
-    with pytest.raises(ValueError, match="set from the data set"):
-        TransformerConfig()
-
-
 def test_head_divisibility_error_names_both_fields_and_the_fix():
     with pytest.raises(ValueError, match=r"model\.d_model=100 .*model\.n_heads=3.*d_model % n_heads == 0"):
-        TransformerConfig(vocab_size=11, d_model=100, n_heads=3)
-
-
-def test_build_model_rejects_unknown_name_listing_the_valid_ones():
-    with pytest.raises(ValueError, match="linear, mlp, transformer"):
-        build_model("resnet", LinearConfig())
-
-
-def test_build_model_rejects_a_config_of_another_model():
-    with pytest.raises(TypeError, match="MLPConfig"):
-        build_model("mlp", LinearConfig())
+        Transformer(vocab_size=11, d_model=100, n_heads=3)

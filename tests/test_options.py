@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from conftest import checkpoint_weights, compose_config, train_in_process
-from trainer.config import ConfigError, validate
+from trainer.config import validate
+from trainer.errors import ConfigError
 
 
 def _optimizer(overrides: list[str]) -> torch.optim.Optimizer:
-    from models.linear import LinearConfig, LinearRegression
+    from models.linear import LinearRegression
     from trainer.optim import build_optimizer
 
     run = validate(compose_config(overrides))
-    return build_optimizer(LinearRegression(LinearConfig()), run.optimizer, run.optimizer.lr, torch.device("cpu"))
+    return build_optimizer(run.optimizer, LinearRegression(1, 1), torch.device("cpu"))
 
 
 def test_optimizer_options_reach_the_torch_optimizer():
@@ -40,9 +41,11 @@ def test_val_batch_size_and_limit_val_batches(tmp_path):
     assert odd == pytest.approx(default, rel=1e-6)  # float32 rounding of other batch groupings
     # limit_val_batches=2 with batches of 10: the metric of exactly the first 20 samples.
     limited = train_in_process(base + ["trainer.val_batch_size=10", "trainer.limit_val_batches=2"], tmp_path / "c")
-    from data.regression import RegressionConfig, build_regression
+    from data.regression import RegressionData
 
-    val = build_regression(RegressionConfig(num_val_samples=100)).val
+    data = RegressionData(num_val_samples=100)
+    data.setup()
+    val = data.val
     weights = checkpoint_weights(tmp_path / "c")
     predictions = val.inputs[:20] @ weights["linear.weight"].T + weights["linear.bias"]
     expected = (predictions - val.targets[:20]).pow(2).mean().item()
@@ -76,14 +79,16 @@ def test_strategy_timeout_reaches_the_process_group(monkeypatch):
 
 
 def test_regression_line_and_class_separation_are_the_data_sets_knobs():
-    from data.classification import ClassificationConfig, build_classification
-    from data.regression import RegressionConfig, build_regression
+    from data.classification import ClassificationData
+    from data.regression import RegressionData
 
-    data = build_regression(RegressionConfig(weight=-1.5, bias=0.25, noise_std=0.0, num_samples=50))
+    data = RegressionData(weight=-1.5, bias=0.25, noise_std=0.0, num_samples=50)
+    data.setup()
     assert torch.allclose(data.train.targets, -1.5 * data.train.inputs + 0.25)
 
     def centre_accuracy(separation: float) -> float:
-        data = build_classification(ClassificationConfig(num_features=32, num_samples=3000, class_separation=separation))
+        data = ClassificationData(num_features=32, num_samples=3000, class_separation=separation)
+        data.setup()
         x, y = data.train.inputs, data.train.targets
         centres = torch.stack([x[y == c].mean(0) for c in range(10)])
         return (torch.cdist(data.val.inputs, centres).argmin(1) == data.val.targets).float().mean().item()

@@ -45,7 +45,7 @@ def test_experiment_presets_keep_their_shapes():
     assert (gpt2.model.n_layers, gpt2.model.n_heads, gpt2.model.d_model, gpt2.model.block_size) == (12, 12, 768, 1024)
     assert gpt2.data.vocab_size == 50304 and gpt2.data.seq_len == 1024 and gpt2.trainer.precision == "bf16-mixed"
     shakespeare = compose_config(["experiment=shakespeare_char"])
-    assert shakespeare.data.name == "text" and shakespeare.optimizer.name == "adamw"
+    assert shakespeare.data._target_ == "data.text.CharText" and shakespeare.optimizer._target_ == "torch.optim.AdamW"
     assert compose_config(["experiment=linear_regression"]).optimizer.lr == 0.01
 
 
@@ -65,10 +65,12 @@ def test_debug_overfit_drives_the_loss_on_its_own_batches_far_down(tmp_path):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_overfit_batches_validates_on_exactly_the_samples_trained_on(world_size):
-    from data.regression import RegressionConfig, build_regression
+    from data.regression import RegressionData
     from trainer.loaders import build_train_loader, build_val_loader
 
-    train = build_regression(RegressionConfig(num_samples=500)).train
+    data = RegressionData(num_samples=500)
+    data.setup()
+    train = data.train
     cpu = torch.device("cpu")
     trained, validated = [], []
     for rank in range(world_size):  # what the Trainer builds on each rank with overfit_batches=3
@@ -92,17 +94,17 @@ def test_debug_profiler_writes_a_trace_tensorboard_can_open(tmp_path):
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {f"ProfilerStep#{i}" for i in range(2, 7)}  # 5 steps after 2 to settle
     assert any("aten::scaled_dot_product_attention" in e.get("name", "") for e in events)
-    # Under the profiler the optimizer takes the plain step(), so its ranges are in the trace.
+    # The optimizer's own profiler ranges are in the trace, one per step.
     assert sum(e.get("name") == "Optimizer.step#SGD.step" for e in events) == 5
 
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not here")
 def test_shakespeare_preset_builds_the_real_text(tmp_path):
-    from data import build_data
+    from trainer.builders import build_data
     from trainer.config import validate
 
     run = validate(compose_config(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}",
                                    f"data.cache_dir={tmp_path}"]))
-    bundle = build_data(run.data_name, run.data)
-    assert bundle.model_dims["vocab_size"] == 65
+    bundle = build_data(run.data)
+    assert bundle.dims["vocab_size"] == 65
     assert len(bundle.train) == (int(len(SHAKESPEARE.read_text()) * 0.9) - 1) // 64

@@ -153,7 +153,7 @@ def test_ddp_inside_a_sweep_runs_each_job_as_its_own_two_process_job(tmp_path):
 
 def test_a_diverged_job_is_the_worst_value_never_nan():
     from trainer.run import sweep_value
-    from trainer.trainer import FitResult
+    from trainer.loop import FitResult
 
     def result(value, mode):
         return FitResult({"val/x": value}, "val/x", mode, None, 1, 0.0)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import assert_same_weights, checkpoint_weights, train_in_process
-from models import build_model
-from models.linear import LinearConfig
+from models.linear import LinearRegression
+from models.transformer import Transformer
 
 SMALL_MLP = [
     "model=mlp", "data.num_features=32", "data.num_samples=512", "data.num_val_samples=128",
@@ -85,15 +85,16 @@ def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
     for name in ("last.pt", "best.pt"):
         state = torch.load(tmp_path / "checkpoints" / name, weights_only=True)
         assert {"model", "optimizer", "scheduler", "progress", "rng", "config"} <= state.keys()
-        assert state["config"]["model"]["name"] == "linear"
-        bare = build_model("linear", LinearConfig())
+        assert state["config"]["model"]["_target_"] == "models.linear.LinearRegression"
+        assert state["data_dims"] == {"in_features": 1, "out_features": 1}
+        bare = LinearRegression(**state["data_dims"])
         bare.load_state_dict(state["model"])  # strict: no "module." prefixes
     assert state["progress"]["step"] == 2 * 313
     assert not list((tmp_path / "checkpoints").glob(".*tmp*")), "temporary files left behind"
 
 
 def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monkeypatch):
-    import trainer.trainer as loop
+    import trainer.loop as loop
 
     saved = []
 
@@ -115,99 +116,70 @@ def test_gradient_clipping_bounds_the_update(tmp_path):
     train_in_process(["trainer.max_steps=1", "trainer.checkpoint=true", "trainer.max_epochs=1",
                       "optimizer.lr=1.0", "trainer.grad_clip_norm=0.001", "trainer.seed=5"], tmp_path / "c")
     torch.manual_seed(5)
-    start = build_model("linear", LinearConfig()).state_dict()
+    start = LinearRegression(1, 1).state_dict()
     end = checkpoint_weights(tmp_path / "c")
     moved = torch.cat([(end[k] - start[k]).flatten() for k in end]).norm().item()
     assert 0 < moved <= 1e-3 + 1e-7
 
 
-def test_cosine_schedule_warms_up_then_decays_to_min_lr():
-    from trainer.config import SchedulerConfig
-    from trainer.optim import LRSchedule
-
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=123.0)
-    schedule = LRSchedule(optimizer, SchedulerConfig(name="cosine", warmup_steps=10, min_lr=0.1), 110, 1.0)
-    lrs = [schedule.lr]
-    for _ in range(110):
-        schedule.step()
+def _lrs(scheduler, optimizer, steps):
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
         lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+def test_cosine_schedule_warms_up_then_decays_to_min_lr():
+    from trainer.optim import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = build_scheduler({"_target_": "trainer.optim.WarmupCosine", "warmup_steps": 10, "min_lr": 0.1}, optimizer, 110)
+    lrs = _lrs(scheduler, optimizer, 110)
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[10] == pytest.approx(1.0) and lrs[110] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
 
 
-def test_constant_schedule_warms_up_and_resumes_from_its_step_count():
-    from trainer.config import SchedulerConfig
-    from trainer.optim import LRSchedule
+def test_constant_schedule_warms_up_and_resumes_from_its_state():
+    from trainer.optim import build_scheduler
 
+    node = {"_target_": "trainer.optim.WarmupConstant", "warmup_steps": 4}
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
-    schedule = LRSchedule(optimizer, SchedulerConfig(name="constant", warmup_steps=4), 100, 0.5)
-    for _ in range(2):
-        schedule.step()
-    assert schedule.lr == pytest.approx(0.5 * 3 / 4)
-    restored = LRSchedule(optimizer, SchedulerConfig(name="constant", warmup_steps=4), 100, 0.5)
-    restored.load_state_dict(schedule.state_dict())
-    assert restored.lr == pytest.approx(0.5 * 3 / 4)
-    restored.step()
-    assert [restored.lr_at(s) for s in (3, 4, 99)] == [0.5, 0.5, 0.5] and restored.lr == 0.5
+    scheduler = build_scheduler(node, optimizer, 100)
+    assert _lrs(scheduler, optimizer, 2)[-1] == pytest.approx(0.5 * 3 / 4)
+    fresh = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    restored = build_scheduler(node, fresh, 100)  # built before loading, as the loop resumes
+    fresh.load_state_dict(optimizer.state_dict())
+    restored.load_state_dict(scheduler.state_dict())
+    assert fresh.param_groups[0]["lr"] == pytest.approx(0.5 * 3 / 4)
+    assert _lrs(restored, fresh, 5)[1:] == pytest.approx([0.5] * 5)
+
+
+def test_any_torch_scheduler_works_by_target_with_ringtrains_warmup():
+    from trainer.optim import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    node = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 2, "gamma": 0.5, "warmup_steps": 4}
+    lrs = _lrs(build_scheduler(node, optimizer, 100), optimizer, 8)
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 0.5, 0.5, 0.25])
+
+
+def test_one_cycle_gets_the_runs_total_steps_by_name(tmp_path):
+    result = train_in_process(["scheduler._target_=torch.optim.lr_scheduler.OneCycleLR", "+scheduler.max_lr=0.05",
+                               "~scheduler.warmup_steps", "trainer.max_steps=40"], tmp_path)
+    assert result.steps == 40  # OneCycleLR raises if stepped past total_steps
 
 
 def test_adamw_decays_matrices_but_not_biases_or_norms():
-    from models import build_model as build
-    from models.transformer import TransformerConfig
     from trainer.optim import parameter_groups
 
-    model = build("transformer", TransformerConfig(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1))
+    model = Transformer(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1)
     decay, no_decay = parameter_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-
-
-def test_fast_backward_gives_the_gradients_of_loss_backward_bit_for_bit():
-    from models.transformer import TransformerConfig
-    from trainer.fastpath import backward
-
-    torch.manual_seed(0)
-    model = build_model("transformer", TransformerConfig(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1))
-    tokens = torch.randint(0, 11, (4, 8))
-    grads = []
-    for run_backward in (lambda loss: loss.backward(), backward):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)  # the same dropout masks
-        logits = model(tokens)
-        run_backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()))
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert len(grads[1]) == len(list(model.parameters()))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-@pytest.mark.parametrize("options", [
-    {}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    {"momentum": 0.5, "dampening": 0.3, "maximize": True},
-])
-def test_fast_sgd_step_is_sgd_step_bit_for_bit(options):
-    from trainer.fastpath import optimizer_step
-
-    torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, foreach=False, **options) for m in models]
-    for step in range(4):
-        inputs = torch.randn(8, 3)
-        for model in models:
-            model.zero_grad(set_to_none=True)
-            model(inputs).square().mean().backward()
-        models[1][0].bias.grad = None  # a parameter without a gradient is skipped, as step() does
-        models[0][0].bias.grad = None
-        optimizers[0].step()
-        optimizer_step(optimizers[1])
-        assert_same_weights(models[0].state_dict(), models[1].state_dict(), atol=0)
-    plain, fast = (o.state_dict() for o in optimizers)
-    assert plain["param_groups"] == fast["param_groups"]
-    assert plain["state"].keys() == fast["state"].keys()
-    for key, state in plain["state"].items():
-        assert torch.equal(state["momentum_buffer"], fast["state"][key]["momentum_buffer"])
 
 
 def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path, monkeypatch):
@@ -215,16 +187,16 @@ def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path, monkey
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import trainer.trainer as loop
+    import trainer.loop as loop
 
-    original_step = loop.Trainer._optimizer_step
+    original_step = loop.TrainingLoop._optimizer_step
 
     def step_then_fail(self, *args, **kwargs):
-        if self.schedule.steps_done == 7:
+        if self.scheduler.last_epoch == 7:
             raise RuntimeError("out of memory, say")
         return original_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(loop.Trainer, "_optimizer_step", step_then_fail)
+    monkeypatch.setattr(loop.TrainingLoop, "_optimizer_step", step_then_fail)
     with pytest.raises(RuntimeError, match="out of memory, say"):
         train_in_process(["trainer.log_every_n_steps=2", "trainer.max_steps=20"], tmp_path)
     (event_file,) = tmp_path.glob("events.out.tfevents.*")

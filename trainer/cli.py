@@ -3,9 +3,10 @@
 `train.py` calls these in order:
   strip_legacy_local_rank_arg   torch.distributed.launch's `--local-rank N` is not an override
   refuse_multirun_under_torchrun  every torchrun rank would run the whole sweep
-  check_overrides               compose every job's config now, so a typo or an unknown option
-                                is one line with the fix (exit 2) instead of Hydra's multi-line
-                                report suggesting `+key=value`
+  check_overrides               compose and validate every job's config now, so a typo, an
+                                unknown option or a bad component is one line with the fix
+                                (exit 2) instead of Hydra's multi-line report suggesting
+                                `+key=value`, and before Hydra creates a run directory
   hydra_overrides_for_this_rank ranks other than 0 write nothing into Hydra's run directory
 """
 from __future__ import annotations
@@ -15,15 +16,39 @@ import os
 import re
 from pathlib import Path
 
-from trainer.config import ConfigError
 from trainer.distributed import env_rank, under_torchrun
+from trainer.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_NAME = "config"
 # More combinations than this are not all composed ahead; Hydra still checks each job itself.
 _MAX_CHECKED_JOBS = 64
 # Flags after which Hydra does not compose a config for a run.
-_NO_RUN_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version")
+_NO_RUN_FLAGS = ("help", "hydra_help", "info", "shell_completion", "version", "cfg")
+# Settings Lightning users reach for, and what they are called here.
+LIGHTNING_HABITS = {
+    "trainer.devices": "strategy=ddp strategy.nproc_per_node=N (or torchrun --nproc_per_node=N)",
+    "trainer.num_nodes": "torchrun --nnodes=N (see README, Several machines)",
+    "trainer.fast_dev_run": "debug=fast_dev_run",
+    "trainer.max_time": "trainer.max_steps",
+    "trainer.gradient_clip_val": "trainer.grad_clip_norm",
+    "trainer.accumulate_grad": "trainer.accumulate_grad_batches",
+    "trainer.check_val_every_n_epoch": "trainer.eval_every_n_steps",
+    "trainer.val_check_interval": "trainer.eval_every_n_steps",
+    "trainer.limit_train_batches": "trainer.overfit_batches or trainer.max_steps",
+    "trainer.ckpt_path": "trainer.resume=<path to last.pt>",
+    "trainer.strategy": "strategy=single|dp|ddp",
+    "ckpt_path": "trainer.resume=<path to last.pt>",
+    "seed": "trainer.seed",
+    "devices": "strategy=ddp strategy.nproc_per_node=N (or torchrun --nproc_per_node=N)",
+    "precision": "trainer.precision",
+    "max_epochs": "trainer.max_epochs",
+    "max_steps": "trainer.max_steps",
+    "batch_size": "trainer.batch_size",
+    "lr": "optimizer.lr",
+}
+# Groups that are presets rather than sections of the run's config.
+PRESET_GROUPS = ("experiment", "debug", "hparams_search")
 
 
 def strip_legacy_local_rank_arg(argv: list[str]) -> list[str]:
@@ -74,7 +99,8 @@ def hydra_overrides_for_this_rank() -> list[str]:
 
 
 def check_overrides(args: list[str]) -> None:
-    """Compose the config of every job the command line asks for; raise ConfigError on a mistake.
+    """Compose and validate the config of every job the command line asks for; raise
+    ConfigError on a mistake.
 
     `args` is the command line without the program name. Sweeps are expanded as Hydra's basic
     sweeper would (up to _MAX_CHECKED_JOBS jobs); continuous search spaces (an Optuna
@@ -84,11 +110,16 @@ def check_overrides(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from trainer.config import validate
+
     parsed_args, _ = get_args_parser().parse_known_args(args)
     if any(getattr(parsed_args, flag, False) for flag in _NO_RUN_FLAGS):
         return
-    if parsed_args.config_path or parsed_args.config_dir or parsed_args.config_name:
-        return  # another config than conf/config.yaml: Hydra reports on it itself
+    if parsed_args.config_path or parsed_args.config_name:
+        return  # another primary config than conf/config.yaml: Hydra reports on it itself
+    config_dir = parsed_args.config_dir
+    if config_dir and not Path(config_dir).is_dir():
+        raise ConfigError(f"--config-dir {config_dir!r} is not a directory; pass the folder that holds your <group>/<option>.yaml files")
 
     parser = OverridesParser.create()
     overrides = []
@@ -117,29 +148,32 @@ def check_overrides(args: list[str]) -> None:
         else:
             choices.append([override.input_line])
     for job in itertools.islice(itertools.product(*choices), _MAX_CHECKED_JOBS):
-        compose_or_explain(list(job))
+        validate(compose_or_explain(list(job), config_dir))
 
 
-def compose_or_explain(overrides: list[str]):
+def compose_or_explain(overrides: list[str], config_dir: str | None = None):
     """The composed config for `overrides`, or a ConfigError saying what is wrong and the fix."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
     try:
-        return _compose(overrides)
+        return _compose(overrides, config_dir)
     except MissingConfigException as err:
         raise ConfigError(_missing_option_message(err)) from None
     except ConfigCompositionException as err:
-        raise ConfigError(_composition_message(err, overrides)) from None
+        raise ConfigError(_composition_message(err, overrides, config_dir)) from None
 
 
-def _compose(overrides: list[str]):
+def _compose(overrides: list[str], config_dir: str | None = None):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():  # called again in one process (tests)
         GlobalHydra.instance().clear()
+    extra = []
+    if config_dir:  # what --config-dir does: the user's folder is searched before conf/
+        extra = [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=CONFIG_NAME, overrides=overrides)
+        return compose(config_name=CONFIG_NAME, overrides=extra + overrides)
 
 
 def _missing_option_message(err) -> str:
@@ -156,11 +190,11 @@ def _missing_option_message(err) -> str:
     return _first_line(err)
 
 
-def _composition_message(err, overrides: list[str]) -> str:
+def _composition_message(err, overrides: list[str], config_dir: str | None = None) -> str:
     message = str(err)
     unknown = re.search(r"Could not override '([^']+)'", message)
     if unknown:
-        return _unknown_key_message(unknown.group(1), overrides)
+        return _unknown_key_message(unknown.group(1), overrides, config_dir)
     exists = re.search(r"Could not append to config. An item is already at '([^']+)'", message)
     if exists:
         key = exists.group(1)
@@ -168,29 +202,40 @@ def _composition_message(err, overrides: list[str]) -> str:
     return _first_line(err)
 
 
-def _unknown_key_message(key: str, overrides: list[str]) -> str:
+def _unknown_key_message(key: str, overrides: list[str], config_dir: str | None = None) -> str:
     """Why `key` is not in the composed config, with the keys that are, or the option that has it."""
+    if key in LIGHTNING_HABITS:
+        return f"{key} is not a setting here; use {LIGHTNING_HABITS[key]}"
     section, _, rest = key.partition(".")
     others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
     try:
-        cfg = _compose(others)
+        cfg = _compose(others, config_dir)
     except Exception:
         return f"{key} is not a known setting; check the spelling against conf/"
+    groups = ", ".join(sorted(k for k in cfg if k != "hydra") + list(PRESET_GROUPS))
     if not rest:
-        groups = sorted(k for k in cfg if k != "hydra")
-        return f"{key} is not a config group or setting; the groups are {', '.join(groups)}"
+        return f"{key} is not a config group or setting; the groups are {groups}"
     if section not in cfg:
-        return f"{section} is not a config group; the groups are {', '.join(sorted(k for k in cfg))}"
+        return f"{section} is not a config group; the groups are {groups}"
     from omegaconf import OmegaConf
 
     parent_path = key.rpartition(".")[0]
     parent = OmegaConf.select(cfg, parent_path)
-    chosen = cfg[section].get("name", section)
     owners = _options_defining(section, rest)
-    if owners:
+    if owners and section == "strategy":
+        chosen = cfg[section].get("name", section)
         picks = " or ".join(f"{section}={o}" for o in owners)
         return f"{key} is not a setting of {section}={chosen}; it belongs to {picks}: choose that option or drop the override"
-    known = ", ".join(sorted(parent)) if parent is not None and hasattr(parent, "keys") else ""
+    if owners:
+        picks = " or ".join(f"{section}={o}" for o in owners)
+        return f"{key} is not a setting of this {section}; it belongs to {picks}: choose that option or drop the override"
+    known = ", ".join(sorted(k for k in parent if k != "_target_")) if parent is not None and hasattr(parent, "keys") else ""
+    if section in ("model", "data", "task", "optimizer", "scheduler") and parent_path == section:
+        target = cfg[section].get("_target_", "?")
+        return (
+            f"{key} is not set by this {section} ({target}); to pass a new argument write +{key}=<value>, "
+            f"or check the spelling (set now: {known})"
+        )
     return f"{key} is not a setting of {parent_path}; check the spelling (known: {known})"
 
 

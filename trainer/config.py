@@ -1,44 +1,29 @@
 """Typed schemas for the composed Hydra config, and the validation that runs before any work.
 
-`validate(cfg)` turns the composed DictConfig into a `RunConfig` of plain dataclasses.
-Every user mistake it finds (unknown key, wrong type, impossible size, unknown option,
-model/data mismatch, missing file, device that is not there) becomes one `ConfigError`
-whose message names the key, the problem and the fix. `train.py` prints that one line
-and exits with status 2, before a process group, a data set or a GPU is touched.
+`validate(cfg)` turns the composed DictConfig into a `RunConfig`: the trainer and strategy
+sections as typed dataclasses, the components (model, data, task, optimizer, scheduler) as
+their checked `_target_` nodes (trainer/builders.py). Every user mistake it finds (unknown
+key, wrong type, impossible size, a component that does not import or does not take its
+arguments, a model the data does not fit, missing file, device that is not there) becomes
+one `ConfigError` whose message names the key, the problem and the fix. `train.py` prints
+that one line and exits with status 2, before a process group, a data set or a GPU is
+touched, and before Hydra creates the run directory.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import DATASETS
-from models import MODELS
-
-
-class ConfigError(ValueError):
-    """A mistake in the user's configuration; the message is one line with the fix."""
-
+from trainer.errors import ConfigError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULERS = ("constant", "cosine")
 STRATEGIES = ("single", "dp", "ddp")
 BACKENDS = ("auto", "gloo", "nccl")
-
-# Which data sets each model can learn from (the model's inputs and outputs must fit).
-COMPATIBLE_DATA = {
-    "linear": ("regression",),
-    "mlp": ("classification",),
-    "transformer": ("tokens", "text"),
-}
-# Model sizes that are taken from the data set when the model is built.
-DATA_DERIVED_MODEL_FIELDS = ("in_features", "out_features", "num_classes", "vocab_size")
 
 
 @dataclass
@@ -62,24 +47,11 @@ class TrainerConfig:
     resume: Any = None  # str path or None
     seed: int = 0
     progress_bar: bool = True
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-@dataclass
-class SchedulerConfig:
-    name: str = "constant"
-    warmup_steps: int = 0
-    min_lr: float = 0.0
+    # torch DataLoader settings for Datasets without get_batch (a user's map-style Dataset)
+    num_workers: int = 0
+    pin_memory: Optional[bool] = None  # None: on when training on CUDA
+    persistent_workers: bool = False
+    prefetch_factor: int = 2
 
 
 @dataclass
@@ -92,20 +64,25 @@ class StrategyConfig:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
-    broadcast_buffers: bool = True
+    forward_sync_buffers: bool = True
     scale_lr_by_world_size: bool = False
 
 
 @dataclass
 class RunConfig:
-    """The validated run: typed sections plus the resolved config as plain data."""
+    """The validated run: typed sections, component nodes, and the resolved config as plain data.
 
-    model_name: str
-    model: Any  # the model's config dataclass (models/*.py), data-derived sizes still unset
-    data_name: str
-    data: Any  # the data set's config dataclass (data/*.py)
-    optimizer: OptimizerConfig
-    scheduler: SchedulerConfig
+    A component is a `_target_` node (plain dicts), or None where the Python API was handed
+    the built object (`Trainer.fit(model, train_set, val_set, task)`). The optimizer and
+    scheduler may also be callables from the Python API: `optimizer(params)`,
+    `scheduler(optimizer)`.
+    """
+
+    model: dict | None
+    data: dict | None
+    task: dict | None
+    optimizer: Any
+    scheduler: Any
     strategy: StrategyConfig
     trainer: TrainerConfig
     resolved: dict  # the whole resolved config, for checkpoints and TensorBoard
@@ -113,51 +90,44 @@ class RunConfig:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the composed config and return it typed; raise ConfigError on the first mistake."""
+    from trainer.builders import check_components
+
     _reject_unknown_sections(cfg)
-    model_name, data_name = _option_name(cfg, "model", MODELS), _option_name(cfg, "data", DATASETS)
-    if data_name not in COMPATIBLE_DATA[model_name]:
-        fitting = " or ".join(f"data={name}" for name in COMPATIBLE_DATA[model_name])
-        raise ConfigError(
-            f"model={model_name} cannot learn from data={data_name}; use {fitting} "
-            f"(or drop the data= override: each model picks a fitting data set)"
-        )
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config: {_omegaconf_message(err)}") from None
+    resolved.pop("hydra", None)
     run = RunConfig(
-        model_name=model_name,
-        model=_typed_model_config(cfg.model, MODELS[model_name][0]),
-        data_name=data_name,
-        data=_typed(cfg.data, DATASETS[data_name][0], "data", drop=("name",)),
-        optimizer=_typed(cfg.optimizer, OptimizerConfig, "optimizer"),
-        scheduler=_typed(cfg.scheduler, SchedulerConfig, "scheduler"),
-        strategy=_typed(cfg.strategy, StrategyConfig, "strategy"),
-        trainer=_typed(cfg.trainer, TrainerConfig, "trainer"),
+        model=resolved["model"],
+        data=resolved["data"],
+        task=resolved["task"],
+        optimizer=resolved["optimizer"],
+        scheduler=resolved["scheduler"],
+        strategy=typed_section(cfg.strategy, StrategyConfig, "strategy"),
+        trainer=typed_section(cfg.trainer, TrainerConfig, "trainer"),
         resolved=resolved,
     )
-    _check_trainer(run.trainer)
-    _check_optimization(run.optimizer, run.scheduler)
-    _check_strategy(run.strategy, run.trainer)
-    seq_len, block_size = getattr(run.data, "seq_len", None), getattr(run.model, "block_size", None)
-    if seq_len is not None and block_size is not None and seq_len > block_size:
+    check_options(run.trainer, run.strategy)
+    seq_len, block_size = run.data.get("seq_len"), run.model.get("block_size")
+    if isinstance(seq_len, int) and isinstance(block_size, int) and seq_len > block_size:
         raise ConfigError(
             f"data.seq_len={seq_len} exceeds model.block_size={block_size}; the model cannot see that "
             f"far back: raise model.block_size or drop the data.seq_len override (it follows block_size)"
         )
-    if data_name == "text":
-        from data.text import check_text_file
-
-        try:
-            check_text_file(run.data.path)
-        except (OSError, ValueError) as err:
-            raise ConfigError(str(err)) from None
+    check_components(run.model, run.data, run.task, run.optimizer, run.scheduler, run.trainer.max_steps)
     return run
+
+
+def check_options(trainer: TrainerConfig, strategy: StrategyConfig) -> None:
+    """The cross-field checks of the trainer and strategy sections."""
+    _check_trainer(trainer)
+    _check_strategy(strategy, trainer)
 
 
 # --- sections -------------------------------------------------------------------------------
 
-_SECTIONS = ("model", "data", "optimizer", "scheduler", "strategy", "trainer")
+_SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "trainer")
 
 
 def _reject_unknown_sections(cfg: DictConfig) -> None:
@@ -171,19 +141,9 @@ def _reject_unknown_sections(cfg: DictConfig) -> None:
             raise ConfigError(f"config section '{key}' is missing; pick one with {key}=<option>")
 
 
-def _option_name(cfg: DictConfig, section: str, registry: dict) -> str:
-    name = cfg[section].get("name")
-    if name not in registry:
-        raise ConfigError(
-            f"{section}.name={name!r} is not a known {section}; choose one of "
-            f"{', '.join(sorted(registry))}"
-        )
-    return name
-
-
-def _typed(node: DictConfig, schema: type, section: str, drop: tuple[str, ...] = ()):
+def typed_section(node: DictConfig | dict, schema: type, section: str):
     """Merge `node` onto the dataclass `schema`: unknown keys and wrong types fail here."""
-    values = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in drop}
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), values)
         return OmegaConf.to_object(merged)
@@ -191,21 +151,6 @@ def _typed(node: DictConfig, schema: type, section: str, drop: tuple[str, ...] =
         raise ConfigError(f"{section}.{_omegaconf_message(err)}") from None
     except (ValueError, TypeError) as err:  # the dataclass's own __post_init__ checks
         raise ConfigError(str(err)) from None
-
-
-def _typed_model_config(node: DictConfig, schema: type):
-    """Model configs are checked with placeholder sizes where the data set provides them."""
-    names = {f.name for f in dataclasses.fields(schema)}
-    placeholders = {k: 1 for k in DATA_DERIVED_MODEL_FIELDS if k in names}
-    for key in placeholders:
-        if key in node:
-            raise ConfigError(
-                f"model.{key} is set by the data set; change it on the data side instead "
-                f"(e.g. data.vocab_size, data.num_features, data.num_classes)"
-            )
-    values = OmegaConf.to_container(node, resolve=True)
-    values.pop("name", None)
-    return _typed(OmegaConf.create({**values, **placeholders}), schema, "model")
 
 
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
@@ -234,9 +179,15 @@ def _check_trainer(t: TrainerConfig) -> None:
             "trainer.max_epochs and trainer.max_steps are both <= 0; set one of them positive"
         )
     if t.precision not in PRECISIONS:
+        lightning = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}.get(str(t.precision))
+        hint = f"trainer.precision={lightning} is the mixed-precision name here; " if lightning else ""
         raise ConfigError(
-            f"trainer.precision={t.precision!r} is not supported; use one of {', '.join(PRECISIONS)}"
+            f"trainer.precision={t.precision!r} is not supported; {hint}use one of {', '.join(PRECISIONS)}"
         )
+    if t.num_workers < 0 or t.prefetch_factor <= 0:
+        raise ConfigError("trainer.num_workers must be >= 0 and trainer.prefetch_factor positive")
+    if t.persistent_workers and t.num_workers == 0:
+        raise ConfigError("trainer.persistent_workers=true needs worker processes; set trainer.num_workers >= 1")
     if t.accelerator not in ACCELERATORS:
         raise ConfigError(
             f"trainer.accelerator={t.accelerator!r} is unknown; use one of {', '.join(ACCELERATORS)}"
@@ -260,23 +211,6 @@ def _check_trainer(t: TrainerConfig) -> None:
                 f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint, "
                 f"e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt"
             )
-
-
-def _check_optimization(o: OptimizerConfig, s: SchedulerConfig) -> None:
-    if o.name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer.name={o.name!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
-    if not o.lr > 0:
-        raise ConfigError(f"optimizer.lr={o.lr} must be positive")
-    if o.weight_decay < 0 or o.momentum < 0 or o.eps <= 0:
-        raise ConfigError("optimizer.weight_decay and optimizer.momentum must be >= 0, optimizer.eps > 0")
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        raise ConfigError(f"optimizer.betas={o.betas} must be two numbers in [0, 1)")
-    if s.name not in SCHEDULERS:
-        raise ConfigError(f"scheduler.name={s.name!r} is unknown; use one of {', '.join(SCHEDULERS)}")
-    if s.warmup_steps < 0 or s.min_lr < 0:
-        raise ConfigError("scheduler.warmup_steps and scheduler.min_lr must be >= 0")
-    if s.min_lr > o.lr:
-        raise ConfigError(f"scheduler.min_lr={s.min_lr} exceeds optimizer.lr={o.lr}; lower it")
 
 
 def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:

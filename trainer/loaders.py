@@ -3,8 +3,12 @@
 Every built-in data set is an in-memory tensor with `get_batch(indices)`. The loader gathers
 the samples of GATHER_BATCHES batches with one indexing operation and splits the result into
 batch views, instead of `batch_size` Python `__getitem__` calls plus a collate per batch: for
-small models that per-sample work is most of the tutorial loop's time. Any other torch
-Dataset goes through a torch DataLoader with the same order.
+small models that per-sample work is most of the tutorial loop's time. Any other map-style
+Dataset (a user's own) goes through one torch DataLoader, with the same order, worker
+processes (`trainer.num_workers`, `persistent_workers`, `prefetch_factor`) and pinned memory
+on CUDA; the epoch's order is handed to it through a sampler, so it can resume mid-epoch
+exactly, and its workers' seeds come from a generator seeded by (seed, epoch), never from
+the global RNG that dropout and resume depend on.
 
 Orders are index tensors, never Python lists (a list of a million indices costs ~90 ms an
 epoch to build). The training order is DistributedSampler's, index for index, so rank r of N
@@ -14,10 +18,11 @@ consumes the same samples per step as one process with batch N*B.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 # Batches per gather: amortises the indexing call while bounding the extra memory to a few
 # dozen batches.
@@ -68,6 +73,30 @@ class Shards:
         return torch.arange(self.rank, self.length, self.world_size)
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """torch DataLoader settings for Datasets without get_batch (trainer.num_workers etc.)."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int = 2
+    seed: int = 0
+
+
+class _EpochOrder(Sampler[int]):
+    """The indices of the epoch being read; the loader sets them before each pass."""
+
+    def __init__(self) -> None:
+        self.indices = torch.empty(0, dtype=torch.long)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices.tolist())
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 class BatchLoader:
     def __init__(
         self,
@@ -77,6 +106,7 @@ class BatchLoader:
         device: torch.device,
         drop_last: bool = False,
         limit_batches: int = 0,
+        workers: WorkerOptions = WorkerOptions(),
     ):
         self.dataset = dataset
         self.batch_size = batch_size
@@ -84,6 +114,10 @@ class BatchLoader:
         self.device = device
         self.drop_last = drop_last
         self.limit_batches = limit_batches  # > 0: only the first batches of each epoch
+        self.workers = workers
+        self._loader: DataLoader | None = None  # built on first use, kept (persistent workers)
+        self._epoch_order = _EpochOrder()
+        self._generator = torch.Generator()
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -95,7 +129,7 @@ class BatchLoader:
         """The batches of `epoch`, on the device, from batch `skip_batches` on (for resuming)."""
         indices = self.order.indices(epoch)[skip_batches * self.batch_size : len(self) * self.batch_size]
         if not hasattr(self.dataset, "get_batch"):
-            yield from self._dataloader_batches(indices)
+            yield from self._dataloader_batches(indices, epoch)
             return
         chunk = GATHER_BATCHES * self.batch_size
         for start in range(0, len(indices), chunk):
@@ -104,26 +138,38 @@ class BatchLoader:
             targets = targets.to(self.device, non_blocking=True)
             yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
 
-    def _dataloader_batches(self, indices: torch.Tensor) -> Iterator[Batch]:
-        loader = DataLoader(
-            self.dataset, batch_size=self.batch_size, sampler=indices.tolist(),
-            drop_last=self.drop_last, pin_memory=self.device.type == "cuda",
-        )
-        for inputs, targets in loader:
+    def _dataloader_batches(self, indices: torch.Tensor, epoch: int) -> Iterator[Batch]:
+        self._epoch_order.indices = indices
+        # Worker seeds for this pass: a function of (seed, epoch), so a resumed run's workers
+        # draw what the uninterrupted run's did, and the global RNG is left alone.
+        self._generator.manual_seed(self.workers.seed * 1_000_003 + epoch)
+        if self._loader is None:
+            w = self.workers
+            self._loader = DataLoader(
+                self.dataset, batch_size=self.batch_size, sampler=self._epoch_order, drop_last=self.drop_last,
+                num_workers=w.num_workers, pin_memory=w.pin_memory, generator=self._generator,
+                persistent_workers=w.persistent_workers and w.num_workers > 0,
+                prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
+            )
+        for inputs, targets in self._loader:
             yield inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
 
 def build_train_loader(
-    dataset, batch_size, rank, world_size, seed, drop_last, device, shuffle=True, limit_batches=0
+    dataset, batch_size, rank, world_size, seed, drop_last, device, shuffle=True, limit_batches=0,
+    workers: WorkerOptions = WorkerOptions(),
 ) -> BatchLoader:
     order = ShuffledShards(len(dataset), rank, world_size, seed, shuffle, drop_last)
-    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, limit_batches=limit_batches)
+    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, limit_batches=limit_batches, workers=workers)
 
 
 def build_val_loader(
-    dataset, batch_size, rank, world_size, device, limit_samples=0, limit_batches=0
+    dataset, batch_size, rank, world_size, device, limit_samples=0, limit_batches=0,
+    workers: WorkerOptions = WorkerOptions(),
 ) -> BatchLoader:
     """Each sample on exactly one rank; `limit_samples` > 0 validates on the first samples only,
     `limit_batches` > 0 on each rank's first batches only."""
     length = min(len(dataset), limit_samples) if limit_samples else len(dataset)
-    return BatchLoader(dataset, batch_size, Shards(length, rank, world_size), device, limit_batches=limit_batches)
+    return BatchLoader(
+        dataset, batch_size, Shards(length, rank, world_size), device, limit_batches=limit_batches, workers=workers
+    )

@@ -1,90 +1,119 @@
-"""Optimizers and the learning-rate schedule, built from config."""
+"""Optimizers and learning-rate schedules, built from `_target_` nodes (conf/optimizer/,
+conf/scheduler/), plus ringtrain's own two schedules.
+
+Any `torch.optim` optimizer and any `torch.optim.lr_scheduler` scheduler (or a user's) works:
+ringtrain passes what only it knows, by argument name, and the node gives the rest:
+  optimizer  `params` (the model's parameters); `fused=True` on CUDA when the optimizer has a
+             fused kernel and the node leaves `fused` unset
+  scheduler  `optimizer`, and `total_steps` when the scheduler takes it (ours, OneCycleLR)
+ringtrain's own keys, read here and never passed to the target:
+  optimizer.decay_matrices_only  weight decay on 2-D+ weights only, never biases or norms (adamw)
+  scheduler.warmup_steps         linear warmup before any scheduler (torch's SequentialLR);
+                                 ringtrain's own schedules take it as an argument instead
+The schedule steps once per optimizer step.
+"""
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
 
-from trainer.config import OptimizerConfig, SchedulerConfig
+from trainer.components import accepts, build, locate
+
+OPTIMIZER_KEYS = ("decay_matrices_only",)
+SCHEDULER_KEYS = ("warmup_steps",)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay 2-D (and larger) weights only: matrices and embeddings, never biases or norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device: torch.device) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        # foreach=False is what SGD picks on CPU anyway; saying so skips the per-step choice.
-        foreach = {} if device.type == "cuda" else {"foreach": False}
-        return torch.optim.SGD(
-            model.parameters(), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-            weight_decay=cfg.weight_decay, **foreach,
-        )
-    betas = tuple(cfg.betas)
-    # The fused CUDA kernel does the whole update in one launch instead of several per tensor.
-    fused = {"fused": True} if device.type == "cuda" else {}
-    if cfg.name == "adam":
-        return torch.optim.Adam(
-            model.parameters(), lr=lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **fused
-        )
-    return torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay), lr=lr, betas=betas, eps=cfg.eps, **fused
-    )
+def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """The optimizer `node` describes, over `model`'s parameters."""
+    node = dict(node)
+    decay_matrices_only = node.pop("decay_matrices_only", False)
+    target = locate(node["_target_"], "optimizer")
+    extra: dict[str, Any] = {}
+    if decay_matrices_only:
+        extra["params"] = parameter_groups(model, node.get("weight_decay", _default(target, "weight_decay", 0.0)))
+    else:
+        extra["params"] = [p for p in model.parameters() if p.requires_grad]
+    if lr_scale != 1.0:
+        extra["lr"] = node.get("lr", _default(target, "lr", None)) * lr_scale
+    # One fused CUDA kernel for the whole update instead of several launches per tensor.
+    if device.type == "cuda" and "fused" not in node and accepts(target, "fused"):
+        extra["fused"] = True
+    return build(node, "optimizer", **extra)
 
 
-class LRSchedule:
-    """The learning rate of every optimizer step: linear warmup to `base_lr`, then constant
-    (scheduler=constant) or a cosine decay to `min_lr` at `total_steps` (scheduler=cosine).
+def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
+    """The schedule `node` describes (constant lr when None), with its warmup."""
+    node = dict(node or {"_target_": "trainer.optim.WarmupConstant"})
+    warmup = node.pop("warmup_steps", 0)
+    target = node["_target_"]
+    extra: dict[str, Any] = {"optimizer": optimizer}
+    if accepts(target, "total_steps"):
+        extra["total_steps"] = total_steps
+    if accepts(target, "warmup_steps"):  # ours: the warmup is part of the schedule
+        return build(node, "scheduler", warmup_steps=warmup, **extra)
+    if not warmup:
+        return build(node, "scheduler", **extra)
+    # start_factor 1/w ... 1 over the first w steps: step s uses lr * (s + 1) / w, as ours do.
+    ramp = LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=max(1, warmup - 1))
+    after = build(node, "scheduler", **extra)
+    return SequentialLR(optimizer, [ramp, after], milestones=[warmup])
 
-    A pure function of the step count, so its whole state is that count. It writes each
-    param group's lr directly: a torch LRScheduler would do the same with more machinery per
-    step, which shows in the step time of small models.
-    """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int, base_lr: float):
-        self.optimizer = optimizer
-        self.cfg = cfg
-        self.total_steps = total_steps
-        self.base_lr = base_lr
-        self.steps_done = 0
-        self._apply()
+def _default(target, name: str, fallback):
+    parameter = inspect.signature(target).parameters.get(name)
+    return fallback if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
-    def lr_at(self, step: int) -> float:
-        """The lr of optimizer step `step` (0-based)."""
-        cfg = self.cfg
-        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-            return self.base_lr * (step + 1) / cfg.warmup_steps
-        if cfg.name == "constant":
-            return self.base_lr
-        decay_steps = max(1, self.total_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-        return cfg.min_lr + (self.base_lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    @property
-    def lr(self) -> float:
-        """The lr the next optimizer step uses."""
-        return self.optimizer.param_groups[0]["lr"]
+class WarmupConstant(LRScheduler):
+    """Linear warmup to the optimizer's lr over `warmup_steps` steps, then constant."""
 
-    def step(self) -> None:
-        self.steps_done += 1
-        self._apply()
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int = 0, last_epoch: int = -1):
+        if warmup_steps < 0:
+            raise ValueError(f"scheduler.warmup_steps={warmup_steps} must be >= 0")
+        self.warmup_steps = warmup_steps
+        super().__init__(optimizer, last_epoch)
 
-    def _apply(self) -> None:
-        lr = self.lr_at(self.steps_done)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def factor(self, step: int) -> float:
+        """The lr multiplier of optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        return 1.0
 
-    def state_dict(self) -> dict:
-        return {"steps_done": self.steps_done}
+    def get_lr(self) -> list[float]:
+        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
 
-    def load_state_dict(self, state: dict) -> None:
-        self.steps_done = int(state["steps_done"])
-        self._apply()
+
+class WarmupCosine(WarmupConstant):
+    """Linear warmup, then a cosine decay from the optimizer's lr to `min_lr` at `total_steps`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 min_lr: float = 0.0, last_epoch: int = -1):
+        if min_lr < 0:
+            raise ValueError(f"scheduler.min_lr={min_lr} must be >= 0")
+        too_high = [group["lr"] for group in optimizer.param_groups if min_lr > group.get("initial_lr", group["lr"])]
+        if too_high:
+            raise ValueError(f"scheduler.min_lr={min_lr} exceeds optimizer.lr={too_high[0]}; lower it")
+        self.total_steps, self.min_lr = total_steps, min_lr
+        super().__init__(optimizer, warmup_steps, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        step = self.last_epoch
+        if step < self.warmup_steps:
+            return [base * self.factor(step) for base in self.base_lrs]
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return [self.min_lr + (base - self.min_lr) * cosine for base in self.base_lrs]

@@ -10,8 +10,6 @@ import contextlib
 
 import torch
 
-from trainer.fastpath import backward, optimizer_step
-
 
 class Precision:
     def __init__(self, name: str, device: torch.device):
@@ -27,7 +25,7 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        backward(loss if self.scaler is None else self.scaler.scale(loss))
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients back to their true scale (before clipping or reading their norm)."""
@@ -37,7 +35,7 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer step; with 16-mixed it is skipped when gradients overflowed."""
         if self.scaler is None:
-            optimizer_step(optimizer)
+            optimizer.step()
         else:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -1,8 +1,13 @@
-"""One training job from a composed config: validate, launch workers if needed, train, report.
+"""One training job: launch workers if needed, build the components on each rank, train, report.
 
-    run(cfg)                       validate; ddp without torchrun and N > 1? spawn N workers
-      train_worker(run, run_dir)   on every rank: process group, seed, data, model, Trainer.fit
+    run(cfg, run_dir)                    the Hydra path: validate, then launch
+    launch(run, run_dir, built)          ddp without torchrun and N > 1? spawn N workers
+      train_worker(run, run_dir, built)  on every rank: process group, seed, data, model, task,
+                                         TrainingLoop.fit
     <- the final validation metric (what a sweeper optimises)
+
+`built` is None on the config path (each rank builds the components from their nodes) and
+holds the user's own objects on the Python path (trainer/trainer.py).
 """
 from __future__ import annotations
 
@@ -11,16 +16,19 @@ import logging
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
-from data import build_data
-from models import build_model
-from models.linear import LinearRegression
+from data.bundle import DataBundle
+from trainer.builders import build_data, build_model, check_task
 from trainer.checkpoint import RunDirError
-from trainer.config import ConfigError, RunConfig, validate
+from trainer.components import build
+from trainer.config import RunConfig, validate
 from trainer.distributed import (
     DistInfo,
     broadcast_object,
@@ -29,21 +37,32 @@ from trainer.distributed import (
     teardown_distributed,
     under_torchrun,
 )
-from trainer.errors import exit_on_user_error
-from trainer.trainer import FitResult, Trainer
+from trainer.errors import ConfigError, exit_on_user_error
+from trainer.loop import FitResult, TrainingLoop
 
 log = logging.getLogger("ringtrain")
 
 
+@dataclass
+class BuiltComponents:
+    """What the Python API was handed: the model, the splits and the task, already built."""
+
+    model: nn.Module
+    data: DataBundle
+    task: Any
+
+
 def run(cfg: DictConfig, run_dir: str | Path) -> float:
     """Train as configured, writing outputs under `run_dir`; return the final monitored metric."""
-    run_cfg = validate(cfg)
-    strategy = run_cfg.strategy
+    return sweep_value(launch(validate(cfg), str(run_dir)))
+
+
+def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
+    """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp, no torchrun)."""
+    strategy = run.strategy
     if strategy.name == "ddp" and not under_torchrun() and strategy.nproc_per_node > 1:
-        result = spawn_workers(strategy.nproc_per_node, _spawned_worker, (run_cfg, str(run_dir)))
-    else:
-        result = train_worker(run_cfg, str(run_dir))
-    return sweep_value(result)
+        return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built))
+    return train_worker(run, run_dir, built)
 
 
 def sweep_value(result: FitResult) -> float:
@@ -54,12 +73,15 @@ def sweep_value(result: FitResult) -> float:
     return value
 
 
-def _spawned_worker(run: RunConfig, run_dir: str) -> FitResult:
+def _spawned_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None) -> FitResult:
     with exit_on_user_error():  # one clear line from the failing rank, as under torchrun
-        return train_worker(run, run_dir)
+        result = train_worker(run, run_dir, built)
+    if built is not None:  # the Python caller's model lives in the parent: send the weights back
+        result = dataclasses.replace(result, model_state={k: v.cpu() for k, v in built.model.state_dict().items()})
+    return result
 
 
-def train_worker(run: RunConfig, run_dir: str) -> FitResult:
+def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
     """Everything one rank does. The process group is torn down on every exit path."""
     dist = setup_distributed(
         run.strategy.name, run.strategy.backend, run.trainer.accelerator, run.strategy.timeout_minutes
@@ -70,8 +92,11 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
         shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
         _configure_rank_logging(dist, shared_dir)
         _refuse_to_overwrite(shared_dir, run)
+        if dist.is_main:
+            log.info(f"run directory: {shared_dir}")
 
-        data = build_data(run.data_name, run.data)
+        data = built.data if built else build_data(run.data)
+        task = built.task if built else check_task(build(run.task, "task"))
         for split, dataset in (("training", data.train), ("validation", data.val)):
             if len(dataset) < dist.world_size:  # every rank trains and validates on its own share
                 raise ConfigError(
@@ -81,22 +106,16 @@ def train_worker(run: RunConfig, run_dir: str) -> FitResult:
         # Same seed on every rank: identical initial weights. Then a per-rank seed, so dropout
         # masks differ between ranks (the data order is the sampler's business, not this RNG's).
         torch.manual_seed(run.trainer.seed)
-        model = build_model(run.model_name, _with_data_sizes(run.model, data.model_dims))
+        model = built.model if built else build_model(run.model, data.dims)
         torch.manual_seed(run.trainer.seed + dist.rank)
 
-        result = Trainer(run, dist, shared_dir).fit(model, data)
+        result = TrainingLoop(run, dist, shared_dir).fit(model, data, task)
         if dist.is_main:
-            _report(result, model)
+            _report(result, model, shared_dir)
         clean_exit = True
         return result
     finally:
         teardown_distributed(clean_exit)
-
-
-def _with_data_sizes(model_config, model_dims: dict[str, int]):
-    """The model config with the sizes the data set dictates (input features, vocabulary...)."""
-    fields = {f.name for f in dataclasses.fields(model_config)}
-    return dataclasses.replace(model_config, **{k: v for k, v in model_dims.items() if k in fields})
 
 
 def _refuse_to_overwrite(run_dir: Path, run: RunConfig) -> None:
@@ -115,13 +134,15 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
     """Rank 0 logs to the console and to train.log; other ranks only report warnings and errors.
 
     Under Hydra (a plain run, torchrun) its handlers are in place. A worker spawned for a
-    self-launched DDP job starts with none, so it sets up what Hydra would have.
+    self-launched DDP job, and a run from the Python API, start with none, so they set up
+    what Hydra would have.
     """
     root = logging.getLogger()
     if not root.handlers:
         formatter = logging.Formatter(f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s")
-        handlers = [logging.StreamHandler(sys.stdout)]
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
         if dist.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
             handlers.append(logging.FileHandler(run_dir / "train.log"))  # appends to the launcher's
         for handler in handlers:
             handler.setFormatter(formatter)
@@ -129,9 +150,10 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
     root.setLevel(logging.INFO if dist.is_main else logging.WARNING)
 
 
-def _report(result: FitResult, model: torch.nn.Module) -> None:
+def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
     log.info(f"done: {result.steps} steps in {result.train_seconds:.2f}s, {metrics}")
-    if isinstance(model, LinearRegression) and model.linear.weight.numel() == 1:
-        # The tutorial's question: did we learn y = 2x + 3?
-        log.info(f"learned w={model.linear.weight.item():.4f} b={model.linear.bias.item():.4f}")
+    summary = getattr(model, "summary", None)
+    if callable(summary):  # a model may say what it learned (the tutorial's w and b)
+        log.info(summary())
+    log.info(f"outputs in {run_dir}")

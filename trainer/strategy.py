@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -18,9 +19,13 @@ def wrap_model(model: nn.Module, strategy: StrategyConfig, dist: DistInfo) -> nn
     """DDP / DataParallel / the model itself. The bare model stays reachable as `.module`."""
     if strategy.name == "ddp" and dist.is_distributed:
         on_cuda = dist.device.type == "cuda"
-        # Syncing buffers from rank 0 in every forward is DDP's default; newer torch deprecates
-        # saying so explicitly, so the flag is only passed to turn it off.
-        buffers = {} if strategy.broadcast_buffers else {"broadcast_buffers": False}
+        # Syncing buffers from rank 0 in every forward is DDP's default. torch 2.13 renamed the
+        # flag (broadcast_buffers -> forward_sync_buffers) and warns on the old name; older
+        # torch only knows the old one. Either way it is passed only to turn syncing off.
+        buffers = {}
+        if not strategy.forward_sync_buffers:
+            new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            buffers = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
         return DistributedDataParallel(
             model,
             device_ids=[dist.device.index] if on_cuda else None,

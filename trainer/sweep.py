@@ -22,18 +22,16 @@ SUMMARY_FILE = "sweep_summary.json"
 
 
 def register_resolvers() -> None:
-    """`${ringtrain.direction:${data.name}}`: "minimize" or "maximize", as the data set's task
-    monitors a loss or an accuracy (hparams_search presets use it for Optuna's direction)."""
+    """`${ringtrain.direction:${task.mode}}`: "minimize" or "maximize", as the task monitors a
+    loss (mode min) or an accuracy (mode max); hparams_search presets use it for Optuna."""
     if not OmegaConf.has_resolver("ringtrain.direction"):
         OmegaConf.register_new_resolver("ringtrain.direction", optimization_direction)
 
 
-def optimization_direction(data_name: str) -> str:
-    from data import TASKS
-
-    if data_name not in TASKS:
-        raise ValueError(f"data.name={data_name!r} is not a known data set; choose one of {', '.join(TASKS)}")
-    return "maximize" if TASKS[data_name].mode == "max" else "minimize"
+def optimization_direction(mode: str) -> str:
+    if mode not in ("min", "max"):
+        raise ValueError(f"task.mode={mode!r} must be min or max")
+    return "maximize" if mode == "max" else "minimize"
 
 
 class SweepSummary(Callback):

@@ -1,0 +1,166 @@
+"""A run's components: all checked before any work (`check_components`), built on each rank.
+
+The data decides some of the model's sizes. The rule, for ringtrain's models and a user's
+alike: a model argument whose name is one of the data's `dims` (e.g. in_features,
+num_classes, vocab_size) and that the model node leaves unset is filled with the data's
+value. Setting it in the config as well is allowed only when the values agree. Plain Hydra
+interpolation (`num_classes: ${data.num_classes}`) works too.
+
+Where the data's sizes come from:
+  * a data component built from `data._target_`: its `dims` attribute (ringtrain's
+    DataModules know theirs from their arguments before `setup()`, where they can);
+  * `data.train` / `data.val` nodes (two Datasets): `data.dims` in the node, else a `dims`
+    attribute of the training Dataset.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
+
+from data.bundle import DataBundle, DataError
+from data.tasks import check_monitor
+from trainer.components import build, check, check_built, is_node
+from trainer.errors import ConfigError
+from trainer.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
+
+# ringtrain's own keys in a data node with train/val splits.
+SPLIT_DATA_KEYS = ("train", "val", "dims")
+
+
+def check_components(model: Mapping | None, data: Mapping | None, task: Mapping | None,
+                     optimizer: Any, scheduler: Any, max_steps: int) -> None:
+    """Every mistake in the component nodes, as a ConfigError, before anything is built.
+
+    Cheap constructions run as well, so that the components' own argument checks fire now:
+    the data component (its constructor only checks, by contract), the task, the optimizer
+    and schedule on a stand-in parameter, and the model on the meta device (no memory, no
+    initialisation) when all its sizes are known.
+    """
+    dims = check_data(data) if data is not None else {}
+    if task is not None:
+        check(task, "task")
+        check_task(build(task, "task"))
+    if model is not None:
+        known = None if dims is None else [name for name in dims]
+        source = f"the data ({data.get('_target_', 'data.train/val')}, which gives {', '.join(dims) or 'no sizes'})"
+        check(model, "model", kind=nn.Module, provided=known, provided_by=source if dims is not None else "")
+        if dims is not None and all(value is not None for value in dims.values()):
+            _dry_build_model(model, dims)
+    if is_node(optimizer) or isinstance(optimizer, Mapping):
+        check(optimizer, "optimizer", kind=torch.optim.Optimizer, provided={"params"}, reserved=OPTIMIZER_KEYS)
+    if scheduler is not None and (is_node(scheduler) or isinstance(scheduler, Mapping)):
+        check(scheduler, "scheduler", kind=LRScheduler, provided={"optimizer", "total_steps"}, reserved=SCHEDULER_KEYS)
+    if isinstance(optimizer, Mapping):
+        stand_in = nn.Linear(2, 2)
+        built = check_built(build_optimizer(optimizer, stand_in, torch.device("cpu")), "optimizer", torch.optim.Optimizer)
+        if scheduler is None or isinstance(scheduler, Mapping):
+            check_built(build_scheduler(scheduler, built, max(max_steps, 1000)), "scheduler", LRScheduler)
+
+
+def check_data(node: Mapping) -> dict[str, int | None] | None:
+    """Check the data node; return the sizes it will give the model (None: unknown until built)."""
+    if "_target_" in node:
+        target = check(node, "data")
+        if not hasattr(target, "setup"):
+            return None  # built on each rank; its sizes are known then
+        module = _construct(lambda: build(node, "data"))
+        return dict(getattr(module, "dims", {}))
+    if "train" not in node or "val" not in node:
+        raise ConfigError(
+            "data needs a _target_ (a data component) or train and val nodes (two Datasets), e.g. "
+            "data.train._target_=my_pkg.data.MyDataset; see README 'Your own model and data'"
+        )
+    for key in node:
+        if key not in SPLIT_DATA_KEYS:
+            raise ConfigError(f"data.{key} is not a key of split data; use data.train, data.val and data.dims")
+    for split in ("train", "val"):
+        check(node[split], f"data.{split}", kind=Dataset)
+    dims = node.get("dims")
+    if dims is not None and not isinstance(dims, Mapping):
+        raise ConfigError(f"data.dims={dims!r} must map size names to integers, e.g. {{num_classes: 10}}")
+    return dict(dims) if dims is not None else None
+
+
+def check_task(task: Any) -> Any:
+    for method in ("loss", "eval_sums"):
+        if not callable(getattr(task, method, None)):
+            raise ConfigError(
+                f"task._target_ built a {type(task).__name__} without a {method}() method; a task needs "
+                f"loss(outputs, targets) and eval_sums(outputs, targets) (see data/tasks.py, or use data.tasks.LossTask)"
+            )
+    try:
+        check_monitor(task)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return task
+
+
+def build_data(node: Mapping) -> DataBundle:
+    """The train and validation splits the data node describes (on each rank)."""
+    if "_target_" in node:
+        component = build(node, "data")
+        if hasattr(component, "setup"):
+            _construct(component.setup)
+        for split in ("train", "val"):
+            if not hasattr(component, split):
+                raise ConfigError(
+                    f"data._target_ built a {type(component).__name__} without a {split!r} attribute; a data "
+                    f"component needs train and val Datasets (or use data.train and data.val nodes)"
+                )
+        return DataBundle(
+            train=component.train, val=component.val,
+            dims=dict(getattr(component, "dims", {}) or {}), vocab=getattr(component, "vocab", None),
+        )
+    train, val = (build(node[split], f"data.{split}") for split in ("train", "val"))
+    dims = node.get("dims") or getattr(train, "dims", None) or {}
+    return DataBundle(train=train, val=val, dims=dict(dims), vocab=getattr(train, "vocab", None))
+
+
+def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
+    """The data's sizes the model takes and its node leaves unset; refuse a disagreeing one."""
+    from trainer.components import accepts, locate
+
+    target = locate(node["_target_"], "model")
+    filled = {}
+    for name, value in dims.items():
+        if name in node:
+            if node[name] != value:
+                raise ConfigError(
+                    f"model.{name}={node[name]} but the data has {name}={value}; drop the model.{name} "
+                    f"override (the data sets it)"
+                )
+        elif accepts(target, name):
+            filled[name] = value
+    return filled
+
+
+def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:
+    model = build(node, "model", **model_arguments(node, dims))
+    return check_built(model, "model", nn.Module)
+
+
+def _dry_build_model(node: Mapping, dims: Mapping[str, int]) -> None:
+    """Build the model on the meta device, so its own argument checks run now; a model that
+    cannot be built there (it loads files, say) is simply built later."""
+    with torch.device("meta"):
+        try:
+            build_model(node, dims)
+        except ConfigError:
+            raise
+        except Exception:
+            pass
+
+
+def _construct(make):
+    """Run a data component's constructor or setup; its ValueErrors are the user's mistakes."""
+    try:
+        return make()
+    except (DataError, ConfigError):
+        raise
+    except ValueError as err:
+        raise ConfigError(f"data: {' '.join(str(err).split())}") from None

@@ -1,0 +1,271 @@
+"""Components from `_target_` nodes: checked before any work, then built with Hydra's instantiate.
+
+Every model, data set, task, optimizer and scheduler, ringtrain's own and a user's alike, is
+a config node naming a class or function by its import path plus its arguments:
+
+    _target_: models.transformer.Transformer     # or my_pkg.nets.MyNet (a user's)
+    n_layers: 4
+
+`check(node, key, kind, provided)` is the part plain `instantiate` does not do: before any
+data, model or process group exists it imports the target and holds the node against the
+target's signature, so each of these is one line naming the key, the problem and the fix:
+a module or class that does not import, an argument the target does not take, a required
+argument nobody sets, a value of the wrong type where the target annotates one, a target of
+the wrong kind (a model that is not an nn.Module, ...). `provided` names the arguments
+ringtrain fills itself by name (the model's data-dictated sizes, an optimizer's `params`).
+
+`build(node, key, **filled)` is `hydra.utils.instantiate` with plain Python containers, and
+a ValueError from the target's own argument checks becomes a ConfigError (one line, exit 2).
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from trainer.errors import ConfigError
+
+# Keys Hydra's instantiate reads itself; they are never arguments of the target.
+HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
+
+
+def locate(path: Any, key: str) -> Callable:
+    """The class or function at import path `path`, or a ConfigError saying what is wrong."""
+    if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
+        raise ConfigError(f"{key}._target_={path!r} is not an import path; write e.g. my_pkg.nets.MyNet")
+    parts = path.split(".")
+    module, found = None, 0
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            module = importlib.import_module(name)
+            found = i
+            break
+        except ModuleNotFoundError as err:
+            if err.name is not None and not name.startswith(err.name):
+                # The module exists but something it imports does not: the user's code needs fixing.
+                raise ConfigError(f"{key}._target_={path!r}: importing {name} failed ({err}); install or fix that import") from None
+        except Exception as err:  # the module exists and raised while importing
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"{key}._target_={path!r}: importing {name} raised {type(err).__name__}: {first}") from None
+    if module is None:
+        raise ConfigError(
+            f"{key}._target_={path!r}: no module named {parts[0]!r}; check the spelling, and that it is "
+            f"importable from where you run (the current directory, PYTHONPATH or pip install)"
+        )
+    obj: Any = module
+    for depth, attribute in enumerate(parts[found:], start=found):
+        if not hasattr(obj, attribute):
+            owner = ".".join(parts[:depth])
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(attribute, names, n=3)
+            if isinstance(obj, types.ModuleType) and depth == found and "." not in path[len(owner) + 1:] and not close:
+                # my_pkg.netz.MyNet where my_pkg has no netz: say the module is missing.
+                raise ConfigError(
+                    f"{key}._target_={path!r}: {owner} has no module or attribute {attribute!r}; "
+                    f"check the spelling (it has {', '.join(names[:12]) or 'nothing public'})"
+                )
+            hint = f"did you mean {' or '.join(close)}?" if close else f"it has {', '.join(names[:12]) or 'nothing public'}"
+            raise ConfigError(f"{key}._target_={path!r}: {owner} has no attribute {attribute!r}; {hint}")
+        obj = getattr(obj, attribute)
+    if not callable(obj):
+        raise ConfigError(f"{key}._target_={path!r} is not a class or function; point it at one")
+    return obj
+
+
+def accepts(target: Any, name: str) -> bool:
+    """Whether calling `target` (a callable or an import path) can take argument `name`."""
+    if isinstance(target, str):
+        target = locate(target, "?")
+    parameters = _parameters(target)
+    if parameters is None:
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def check(
+    node: Any,
+    key: str,
+    kind: type | tuple[type, ...] | None = None,
+    provided: Iterable[str] | None = (),
+    reserved: Iterable[str] = (),
+    provided_by: str = "",
+) -> Callable:
+    """Hold `node` against its target's signature; return the target. See the module docstring.
+
+    `kind`: what the target must build (a class that is not a subclass is refused now; a
+    function is checked by `check_built` once it has run). `provided`: arguments ringtrain
+    fills by name (None: not known yet, so a missing argument is left to the build).
+    `reserved`: ringtrain's own keys in this node, not passed to the target. `provided_by`
+    says who fills `provided` (for the message when a required argument is missing).
+    """
+    if not isinstance(node, Mapping) or "_target_" not in node:
+        raise ConfigError(
+            f"{key} has no _target_; give the class to build, e.g. {key}._target_=my_pkg.MyThing"
+        )
+    target = locate(node["_target_"], key)
+    if kind is not None and inspect.isclass(target) and not _is_kind(target, kind):
+        raise ConfigError(
+            f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
+            f"point {key}._target_ at one"
+        )
+    parameters = _parameters(target)
+    if parameters is None or node.get("_partial_"):
+        return target  # a builtin without a signature, or a partial that gets the rest later
+    unknown_provided = provided is None
+    provided, reserved = set(provided or ()), set(reserved)
+    arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k not in reserved}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for name in arguments:
+        if name not in named and not takes_any:
+            close = difflib.get_close_matches(name, list(named), n=1)
+            hint = f"did you mean {key}.{close[0]}? " if close else ""
+            raise ConfigError(
+                f"{key}.{name}: {node['_target_']} takes no argument {name!r}; {hint}"
+                f"its arguments are {', '.join(n for n in named if n not in provided) or 'none'}"
+            )
+    positional = len(node.get("_args_") or ())
+    for index, (name, parameter) in enumerate(named.items()):
+        required = parameter.default is inspect.Parameter.empty
+        if required and index >= positional and name not in arguments and name not in provided and not unknown_provided:
+            source = f"{provided_by} does not give it and " if provided_by else ""
+            raise ConfigError(
+                f"{key}.{name} is required by {node['_target_']}, {source}the config does not set it; "
+                f"add +{key}.{name}=<value>{' or pick data that gives it' if provided_by else ''}"
+            )
+    hints = _type_hints(target)
+    for name, value in arguments.items():
+        annotation = hints.get(name)
+        if annotation is not None and not _fits(value, annotation):
+            raise ConfigError(
+                f"{key}.{name}={value!r} does not fit {node['_target_']}'s annotation "
+                f"{_annotation_name(annotation)}; pass a value of that type"
+            )
+    return target
+
+
+def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    """After a function target has run: refuse what it returned when it is of the wrong kind."""
+    if not isinstance(obj, kind):
+        raise ConfigError(
+            f"{key}._target_ built a {type(obj).__name__}, not {_kind_name(kind)}; point {key}._target_ at one"
+        )
+    return obj
+
+
+def build(node: Mapping, key: str, **filled: Any) -> Any:
+    """`instantiate(node, **filled)` with plain lists and dicts; argument errors -> ConfigError."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(dict(node), _convert_="all", **filled)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(cause, ValueError):  # the target's own check of its arguments
+            message = _one_line(cause)
+            if f"{key}." not in message:  # a message of torch's, say: name the node and the fix
+                message = f"{key} ({node.get('_target_')}): {message}; fix the {key} arguments"
+            raise ConfigError(message) from None
+        raise
+
+
+def is_node(value: Any) -> bool:
+    return isinstance(value, Mapping) and "_target_" in value
+
+
+# --- signatures and annotations -------------------------------------------------------------
+
+
+def _parameters(target: Any) -> Mapping[str, inspect.Parameter] | None:
+    try:
+        return inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def _type_hints(target: Any) -> dict[str, Any]:
+    function = target.__init__ if inspect.isclass(target) else target
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # annotations naming what cannot be imported here: nothing to check
+        return {}
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether a config value (plain data, or a nested `_target_` node) can be `annotation`."""
+    if is_node(value) or annotation is Any or annotation is inspect.Parameter.empty:
+        return True
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    container = origin or annotation
+    if container in (list, tuple, Sequence, Iterable) or (inspect.isclass(container) and container in (set, frozenset)):
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            return False
+        if container is tuple and args and args[-1] is not Ellipsis:
+            return len(args) == len(value) and all(_fits(v, a) for v, a in zip(value, args))
+        item = args[0] if args else Any
+        return all(_fits(v, item) for v in value)
+    if container in (dict, Mapping):
+        return isinstance(value, Mapping)
+    if inspect.isclass(container) and value is not None and isinstance(value, (bool, int, float, str, list, dict)):
+        # A plain config value for a parameter annotated as some other class (a Tensor, a
+        # Module, a Callable...): accept it only if it is an instance.
+        try:
+            return isinstance(value, container) or container in (Callable,)
+        except TypeError:
+            return True
+    return True
+
+
+def _annotation_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) if not typing.get_args(annotation) else str(annotation).replace("typing.", "")
+
+
+def _is_kind(cls: type, kind: type | tuple[type, ...]) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return any(issubclass(cls, k) for k in kinds)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(f"a {_public_name(k)}" for k in kinds)
+
+
+def _public_name(cls: type) -> str:
+    """torch.nn.Module rather than torch.nn.modules.module.Module: the name users write."""
+    for public in ("torch.nn", "torch.optim", "torch.optim.lr_scheduler", "torch.utils.data"):
+        module = importlib.import_module(public)
+        if getattr(module, cls.__name__, None) is cls:
+            return f"{public}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _describe(target: type) -> str:
+    bases = [b for b in target.__mro__[1:] if b is not object]
+    return f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__

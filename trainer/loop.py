@@ -1,0 +1,349 @@
+"""The training loop of one rank.
+
+`TrainingLoop(run, dist, run_dir).fit(model, data, task)` reads top to bottom:
+  place and wrap the model -> loaders, optimizer, lr schedule, precision -> maybe resume ->
+  for each optimizer step: K micro-batches (autocast forward, scaled backward, gradient
+  all-reduce only on the last) -> unscale, clip, step, schedule -> log -> evaluate -> checkpoint.
+The components arrive built (trainer/run.py builds them from config, trainer/trainer.py
+takes them from Python); the optimizer and schedule are built here, from the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from data.bundle import DataBundle
+from data.tasks import metrics_from_sums
+from trainer.checkpoint import (
+    CHECKPOINT_FORMAT,
+    link_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    unwrap_model,
+)
+from trainer.config import RunConfig
+from trainer.distributed import DistInfo, all_reduce_sum, barrier, gather_objects
+from trainer.errors import ConfigError
+from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loader, build_val_loader
+from trainer.logger import RunLogger
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.precision import Precision
+from trainer.strategy import gradient_sync, wrap_model
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # epochs completed
+    batches_into_epoch: int = 0  # micro-batches of the current epoch already trained on
+    best_metric: float | None = None
+
+    def finish_step(self, micro_batches: int, batches_per_epoch: int) -> bool:
+        """Count one optimizer step over `micro_batches`; True when it completed the epoch."""
+        self.step += 1
+        self.batches_into_epoch += micro_batches
+        if self.batches_into_epoch < batches_per_epoch:
+            return False
+        self.epoch += 1
+        self.batches_into_epoch = 0
+        return True
+
+
+@dataclass
+class FitResult:
+    metrics: dict[str, float]  # final validation metrics, e.g. {"val/loss": 0.01}
+    monitor: str  # the metric a sweep optimises
+    mode: str  # "min" or "max"
+    best_metric: float | None
+    steps: int
+    train_seconds: float
+    # The trained weights, only when a spawned rank 0 hands them back to a Python caller.
+    model_state: dict | None = None
+
+
+class TrainingLoop:
+    def __init__(self, run: RunConfig, dist: DistInfo, run_dir: Path):
+        self.run = run
+        self.cfg = run.trainer
+        self.dist = dist
+        self.device = dist.device
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def fit(self, model: nn.Module, data: DataBundle, task) -> FitResult:
+        cfg, dist = self.cfg, self.dist
+        resumed = load_checkpoint(cfg.resume, self.device) if cfg.resume else None
+        self.task, self.data = task, data
+        train_loader = self._setup(model, data, resumed)
+        total_steps, batches_per_epoch = self.total_steps, len(train_loader)
+        progress = self._restore(resumed) if resumed else Progress()
+
+        metrics: dict[str, float] = {}
+        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler:
+            logger.config(self.run.resolved)
+            logger.advance(progress.step)
+            meter = TrainMeter()
+            started = time.perf_counter()  # the loop's time: set-up and imports are not in it
+            while progress.step < total_steps:
+                epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
+                for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
+                    step = progress.step + 1
+                    log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
+                    lr_used = self.scheduler.get_last_lr()[0]
+                    grad_norm = self._optimizer_step(micro_batches, meter, measure_grad_norm=log_now)
+                    epoch_done = progress.finish_step(len(micro_batches), batches_per_epoch)
+
+                    if log_now:
+                        logger.scalars({**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}, step)
+                    logger.advance(1)
+                    if profiler:
+                        profiler.step()
+                    if self._evaluation_due(step, epoch_done, total_steps):
+                        metrics = self._evaluate_and_checkpoint(progress, batches_per_epoch, logger)
+                    elif self._checkpoint_due(step):
+                        self._save(progress, best=False)
+                    if step == total_steps:
+                        break
+            train_seconds = time.perf_counter() - started
+            logger.hparams(self.run.resolved, metrics, progress.step)
+            logger.summary({
+                "final": metrics, "monitor": self.task.monitor, "mode": self.task.mode,
+                "best": progress.best_metric, "steps": progress.step, "train_seconds": train_seconds,
+            })
+        return FitResult(
+            metrics=metrics,
+            monitor=self.task.monitor,
+            mode=self.task.mode,
+            best_metric=progress.best_metric,
+            steps=progress.step,
+            train_seconds=train_seconds,
+        )
+
+    def _setup(self, model: nn.Module, data: DataBundle, resumed: dict | None) -> BatchLoader:
+        """Place and wrap the model; build the loaders, optimizer, lr schedule and precision.
+        Returns the training loader."""
+        cfg, dist = self.cfg, self.dist
+        self.model = model.to(self.device)
+        self.params = list(model.parameters())
+        if resumed:
+            load_model_weights(model, resumed, cfg.resume)
+        self.wrapped = wrap_model(model, self.run.strategy, dist)
+
+        val_batch_size = cfg.val_batch_size or cfg.batch_size
+        overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
+        workers = WorkerOptions(
+            num_workers=cfg.num_workers,
+            pin_memory=self.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
+            persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor, seed=cfg.seed,
+        )
+        train_loader = build_train_loader(
+            data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, self.device,
+            shuffle=not overfit, limit_batches=overfit, workers=workers,
+        )
+        self.val_loader = build_val_loader(
+            data.train if overfit else data.val, val_batch_size, dist.rank, dist.world_size, self.device,
+            # overfit: the samples the ranks train on, the first overfit * batch * world_size
+            limit_samples=overfit * cfg.batch_size * dist.world_size, limit_batches=cfg.limit_val_batches,
+            workers=workers,
+        )
+        if len(train_loader) == 0:
+            raise ConfigError(
+                f"the training set has {len(data.train)} samples, too few for one batch of "
+                f"{cfg.batch_size} on each of {dist.world_size} processes; lower trainer.batch_size "
+                f"or the number of processes"
+            )
+        steps_per_epoch = math.ceil(len(train_loader) / cfg.accumulate_grad_batches)
+        self.total_steps = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.max_epochs
+
+        lr_scale = dist.world_size if self.run.strategy.scale_lr_by_world_size else 1
+        if callable(self.run.optimizer):  # the Python API: optimizer(params)
+            self.optimizer = self.run.optimizer([p for p in model.parameters() if p.requires_grad])
+        else:
+            self.optimizer = build_optimizer(self.run.optimizer, model, self.device, lr_scale)
+        if callable(self.run.scheduler):  # the Python API: scheduler(optimizer)
+            self.scheduler = self.run.scheduler(self.optimizer)
+        else:
+            self.scheduler = build_scheduler(self.run.scheduler, self.optimizer, self.total_steps)
+        self.precision = Precision(cfg.precision, self.device)
+        return train_loader
+
+    def _evaluation_due(self, step: int, epoch_done: bool, total_steps: int) -> bool:
+        """At the last step, every eval_every_n_steps steps, or (by default) at each epoch's end."""
+        every = self.cfg.eval_every_n_steps
+        return step == total_steps or (step % every == 0 if every else epoch_done)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """last.pt between evaluations, every checkpoint_every_n_steps steps."""
+        every = self.cfg.checkpoint_every_n_steps
+        return self.cfg.checkpoint and every > 0 and step % every == 0
+
+    def _optimizer_step(
+        self, micro_batches: list[Batch], meter: TrainMeter, measure_grad_norm: bool
+    ) -> torch.Tensor | None:
+        """Forward/backward K micro-batches, then one optimizer step.
+
+        Returns the gradient norm, or None when neither clipping nor logging needs it
+        (computing it costs a pass over all gradients).
+        """
+        total = sum(inputs.shape[0] for inputs, _ in micro_batches)
+        last = len(micro_batches) - 1
+        for i, (inputs, targets) in enumerate(micro_batches):
+            # DDP decides in forward whether backward all-reduces: both go inside no_sync.
+            with gradient_sync(self.wrapped, enabled=i == last):
+                with self.precision.autocast():
+                    loss = self.task.loss(self.wrapped(inputs), targets)
+                # Weight each micro-batch by its share of samples, so K micro-batches of B give
+                # exactly the gradient of one batch of K*B (also when the last batch is short).
+                share = inputs.shape[0] / total
+                self.precision.backward(loss if share == 1 else loss * share)
+            meter.add(loss.detach(), inputs.shape[0], targets.numel() if targets.dim() > 1 else 0)
+        self.precision.unscale_(self.optimizer)
+        grad_norm = self._clip_gradients(measure_grad_norm)
+        self.precision.step(self.optimizer)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _clip_gradients(self, measure: bool) -> torch.Tensor | None:
+        """Clip the (unscaled, all-reduced) gradients to grad_clip_norm; return their norm."""
+        if self.cfg.grad_clip_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip_norm)
+        if not measure:
+            return None
+        grads = [p.grad.detach().float() for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    def _profiler(self) -> contextlib.AbstractContextManager:
+        """torch.profiler over `profile_steps` optimizer steps after two to settle (rank 0 only);
+        the trace goes to <run dir>/profiler, for TensorBoard's PyTorch Profiler plugin or Perfetto."""
+        if not (self.cfg.profile_steps and self.dist.is_main):
+            return contextlib.nullcontext()
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        return profile(
+            activities=activities,
+            schedule=schedule(wait=1, warmup=1, active=self.cfg.profile_steps, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(str(self.run_dir / "profiler"), worker_name="rank0"),
+            record_shapes=True,
+        )
+
+    # --- evaluation and checkpoints ----------------------------------------------------------
+
+    @torch.inference_mode()  # cheaper than no_grad: no version counters, no view tracking
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics over the whole validation set, identical for any number of ranks."""
+        self.model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
+            with self.precision.autocast():
+                outputs = self.model(inputs)
+            for key, value in self.task.eval_sums(outputs, targets).items():
+                sums[key] = sums.get(key, 0) + value.double()
+        self.model.train()
+        keys = sorted(sums)  # the same task, so the same keys on every rank
+        totals = all_reduce_sum(self.dist, torch.stack([sums[k] for k in keys]).to(self.device)).cpu()
+        return {f"val/{k}": v for k, v in metrics_from_sums(dict(zip(keys, totals))).items()}
+
+    def _evaluate_and_checkpoint(self, progress: Progress, batches_per_epoch: int, logger: RunLogger) -> dict[str, float]:
+        metrics = self.evaluate()
+        logger.scalars(metrics, progress.step)
+        epochs = progress.epoch + progress.batches_into_epoch / batches_per_epoch
+        logger.info(f"step {progress.step} epoch {epochs:.2f}: " + " ".join(f"{k}={v:.5g}" for k, v in metrics.items()))
+        value = metrics.get(self.task.monitor)
+        improved = value is not None and math.isfinite(value) and (
+            progress.best_metric is None
+            or (value < progress.best_metric if self.task.mode == "min" else value > progress.best_metric)
+        )
+        if improved:
+            progress.best_metric = value
+        if self.cfg.checkpoint:
+            self._save(progress, best=improved)
+        return metrics
+
+    def _save(self, progress: Progress, best: bool) -> None:
+        rng = gather_objects(self.dist, rng_state(self.device))  # every rank's, for exact resume
+        if self.dist.is_main:
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "model": unwrap_model(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.state_dict(),
+                "progress": asdict(progress),
+                "rng": rng,
+                "config": self.run.resolved,
+                "monitor": self.task.monitor,
+                # What rebuilds the model and decodes its outputs from this file alone
+                # (python -m trainer.sample / trainer.evaluate).
+                "data_dims": dict(self.data.dims),
+                "vocab": self.data.vocab,
+            }
+            save_checkpoint(self.checkpoint_dir / "last.pt", state)
+            if best:
+                link_checkpoint(self.checkpoint_dir / "last.pt", self.checkpoint_dir / "best.pt")
+        barrier(self.dist)  # nobody reads or resumes before the file is complete
+
+    def _restore(self, state: dict) -> Progress:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state.get("scaler") or {})
+        rng = state["rng"]
+        set_rng_state(rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0], self.device)
+        return Progress(**state["progress"])
+
+
+class TrainMeter:
+    """Train loss and throughput between two logging steps.
+
+    Losses are kept as detached device tensors and summed only when read, so a step costs no
+    device synchronisation and no extra arithmetic.
+    """
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        self.losses: list[torch.Tensor] = []  # mean loss of each micro-batch
+        self.sizes: list[int] = []  # its number of samples
+        self.tokens = 0
+        self.since = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
+        self.losses.append(loss)
+        self.sizes.append(samples)
+        self.tokens += tokens
+
+    def read(self, dist: DistInfo) -> dict[str, float]:
+        """The global mean train loss (all-reduced) and global throughput since the last read."""
+        seconds = max(time.perf_counter() - self.since, 1e-9)
+        sizes = torch.tensor(self.sizes, dtype=torch.float64, device=self.losses[0].device)
+        loss_sum = torch.dot(torch.stack(self.losses).double(), sizes)
+        totals = torch.stack([loss_sum, sizes.sum(), torch.tensor(float(self.tokens), dtype=torch.float64, device=sizes.device)])
+        loss_sum, samples, tokens = all_reduce_sum(dist, totals.to(dist.device)).tolist()
+        values = {"train/loss": loss_sum / samples, "throughput/samples_per_sec": samples / seconds}
+        if tokens:
+            values["throughput/tokens_per_sec"] = tokens / seconds
+        self._reset()
+        return values
+
+
+def _groups(batches: Iterator[Batch], size: int) -> Iterator[list[Batch]]:
+    """Micro-batches in groups of `size` (the last group of an epoch may be shorter)."""
+    while group := list(islice(batches, size)):
+        yield group

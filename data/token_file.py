@@ -1,7 +1,7 @@
 """Language modelling over binary token files, the format nanoGPT and llm.c write.
 
-    python -m data.prepare_tokens input.txt data/mytext --vocab char
-    python train.py model=transformer data=token_file data.path=data/mytext
+    python -m data.prepare_tokens input.txt ~/datasets/mytext --vocab char
+    python train.py model=transformer data=token_file data.path=~/datasets/mytext
 
 A token directory holds three files:
 
@@ -10,11 +10,21 @@ A token directory holds three files:
 - meta.json: {"dtype": "uint16" or "uint32", "vocab_size": N} and, when the ids came from a
   vocabulary in data/vocab.py, "vocab": its state, so samples decode without the tokenizer.
 
-The files are memory-mapped, never read whole: a corpus of many gigabytes trains with a
-resident set of a few hundred megabytes, and the ranks of a DDP job share one copy in the
-page cache. Samples are the windows `data.tensors.windows_of` makes: window i is the
-block_size + 1 tokens starting at token i * block_size, so consecutive windows share one
-token and every token is a target exactly once.
+Neither file is ever read whole: a batch reads only its own windows, so a corpus of many
+gigabytes trains with a resident set of a few hundred megabytes, and the ranks of a DDP job
+share one copy of the file in the page cache. Samples are the windows
+`data.tensors.windows_of` makes: window i is the block_size + 1 tokens starting at token
+i * block_size, so consecutive windows share one token and every token is a target exactly
+once.
+
+Why windows are read with os.pread rather than gathered from a memory map: every page a map
+has touched counts in the process's resident set until the map is closed (or the kernel
+reclaims it), and the kernel maps whole folios around each touched page (up to 2 MB for a
+freshly written file). Gathering 200 shuffled batches of 32 x 256 tokens from a persistent
+2.2 GB numpy.memmap left the resident set at 2.4 GB (the whole file; 0.64 GB when the file
+was not in the page cache); one positioned read per window kept it at 0.27 GB either way, at
+a similar cost (a few microseconds per window). The memory map is still there, as
+`TokenWindows.tokens`, for looking at the data and on systems without os.pread.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -45,8 +56,9 @@ class TokenWindows(Dataset):
     """Next-token windows over one token file: sample i is (inputs, targets), the block_size
     tokens from i * block_size and the same shifted by one, as int64 tensors.
 
-    The memory map opens on first use and is left out when the dataset is pickled, so
-    DataLoader workers and spawned DDP ranks receive a path, not the file's pages.
+    The file opens on first use and is left out when the dataset is pickled, so DataLoader
+    workers and spawned DDP ranks receive a path, not the file. Reads are positioned
+    (os.pread), so forked workers can share one open file safely.
     """
 
     def __init__(self, path: str | os.PathLike, block_size: int, dtype: str):
@@ -64,29 +76,19 @@ class TokenWindows(Dataset):
                 f"({self.dtype.itemsize} bytes each); the file is cut short or meta.json's dtype is wrong"
             )
         self.num_tokens = size // self.dtype.itemsize
+        self._file: BinaryIO | None = None
         self._tokens: np.memmap | None = None
-        self._windows: np.ndarray | None = None
 
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.block_size)
 
     @property
     def tokens(self) -> np.memmap:
-        """All the file's token ids, memory-mapped read-only (opened on first use)."""
+        """All the file's token ids, memory-mapped read-only (opened on first use). Pages it
+        touches stay resident while it is open; batches do not go through it (module doc)."""
         if self._tokens is None:
             self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
         return self._tokens
-
-    @property
-    def windows(self) -> np.ndarray:
-        """(len, block_size + 1) read-only strided view of the map: row i is window i."""
-        if self._windows is None:
-            step = self.block_size * self.dtype.itemsize
-            self._windows = np.lib.stride_tricks.as_strided(
-                self.tokens, shape=(len(self), self.block_size + 1),
-                strides=(step, self.dtype.itemsize), writeable=False,
-            )
-        return self._windows
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         position = int(index)
@@ -94,12 +96,12 @@ class TokenWindows(Dataset):
             position += len(self)
         if not 0 <= position < len(self):
             raise IndexError(f"window {index} is out of range for {len(self)} windows")
-        window = torch.from_numpy(self.windows[position].astype(np.int64))
+        window = torch.from_numpy(self._read_windows(np.array([position]))[0])
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (len(indices), block_size) int64, gathered from the map with
-        one fancy index: only the pages under the chosen windows are read."""
+        """(inputs, targets), each (len(indices), block_size) int64: only the chosen windows
+        are read, with one positioned read each."""
         rows = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
         if rows.ndim != 1:
             raise ValueError(f"indices must be 1-D, got shape {tuple(rows.shape)}")
@@ -107,15 +109,32 @@ class TokenWindows(Dataset):
         rows = np.where(rows < 0, rows + count, rows)  # negative indices count from the end, as in torch
         if rows.size and (rows.min() < 0 or rows.max() >= count):
             raise IndexError(f"window indices must lie in [-{count}, {count}) for {count} windows")
-        if not rows.size:
-            empty = torch.empty(0, self.block_size, dtype=torch.int64)
-            return empty, empty
-        windows = torch.from_numpy(self.windows[rows].astype(np.int64))
+        windows = torch.from_numpy(self._read_windows(rows))
         return windows[:, :-1], windows[:, 1:]
+
+    def _read_windows(self, rows: np.ndarray) -> np.ndarray:
+        """(len(rows), block_size + 1) int64 token ids of windows `rows` (all in range)."""
+        width = self.block_size + 1
+        if not len(rows):
+            return np.empty((0, width), dtype=np.int64)
+        if not hasattr(os, "pread"):  # Windows: one fancy index on the map instead
+            step = self.block_size * self.dtype.itemsize
+            windows = np.lib.stride_tricks.as_strided(
+                self.tokens, shape=(len(self), width), strides=(step, self.dtype.itemsize), writeable=False
+            )
+            return windows[rows].astype(np.int64)
+        if self._file is None:
+            self._file = open(self.path, "rb", buffering=0)
+        descriptor, stride = self._file.fileno(), self.block_size * self.dtype.itemsize
+        nbytes = width * self.dtype.itemsize
+        data = b"".join([os.pread(descriptor, nbytes, row * stride) for row in rows.tolist()])
+        if len(data) != nbytes * len(rows):
+            raise DataError(f"{self.path} is shorter than when it was opened; it changed while in use")
+        return np.frombuffer(data, dtype=self.dtype).reshape(len(rows), width).astype(np.int64)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_tokens"] = state["_windows"] = None  # reopened lazily wherever it is unpickled
+        state["_file"] = state["_tokens"] = None  # reopened lazily wherever it is unpickled
         return state
 
     def __repr__(self) -> str:

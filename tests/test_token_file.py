@@ -1,4 +1,4 @@
-"""Vocabularies, the prepare_tokens command and memory-mapped token files (data=token_file)."""
+"""Vocabularies, the prepare_tokens command and binary token files (data=token_file)."""
 from __future__ import annotations
 
 import json
@@ -147,7 +147,7 @@ def test_a_dataset_pickles_as_a_path_and_reopens_the_map(tmp_path):
         dataset.get_batch(torch.tensor([len(dataset)]))
 
 
-def test_the_file_is_mapped_not_read(tmp_path):
+def test_the_file_is_never_read_whole(tmp_path):
     """A 256 MB file: building it and gathering windows from all over it must not read it all,
     neither into the resident set nor in the vocab_size check (which reads the first few MB)."""
     directory = tmp_path / "sparse"
@@ -238,3 +238,25 @@ def test_a_dataloader_with_spawned_workers_reads_the_windows(tmp_path):
     everything = dataset.get_batch(torch.arange(len(dataset)))
     assert torch.cat(inputs).equal(everything[0]) and torch.cat(targets).equal(everything[1])
     assert len(dataset) == 624 and everything[0][1, 0].item() == tokens[32]
+
+
+def test_without_pread_batches_come_from_the_memory_map_the_same(tmp_path, monkeypatch):
+    tokens = (np.arange(5000, dtype=np.uint16) * 13) % 500
+    dataset = token_file(str(make_token_dir(tmp_path / "d", tokens, tokens[:100], {"dtype": "uint16", "vocab_size": 500})),
+                         block_size=20).train
+    indices = torch.tensor([248, 0, -1, 17])
+    by_reads = dataset.get_batch(indices)
+    assert dataset.tokens.shape == (5000,) and np.array_equal(dataset.tokens[:40], tokens[:40])
+    monkeypatch.delattr(os, "pread")  # as on Windows
+    by_map = dataset.get_batch(indices)
+    assert by_map[0].equal(by_reads[0]) and by_map[1].equal(by_reads[1])
+    assert by_map[1][0].tolist() == tokens[248 * 20 + 1 : 249 * 20 + 1].tolist()
+
+
+def test_a_file_cut_short_while_in_use_is_an_error_not_garbage(tmp_path):
+    directory = make_token_dir(tmp_path / "d", TOKENS, TOKENS)
+    dataset = token_file(str(directory), block_size=16).train
+    dataset.get_batch(torch.tensor([len(dataset) - 1]))
+    os.truncate(directory / "train.bin", 1000)
+    with pytest.raises(DataError, match="train.bin is shorter than when it was opened; it changed while in use"):
+        dataset.get_batch(torch.tensor([len(dataset) - 1]))

@@ -1,0 +1,208 @@
+"""Write a token directory (train.bin, val.bin, meta.json; see data/token_file.py).
+
+    python -m data.prepare_tokens INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction 0.1]
+    python -m data.prepare_tokens --random-tokens N --vocab-size V OUT_DIR [--seed 0]
+
+From a UTF-8 text: the first (1 - val_fraction) of the tokens train, the rest validate, the
+split data/text.py makes. `--vocab char` gives one id per distinct character (sorted by code
+point); `--vocab byte` one per UTF-8 byte (256 ids, any text). The vocabulary goes into
+meta.json, so the directory alone decodes samples. The text is streamed in chunks, never read
+whole: the byte vocabulary needs one pass, the character vocabulary two (the first finds the
+alphabet, the second encodes).
+
+`--random-tokens` writes N uniform random ids (and a small val.bin) in chunks: a corpus of any
+size in seconds, for measuring memory and loader speed, not for learning anything.
+
+The files are written under temporary names and renamed at the end, so an interrupted or
+failed run never leaves a directory that looks complete.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import os
+import sys
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from data.token_file import SPLITS, token_dtype_for, write_meta
+from data.vocab import ByteVocab, CharVocab
+
+# Text read per step: big enough that per-chunk overhead vanishes, small enough that the
+# encoded chunk (int64 ids, 8 bytes per character) stays well under a gigabyte.
+CHUNK_BYTES = 4 << 20
+RANDOM_CHUNK_TOKENS = 16 << 20
+UNICODE_SIZE = 0x110000
+
+
+class PrepareError(Exception):
+    """An input this command cannot use; the message is the one line it prints."""
+
+
+def prepare_text(
+    input_path: str | os.PathLike, out_dir: str | os.PathLike, vocab_kind: str = "char",
+    val_fraction: float = 0.1, chunk_bytes: int = CHUNK_BYTES,
+) -> dict:
+    """Tokenize a UTF-8 text file into `out_dir`; returns what meta.json records."""
+    if vocab_kind not in ("char", "byte"):
+        raise ValueError(f"vocab_kind={vocab_kind!r} must be 'char' or 'byte'")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
+    source = Path(input_path)
+    if not source.is_file():
+        raise PrepareError(f"{input_path} does not exist or is not a file; pass a UTF-8 text file")
+    if source.stat().st_size == 0:
+        raise PrepareError(f"{input_path} is empty; pass a UTF-8 text file with some text in it")
+
+    if vocab_kind == "char":
+        seen = np.zeros(UNICODE_SIZE, dtype=bool)
+        num_tokens = 0
+        for text in _decoded_chunks(source, chunk_bytes):
+            codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+            seen |= np.bincount(codepoints, minlength=UNICODE_SIZE).astype(bool)
+            num_tokens += len(codepoints)
+        vocab = CharVocab("".join(map(chr, np.flatnonzero(seen).tolist())))
+    else:
+        vocab = ByteVocab()
+        num_tokens = source.stat().st_size  # one token per byte; the pass below checks UTF-8
+
+    split = int(num_tokens * (1 - val_fraction))
+    counts = {"train": split, "val": num_tokens - split}
+    for name, count in counts.items():
+        if count < 2:
+            raise PrepareError(
+                f"{input_path} gives {count} {name} tokens, too few for any window; use a longer text "
+                f"or another --val-fraction"
+            )
+    dtype = np.dtype(token_dtype_for(vocab.size))
+    with _TokenDirectoryWriter(out_dir) as writer:
+        written = 0
+        for text in _decoded_chunks(source, chunk_bytes):
+            ids = vocab.encode_array(text).astype(dtype)
+            cut = min(max(split - written, 0), len(ids))
+            writer.files["train"].write(ids[:cut].tobytes())
+            writer.files["val"].write(ids[cut:].tobytes())
+            written += len(ids)
+        meta = {"dtype": str(dtype), "vocab_size": vocab.size, "vocab": vocab.to_state(),
+                "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source.name}
+        writer.meta = meta
+    return meta
+
+
+def prepare_random(out_dir: str | os.PathLike, num_tokens: int, vocab_size: int, seed: int = 0) -> dict:
+    """`num_tokens` uniform random ids below `vocab_size` in train.bin, a small val.bin."""
+    if num_tokens < 2 or vocab_size < 1:
+        raise ValueError("--random-tokens must be at least 2 and --vocab-size at least 1")
+    dtype = np.dtype(token_dtype_for(vocab_size))
+    num_val = max(2, min(num_tokens // 10, 1 << 20))
+    generator = np.random.default_rng(seed)
+    with _TokenDirectoryWriter(out_dir) as writer:
+        for name, count in (("train", num_tokens), ("val", num_val)):
+            for start in range(0, count, RANDOM_CHUNK_TOKENS):
+                size = min(RANDOM_CHUNK_TOKENS, count - start)
+                writer.files[name].write(generator.integers(0, vocab_size, size, dtype=dtype).tobytes())
+        writer.meta = {"dtype": str(dtype), "vocab_size": vocab_size, "train_tokens": num_tokens,
+                       "val_tokens": num_val, "source": f"uniform random ids, seed {seed}"}
+    return writer.meta
+
+
+class _TokenDirectoryWriter:
+    """Open train/val files under temporary names; on a clean exit write meta.json and rename
+    all three into place, on an error remove them."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.directory = Path(out_dir)
+        self.meta: dict | None = None
+        self.files: dict[str, BinaryIO] = {}
+
+    def _temporary(self, name: str) -> Path:
+        return self.directory / f".{name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> _TokenDirectoryWriter:
+        self.created = not self.directory.exists()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.files = {split: self._temporary(f"{split}.bin").open("wb") for split in SPLITS}
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        for handle in self.files.values():
+            handle.close()
+        if error_type is None and self.meta is not None:
+            for split in SPLITS:
+                os.replace(self._temporary(f"{split}.bin"), self.directory / f"{split}.bin")
+            meta = dict(self.meta)
+            write_meta(self.directory, meta.pop("dtype"), meta.pop("vocab_size"), meta.pop("vocab", None), **meta)
+        else:
+            for split in SPLITS:
+                self._temporary(f"{split}.bin").unlink(missing_ok=True)
+            if self.created:
+                self.directory.rmdir()
+
+
+def _decoded_chunks(source: Path, chunk_bytes: int) -> Iterator[str]:
+    """The file's text in pieces of about chunk_bytes; a character cut by a chunk boundary is
+    completed by the next chunk (incremental decoder). PrepareError names the first bad byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the file handed to the decoder so far
+    with source.open("rb") as handle:
+        while True:
+            chunk = handle.read(chunk_bytes)
+            pending = len(decoder.getstate()[0])  # bytes of a cut character held from the last chunk
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                raise PrepareError(
+                    f"{source} is not UTF-8 text (byte {offset - pending + err.start}); convert it to UTF-8 first"
+                ) from None
+            offset += len(chunk)
+            if text:
+                yield text
+            if not chunk:
+                return
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m data.prepare_tokens",
+        usage="%(prog)s INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction F]\n"
+              "       %(prog)s --random-tokens N --vocab-size V OUT_DIR [--seed S]",
+        description="Write train.bin, val.bin and meta.json for data=token_file.",
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="INPUT.txt OUT_DIR, or only OUT_DIR with --random-tokens")
+    parser.add_argument("--vocab", choices=("char", "byte"), default="char", help="token per character or per UTF-8 byte")
+    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of the tokens, from the end, that validate")
+    parser.add_argument("--random-tokens", type=int, metavar="N", help="write N random token ids instead of a text")
+    parser.add_argument("--vocab-size", type=int, metavar="V", help="with --random-tokens: ids are below V")
+    parser.add_argument("--seed", type=int, default=0, help="with --random-tokens: the random seed")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.random_tokens is not None:
+        if len(args.paths) != 1 or args.vocab_size is None:
+            parser.error("--random-tokens N needs --vocab-size V and exactly one path, OUT_DIR")
+        if args.random_tokens < 2 or not 1 <= args.vocab_size <= 1 << 32:
+            parser.error("--random-tokens must be at least 2 and --vocab-size between 1 and 2**32")
+        meta = prepare_random(args.paths[0], args.random_tokens, args.vocab_size, args.seed)
+    else:
+        if len(args.paths) != 2:
+            parser.error("pass INPUT.txt and OUT_DIR (or --random-tokens N --vocab-size V OUT_DIR)")
+        if not 0 < args.val_fraction < 1:
+            parser.error(f"--val-fraction {args.val_fraction} must be between 0 and 1, e.g. 0.1")
+        try:
+            meta = prepare_text(args.paths[0], args.paths[1], args.vocab, args.val_fraction)
+        except PrepareError as err:
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
+            return 2
+    out_dir = args.paths[-1]
+    print(f"wrote {out_dir}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
+          f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Plain vocabularies that turn text into token ids and samples back into text.
+
+A vocabulary travels with the data it encoded (token_file's meta.json) and with the model
+trained on it (the checkpoint), so it is stored as plain data: `to_state()` gives a dict of
+strings that `torch.load(weights_only=True)` and json both accept, and `vocab_from_state`
+rebuilds the vocabulary from it. No pickled classes, no tokenizer library.
+
+- CharVocab(chars): one id per character, ids in the order of `chars` (data/text.py and
+  `python -m data.prepare_tokens --vocab char` sort them by code point).
+- ByteVocab(): 256 ids, the UTF-8 bytes of the text; any text encodes, nothing is unknown.
+
+Both decode ids they do not know (a model whose output layer is padded past the vocabulary
+can sample them) as U+FFFD, the replacement character, instead of failing mid-sample.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+
+REPLACEMENT_CHARACTER = "\ufffd"
+
+Ids = Iterable[int] | torch.Tensor | np.ndarray
+
+
+class CharVocab:
+    """One id per character of `chars`, in that order."""
+
+    kind = "char"
+
+    def __init__(self, chars: str):
+        if not isinstance(chars, str) or not chars:
+            raise ValueError(f"a character vocabulary needs a non-empty string of characters, got {chars!r}")
+        if len(set(chars)) != len(chars):
+            raise ValueError("a character vocabulary lists each character once; remove the repeats")
+        self.chars = chars
+        # Sorted code points and the id of each, for vectorised encoding with searchsorted.
+        codepoints = np.fromiter(map(ord, chars), dtype=np.int64, count=len(chars))
+        self._sorted_codepoints = np.sort(codepoints)
+        self._ids_of_sorted = np.argsort(codepoints, kind="stable")
+
+    @classmethod
+    def from_text(cls, text: str) -> CharVocab:
+        """The characters of `text`, sorted by code point (the order data/text.py uses)."""
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """int64 ids of `text`, as a 1-D tensor."""
+        return torch.from_numpy(self.encode_array(text))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """int64 ids of `text`; vectorised (UTF-32 gives each character as one int32), so a
+        chunk of megabytes encodes in milliseconds. ValueError names a character not in the
+        vocabulary."""
+        codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        positions = np.searchsorted(self._sorted_codepoints, codepoints)
+        positions = np.minimum(positions, len(self._sorted_codepoints) - 1)
+        unknown = self._sorted_codepoints[positions] != codepoints
+        if unknown.any():
+            first = chr(int(codepoints[np.argmax(unknown)]))
+            raise ValueError(f"character {first!r} is not in the vocabulary of {self.size} characters")
+        return self._ids_of_sorted[positions]
+
+    def decode(self, ids: Ids) -> str:
+        chars, size = self.chars, len(self.chars)
+        return "".join(chars[i] if 0 <= i < size else REPLACEMENT_CHARACTER for i in _int_list(ids))
+
+    def to_state(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CharVocab) and other.chars == self.chars
+
+    def __repr__(self) -> str:
+        return f"CharVocab({self.size} characters)"
+
+
+class ByteVocab:
+    """256 ids: the UTF-8 bytes of the text. Decoding replaces broken sequences with U+FFFD."""
+
+    kind = "byte"
+    size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """int64 ids of `text`, as a 1-D tensor."""
+        return torch.from_numpy(self.encode_array(text))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: Ids) -> str:
+        # 0xFF never occurs in UTF-8, so an id past 255 becomes a byte that decodes to U+FFFD.
+        data = bytes(i if 0 <= i < 256 else 0xFF for i in _int_list(ids))
+        return data.decode("utf-8", errors="replace")
+
+    def to_state(self) -> dict:
+        return {"kind": self.kind}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByteVocab)
+
+    def __repr__(self) -> str:
+        return "ByteVocab()"
+
+
+VOCAB_KINDS = ("char", "byte")
+
+
+def vocab_from_state(state: dict) -> CharVocab | ByteVocab:
+    """The vocabulary `to_state()` described."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a vocabulary state is a dict such as {{'kind': 'byte'}}, got {type(state).__name__}")
+    kind = state.get("kind")
+    if kind == "char":
+        chars = state.get("chars")
+        if not isinstance(chars, str):
+            raise ValueError("a 'char' vocabulary state needs 'chars', the string of its characters in id order")
+        return CharVocab(chars)
+    if kind == "byte":
+        return ByteVocab()
+    raise ValueError(f"unknown vocabulary kind {kind!r}; expected one of {', '.join(VOCAB_KINDS)}")
+
+
+def _int_list(ids: Ids) -> list[int]:
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        return ids.reshape(-1).tolist()
+    return [int(i) for i in ids]

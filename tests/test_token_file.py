@@ -1,0 +1,262 @@
+"""Vocabularies, the prepare_tokens command and binary token files (data=token_file)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from data.bundle import DataError
+from data.prepare_tokens import main, prepare_random, prepare_text
+from data.tensors import windows_of
+from data.text import encode_text
+from data.token_file import VOCAB_CHECK_BYTES, TokenWindows, token_file, write_meta
+from data.vocab import ByteVocab, CharVocab, vocab_from_state
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Non-ASCII on purpose: 2-, 3- and 4-byte UTF-8 characters, which a chunk boundary can cut.
+TEXT = "".join(f"Line {i}: naïve café, €{i * 7 % 100}, 🙂 — the quick brown fox.\n" for i in range(60))
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "input.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def make_token_dir(directory: Path, train: np.ndarray, val: np.ndarray, meta: dict | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    train.tofile(directory / "train.bin")
+    val.tofile(directory / "val.bin")
+    (directory / "meta.json").write_text(json.dumps(meta or {"dtype": str(train.dtype), "vocab_size": 100}))
+    return directory
+
+
+def test_vocabularies_round_trip_text_and_their_state():
+    chars = CharVocab.from_text(TEXT)
+    assert chars.chars == "".join(sorted(set(TEXT))) and chars.size == len(set(TEXT))
+    assert chars.decode(chars.encode(TEXT)) == TEXT
+    assert CharVocab("ba").encode("abba") == [1, 0, 0, 1]  # ids follow the order of `chars`
+    assert chars.encode_tensor(TEXT).tolist() == chars.encode(TEXT)
+    with pytest.raises(ValueError, match="'Z' is not in the vocabulary"):
+        chars.encode("Zebra")
+
+    data = ByteVocab()
+    assert data.size == 256 and data.encode("é🙂") == list("é🙂".encode("utf-8"))
+    assert data.decode(data.encode(TEXT)) == TEXT
+    assert data.decode(list("é".encode())[:1] + [ord("x")]) == "\ufffdx"  # a cut character, replaced
+
+    # An id a padded output layer can emit decodes as U+FFFD rather than failing the sample.
+    assert chars.decode([chars.size, 0]) == "\ufffd" + chars.chars[0] and data.decode([300]) == "\ufffd"
+
+
+def test_vocab_states_are_plain_data_that_weights_only_loads(tmp_path):
+    for vocab in (CharVocab("abc\n€"), ByteVocab()):
+        torch.save({"vocab": vocab.to_state()}, tmp_path / "ckpt.pt")
+        state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["vocab"]
+        assert vocab_from_state(state) == vocab and json.loads(json.dumps(state)) == state
+    assert CharVocab("ab").to_state() == {"kind": "char", "chars": "ab"} and ByteVocab().to_state() == {"kind": "byte"}
+    with pytest.raises(ValueError, match="unknown vocabulary kind 'bpe'; expected one of char, byte"):
+        vocab_from_state({"kind": "bpe"})
+
+
+@pytest.mark.parametrize("vocab_kind", ["char", "byte"])
+def test_prepared_windows_are_the_encoded_text(text_file, tmp_path, vocab_kind):
+    # 13-byte chunks: boundaries fall inside multi-byte characters many times.
+    meta = prepare_text(text_file, tmp_path / "tokens", vocab_kind, val_fraction=0.1, chunk_bytes=13)
+    data = token_file(str(tmp_path / "tokens"), block_size=8)
+    vocab = vocab_from_state(data.vocab)
+    ids = vocab.encode(TEXT)
+    split = int(len(ids) * 0.9)
+    assert meta["dtype"] == "uint16" and data.dims == {"vocab_size": vocab.size}
+    if vocab_kind == "char":
+        assert (vocab.chars, ids) == (encode_text(TEXT)[0], encode_text(TEXT)[1].tolist())  # data=text's ids
+    for dataset, part in ((data.train, ids[:split]), (data.val, ids[split:])):
+        expected = windows_of(torch.tensor(part), 8)
+        assert len(dataset) == (len(part) - 1) // 8 == len(expected)
+        for i in (0, 1, len(dataset) - 1):
+            inputs, targets = dataset[i]
+            assert inputs.dtype == torch.int64 and inputs.tolist() == part[i * 8 : i * 8 + 8]
+            assert targets.tolist() == part[i * 8 + 1 : i * 8 + 9]
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+        inputs, targets = dataset.get_batch(order)
+        assert inputs.equal(expected[order, :-1]) and targets.equal(expected[order, 1:])
+        items = [dataset[i] for i in order.tolist()]
+        assert inputs.equal(torch.stack([x for x, _ in items])) and targets.equal(torch.stack([y for _, y in items]))
+    assert vocab.decode(data.train[0][0]) == TEXT[:8]  # "Line 0: ", the same in either vocabulary
+
+
+def test_the_command_writes_a_directory_that_decodes_on_its_own(text_file, tmp_path, capsys):
+    assert main([str(text_file), str(tmp_path / "out"), "--vocab", "byte", "--val-fraction", "0.25"]) == 0
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    num_bytes = len(TEXT.encode())
+    assert meta["vocab"] == {"kind": "byte"} and meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
+    assert (meta["train_tokens"], meta["val_tokens"]) == (int(num_bytes * 0.75), num_bytes - int(num_bytes * 0.75))
+    assert os.path.getsize(tmp_path / "out" / "train.bin") == 2 * meta["train_tokens"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]  # no temporaries
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_unusable_inputs_end_the_command_with_one_line_and_exit_2(tmp_path, capsys):
+    missing = subprocess.run(
+        [sys.executable, "-m", "data.prepare_tokens", str(tmp_path / "nope.txt"), str(tmp_path / "out")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.strip().splitlines() == [
+        f"python -m data.prepare_tokens: error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
+    ]
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("ab".encode() * 50 + "café".encode("latin-1") + b"z" * 100)
+    for vocab in ("char", "byte"):
+        assert main([str(latin1), str(tmp_path / "out"), "--vocab", vocab]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and "is not UTF-8 text (byte 103); convert it to UTF-8 first" in error
+    assert not (tmp_path / "out").exists()  # nothing half-written is left behind
+
+
+def test_random_tokens_fill_a_directory_in_range(tmp_path):
+    assert main(["--random-tokens", "100000", "--vocab-size", "50257", str(tmp_path / "rnd")]) == 0
+    data = token_file(str(tmp_path / "rnd"), block_size=64)
+    assert data.train.num_tokens == 100000 and data.val.num_tokens == 10000 and data.vocab is None
+    tokens = np.fromfile(tmp_path / "rnd" / "train.bin", dtype=np.uint16)
+    assert tokens.max() < 50257 and tokens.max() > 50000 and len(np.unique(tokens)) > 40000  # uniform-ish
+    assert prepare_random(tmp_path / "big", 10, 70000)["dtype"] == "uint32"  # ids past 65535 need 4 bytes
+
+
+def test_a_dataset_pickles_as_a_path_and_reopens_the_map(tmp_path):
+    tokens = np.arange(50000, dtype=np.uint16) % 97
+    directory = make_token_dir(tmp_path / "d", tokens, tokens[:100])
+    dataset = token_file(str(directory), block_size=16).train
+    expected = dataset.get_batch(torch.tensor([5, 0, 3000]))  # the map is open now
+    blob = pickle.dumps(dataset)
+    assert len(blob) < 1000 < tokens.nbytes  # the pages did not travel
+    copy = pickle.loads(blob)
+    assert all(a.equal(b) for a, b in zip(copy.get_batch(torch.tensor([5, 0, 3000])), expected))
+    assert copy[-1][1][-1].item() == tokens[len(dataset) * 16] and dataset[len(dataset) - 1][0].equal(copy[-1][0])
+    with pytest.raises(IndexError):
+        dataset.get_batch(torch.tensor([len(dataset)]))
+
+
+def test_the_file_is_never_read_whole(tmp_path):
+    """A 256 MB file: building it and gathering windows from all over it must not read it all,
+    neither into the resident set nor in the vocab_size check (which reads the first few MB)."""
+    directory = tmp_path / "sparse"
+    make_token_dir(directory, np.zeros(1000, dtype=np.uint16), np.zeros(1000, dtype=np.uint16))
+    size = 256 << 20
+    with open(directory / "train.bin", "r+b") as handle:
+        handle.truncate(size)  # sparse: zeros that cost no disk
+        handle.seek(VOCAB_CHECK_BYTES + 2)
+        handle.write(np.uint16(500).tobytes())  # out of range, but past the part that is checked
+    rss_before = _resident_mb()
+    data = token_file(str(directory), block_size=256)
+    assert len(data.train) == (size // 2 - 1) // 256
+    inputs, targets = data.train.get_batch(torch.linspace(0, len(data.train) - 1, 200).long())
+    assert inputs.shape == (200, 256) and inputs.sum().item() == 0
+    if rss_before is not None:
+        assert _resident_mb() - rss_before < 64, "a 256 MB file was read into memory"
+
+
+def _resident_mb() -> float | None:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+
+def _write(directory: Path, name: str, content: bytes) -> None:
+    (directory / name).write_bytes(content)
+
+
+TOKENS = np.arange(1000, dtype=np.uint16) % 100
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: os.remove(d / "val.bin"), "has no val.bin; a token directory holds train.bin, val.bin and meta.json"),
+    (lambda d: os.remove(d / "train.bin"), "has no train.bin"),
+    (lambda d: os.remove(d / "meta.json"), "has no meta.json"),
+    (lambda d: _write(d, "meta.json", b'{"dtype": "int16", "vocab_size": 100}'),
+     "meta.json has dtype='int16'; set it to \"uint16\" or \"uint32\""),
+    (lambda d: _write(d, "meta.json", b'{"dtype": "uint16"}'), "meta.json has vocab_size=None; set it to the number"),
+    (lambda d: _write(d, "meta.json", b"{dtype: uint16"), "meta.json is not valid JSON"),
+    (lambda d: _write(d, "meta.json", b'{"dtype": "uint16", "vocab_size": 100, "vocab": {"kind": "bpe"}}'),
+     "meta.json's vocab is unusable (unknown vocabulary kind 'bpe'"),
+    (lambda d: _write(d, "train.bin", TOKENS.tobytes() + b"\x01"),
+     "train.bin is 2001 bytes, not a whole number of uint16 tokens (2 bytes each)"),
+    (lambda d: _write(d, "val.bin", TOKENS[:16].tobytes()),
+     "val.bin holds 16 tokens, fewer than one window of block_size + 1 = 17; use more data or a smaller model.block_size"),
+    (lambda d: _write(d, "train.bin", (TOKENS + 50).tobytes()),
+     "train.bin has token id 149 >= vocab_size=100 in its first 4 MB (only those are checked)"),
+])
+def test_each_broken_directory_is_refused_in_one_line(tmp_path, damage, message):
+    directory = make_token_dir(tmp_path / "d", TOKENS, TOKENS)
+    token_file(str(directory), block_size=16)  # the control: intact, it builds
+    damage(directory)
+    with pytest.raises(DataError) as error:
+        token_file(str(directory), block_size=16)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value).startswith(f"data.path={str(directory)!r}")
+
+
+def test_a_missing_or_unset_directory_is_refused(tmp_path):
+    with pytest.raises(DataError, match=r"data.path='.*nope' does not exist \(looked in .*\); python -m data.prepare_tokens"):
+        token_file(str(tmp_path / "nope"), block_size=8)
+    with pytest.raises(DataError, match="data.path is not set"):
+        token_file("", block_size=8)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DataError, match="is not a directory"):
+        token_file(str(tmp_path / "file"), block_size=8)
+
+
+def test_uint32_files_and_meta_written_by_write_meta(tmp_path):
+    tokens = (np.arange(3000, dtype=np.uint32) * 37) % 70000
+    directory = make_token_dir(tmp_path / "d", tokens, tokens, meta={})
+    write_meta(directory, "uint32", 70000, CharVocab("xy").to_state())
+    data = token_file(str(directory), block_size=32)
+    assert data.dims == {"vocab_size": 70000} and data.vocab == {"kind": "char", "chars": "xy"}
+    assert data.train[2][0].tolist() == tokens[64:96].tolist()
+
+
+def test_a_dataloader_with_spawned_workers_reads_the_windows(tmp_path):
+    """Workers started with spawn receive the pickled dataset and reopen the map themselves."""
+    tokens = (np.arange(20000, dtype=np.uint16) * 7) % 1000
+    dataset = token_file(str(make_token_dir(tmp_path / "d", tokens, tokens[:100], {"dtype": "uint16", "vocab_size": 1000})),
+                         block_size=32).train
+    dataset[0]  # open the map in the parent first: it must not be what the workers get
+    loader = DataLoader(dataset, batch_size=50, num_workers=2, multiprocessing_context="spawn")
+    inputs, targets = zip(*loader)
+    everything = dataset.get_batch(torch.arange(len(dataset)))
+    assert torch.cat(inputs).equal(everything[0]) and torch.cat(targets).equal(everything[1])
+    assert len(dataset) == 624 and everything[0][1, 0].item() == tokens[32]
+
+
+def test_without_pread_batches_come_from_the_memory_map_the_same(tmp_path, monkeypatch):
+    tokens = (np.arange(5000, dtype=np.uint16) * 13) % 500
+    dataset = token_file(str(make_token_dir(tmp_path / "d", tokens, tokens[:100], {"dtype": "uint16", "vocab_size": 500})),
+                         block_size=20).train
+    indices = torch.tensor([248, 0, -1, 17])
+    by_reads = dataset.get_batch(indices)
+    assert dataset.tokens.shape == (5000,) and np.array_equal(dataset.tokens[:40], tokens[:40])
+    monkeypatch.delattr(os, "pread")  # as on Windows
+    by_map = dataset.get_batch(indices)
+    assert by_map[0].equal(by_reads[0]) and by_map[1].equal(by_reads[1])
+    assert by_map[1][0].tolist() == tokens[248 * 20 + 1 : 249 * 20 + 1].tolist()
+
+
+def test_a_file_cut_short_while_in_use_is_an_error_not_garbage(tmp_path):
+    directory = make_token_dir(tmp_path / "d", TOKENS, TOKENS)
+    dataset = token_file(str(directory), block_size=16).train
+    dataset.get_batch(torch.tensor([len(dataset) - 1]))
+    os.truncate(directory / "train.bin", 1000)
+    with pytest.raises(DataError, match="train.bin is shorter than when it was opened; it changed while in use"):
+        dataset.get_batch(torch.tensor([len(dataset) - 1]))

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.bundle import DataError
+from data.bundle import DataError, DataModule
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -110,6 +110,34 @@ def cifar10(root: str, download: bool = False, normalize: bool = True) -> CIFAR1
         val=CIFAR10(root, train=False, normalize=normalize),
         dims={"in_features": PIXELS, "num_classes": len(CLASSES)},
     )
+
+
+class CIFAR10Images(DataModule):
+    """CIFAR-10 as a data component: `data=cifar10 data.root=<dir> [data.download=true]`.
+
+    The download, when asked for, happens in `prepare_data()`, which ringtrain runs on one
+    process per machine before the others read the files (LightningDataModule's contract).
+    """
+
+    def __init__(self, root: str, download: bool = False, normalize: bool = True) -> None:
+        self.root, self.download, self.normalize = root, download, normalize
+        if not root:
+            raise DataError(f"data.root is not set; pass the directory that holds {FOLDER} (or should, with data.download=true)")
+        missing = missing_files(Path(root).expanduser() / FOLDER)
+        if missing and not download:
+            raise DataError(
+                f"data.root={root!r}: no CIFAR-10 in {Path(root).expanduser() / FOLDER} (missing {missing[0]}); pass "
+                f"data.download=true (needs network) or put the extracted {FOLDER} folder there"
+            )
+        self.dims = {"in_features": PIXELS, "num_classes": len(CLASSES)}
+
+    def prepare_data(self) -> None:
+        if self.download and missing_files(Path(self.root).expanduser() / FOLDER):
+            download_cifar10(self.root)
+
+    def setup(self) -> None:
+        data = cifar10(self.root, download=False, normalize=self.normalize)
+        self.train, self.val = data.train, data.val
 
 
 def missing_files(folder: Path) -> list[str]:

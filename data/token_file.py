@@ -3,6 +3,10 @@
     python -m data.prepare_tokens input.txt ~/datasets/mytext --vocab char
     python train.py model=transformer data=token_file data.path=~/datasets/mytext
 
+conf/data/token_file.yaml builds `TokenFile`, a data component (data/bundle.py): its
+constructor checks the directory and reads meta.json (vocab_size, vocabulary), `setup()`
+opens the splits.
+
 A token directory holds three files:
 
 - train.bin, val.bin: flat token ids, uint16 or uint32 in the machine's byte order, no
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.bundle import DataError
+from data.bundle import DataError, DataModule
 from data.vocab import vocab_from_state
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -178,6 +182,20 @@ def token_file(path: str, block_size: int) -> TokenFileData:
     return TokenFileData(
         train=splits["train"], val=splits["val"], dims={"vocab_size": vocab_size}, vocab=meta.get("vocab")
     )
+
+
+class TokenFile(DataModule):
+    """A token directory as a data component: `data=token_file data.path=<dir>`."""
+
+    def __init__(self, path: str, seq_len: int = 64) -> None:
+        self.path, self.seq_len = path, seq_len
+        meta = read_meta(path, check_token_directory(path))
+        self.dims = {"vocab_size": meta["vocab_size"]}
+        self.vocab = meta.get("vocab")
+
+    def setup(self) -> None:
+        data = token_file(self.path, self.seq_len)
+        self.train, self.val = data.train, data.val
 
 
 def check_token_directory(path: str) -> Path:

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from data.bundle import DataBundle, DataError
 from data.tasks import check_monitor
 from trainer.components import build, check, check_built, is_node
+from trainer.distributed import DistInfo, barrier
 from trainer.errors import ConfigError
 from trainer.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
 
@@ -100,10 +101,19 @@ def check_task(task: Any) -> Any:
     return task
 
 
-def build_data(node: Mapping) -> DataBundle:
-    """The train and validation splits the data node describes (on each rank)."""
+def build_data(node: Mapping, dist: DistInfo | None = None) -> DataBundle:
+    """The train and validation splits the data node describes (on each rank).
+
+    A component's `prepare_data()` (a download, say) runs once per machine, on local rank 0,
+    while the other ranks wait; then every rank runs `setup()`.
+    """
     if "_target_" in node:
         component = build(node, "data")
+        if hasattr(component, "prepare_data"):
+            if dist is None or dist.local_rank == 0:
+                _construct(component.prepare_data)
+            if dist is not None:
+                barrier(dist)
         if hasattr(component, "setup"):
             _construct(component.setup)
         for split in ("train", "val"):

@@ -95,7 +95,7 @@ def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = N
         if dist.is_main:
             log.info(f"run directory: {shared_dir}")
 
-        data = built.data if built else build_data(run.data)
+        data = built.data if built else build_data(run.data, dist)
         task = built.task if built else check_task(build(run.task, "task"))
         for split, dataset in (("training", data.train), ("validation", data.val)):
             if len(dataset) < dist.world_size:  # every rank trains and validates on its own share

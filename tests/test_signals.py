@@ -210,6 +210,26 @@ def test_leaving_restores_the_previous_handler_and_wakeup_fd():
         signal.signal(signal.SIGUSR1, original)
 
 
+def test_a_forked_child_does_not_signal_its_parent():
+    """A child forked while StopSignals is active has its own handlers and no wakeup pipe."""
+    calls = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append(signum))
+    try:
+        with StopSignals(names=("SIGUSR1",)) as signals:
+            pid = os.fork()
+            if pid == 0:  # the child: the previous handler is back and runs, nothing else
+                ok = signal.set_wakeup_fd(-1) == -1
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.05)
+                os._exit(0 if ok and calls == [signal.SIGUSR1] else 1)
+            _, status = os.waitpid(pid, 0)
+            time.sleep(0.2)  # time for the parent's watcher to see a byte, were one written
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert signals.received is None
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+
+
 def test_unknown_signal_name_is_one_clear_line():
     with pytest.raises(ValueError, match="unknown signal name 'SIGTREM'; use names like SIGTERM"):
         StopSignals(names=("SIGTREM",))

@@ -85,7 +85,7 @@ class StopSignals:
 
     Signals are handled on a watcher thread, woken through `signal.set_wakeup_fd`: CPython
     runs a Python signal handler only when the main thread next executes Python code, which a
-    rank stuck in a collective or a long kernel never does, and "exit at once" must work
+    rank stuck in a collective or another long C call never does, and "exit at once" must work
     exactly then. The C-level handler writes the signal number to a pipe (async-signal-safe);
     the watcher thread reads it, logs and exits; no logging or I/O happens in a signal handler,
     so nothing can re-enter a half-written stream. The Python-level handlers installed here
@@ -95,8 +95,10 @@ class StopSignals:
     Only the main thread can install handlers; entered elsewhere, this logs a warning and does
     nothing (signals keep their usual effect). Leaving restores the previous handlers and
     wakeup fd. While active it owns the wakeup fd (asyncio's use of it would be suspended).
-    A process forked meanwhile (DataLoader workers) drops all of this in the child, so a
-    worker's signals never count as the parent's.
+    A process forked meanwhile gets the previous handlers back, so its signals never count as
+    the parent's. Forked workers share the process group, so a signal sent to the whole group
+    (Ctrl-C, torchrun's killpg, SLURM) reaches them too and may end them; torch's DataLoader
+    then reports a dead worker. ringtrain's loaders start no worker processes.
     """
 
     def __init__(
@@ -197,7 +199,9 @@ class StopSignals:
                 self.received = name
                 polled = self._polled_step
             finishing = "the current step" if polled is None else f"step {polled + 1 + self.lag_steps}"
-            log.warning(f"received {name}: finishing {finishing}, saving last.pt, then exiting; send it again to exit at once")
+            log.warning(
+                f"received {name}: finishing {finishing}, saving last.pt, then exiting; send it again to exit at once"
+            )
         elif now - self._received_at < self.repeat_grace_s:
             log.warning(
                 f"received {name} {now - self._received_at:.2f} s after {self.received}: taken as the same stop "

@@ -164,10 +164,12 @@ class StopSignals:
     def _forget_in_forked_child(self) -> None:
         """In a forked child: no watcher thread exists, and the pipe is the parent's."""
         try:
+            # The forking thread is the child's main thread (CPython re-initialises that
+            # before running at-fork hooks), so this is allowed.
             signal.set_wakeup_fd(-1)
             _restore_handlers(self._previous_handlers)
-        except ValueError:  # forked from a thread other than the main one: nothing to undo there
-            pass
+        except ValueError:
+            return  # keep the pipe open: a handler might still write to its fd number
         for fd in (self._read_fd, self._write_fd):
             try:
                 os.close(fd)

@@ -1,4 +1,4 @@
-"""Checkpoint files: plain tensors and plain data, written atomically, read back safely.
+"""Checkpoint files: plain tensors and plain data, written durably, read back safely.
 
 A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   model        the bare model's state_dict (no `module.` / `_orig_mod.` prefixes)
@@ -7,12 +7,27 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   rng          one torch RNG state per rank (CPU, and CUDA when used), in rank order
   config       the resolved run config as plain data
   format       CHECKPOINT_FORMAT
-Only rank 0 writes; files are written to a temporary name and renamed, so a crash mid-write
-never leaves a truncated `last.pt` behind and never destroys the previous one.
+
+Why the care: a week-long run must not lose its progress to a preemption, a full disk, a
+power cut or a file broken some other way. So:
+  * Every file is written to a temporary name in the same directory (`.<name>.tmp-<pid>`),
+    fsynced, renamed over the real name, and the directory is fsynced: after a crash the name
+    holds the old file or the new one, complete, never a truncated mix, even after a power
+    cut. A failed write (full disk, quota, I/O error) removes the temporary file, leaves the
+    previous checkpoint untouched and raises CheckpointError with one line saying what to do.
+  * `CheckpointStore` keeps the last `keep_last_k` checkpoints as `step-<step>.pt` files and
+    points `last.pt` / `best.pt` at them with hard links (no second write), so one broken file
+    still leaves an older one to resume from; `find_resumable` picks the newest that loads.
+  * Files are read with `weights_only=True`: a checkpoint is data, and a pickle that would run
+    code when loaded is refused.
+Only rank 0 writes.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,9 +38,21 @@ from torch import nn
 CHECKPOINT_FORMAT = 1
 _REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config", "format")
 
+LAST_NAME = "last.pt"
+BEST_NAME = "best.pt"
+_STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
+# What `_temp_path` makes of ringtrain's own names; nothing else is ever removed as stale.
+_STALE_TEMP_NAME = re.compile(r"^\.(?:last|best|step-\d+)\.pt\.tmp-\d+$")
+# Directory fsync is not supported everywhere (some network and FUSE file systems): there the
+# rename is as durable as the file system makes it, and that is no reason to stop a run.
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+log = logging.getLogger("ringtrain")
+
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and what to do."""
+    """A checkpoint that cannot be used or written; the message names the file and what to do."""
 
 
 class RunDirError(RuntimeError):
@@ -43,51 +70,358 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+# --- writing ------------------------------------------------------------------------------
+
+
+def step_checkpoint_name(step: int) -> str:
+    """`step-00001200.pt`: zero-padded so that names sort like steps in a directory listing."""
+    return f"step-{step:08d}.pt"
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    """Write `state` to `path` durably: complete and in place after a crash or power cut, or
+    not at all (CheckpointError, with the previous file at `path` untouched)."""
+    _write_durably(Path(path), state, intact=Path(path))
 
 
 def link_checkpoint(source: Path, target: Path) -> None:
-    """Make `target` the same file as `source` (best.pt = the last.pt just written), atomically.
+    """Make `target` the same file as `source` (last.pt / best.pt = the step file just written),
+    atomically and durably.
 
-    A hard link costs no second serialisation or write. The next save of `source` replaces
-    its name with a new file, so `target` keeps this version. Where links are not supported,
-    the file is copied.
+    A hard link costs no second serialisation or write. Checkpoints are only ever replaced by
+    a rename, never rewritten in place, so `target` keeps this version when `source`'s name
+    later points to a new file or is deleted. Where links are not supported (some network
+    and FAT file systems, another device), the file is copied.
     """
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    source, target = Path(source), Path(target)
+    tmp = _temp_path(target)
     try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
+        _remove_if_present(tmp)  # left by a killed process with our pid (containers reuse pids)
+        try:
+            os.link(source, tmp)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            _copy_durably(source, tmp)
+        os.replace(tmp, target)
+    except OSError as err:
+        _remove_if_present(tmp)
+        raise CheckpointError(_write_failure_message(target, err, intact=target)) from None
+    _fsync_directory(target.parent)
+
+
+def _write_durably(path: Path, state: dict[str, Any], intact: Path) -> None:
+    """Temp file, fsync, rename, fsync the directory. `intact` is the file a failure leaves
+    untouched, named in the error."""
+    tmp = _temp_path(path)
+    try:
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _fsync_directory(path.parent.parent)  # the new directory itself survives a power cut
+        with open(tmp, "wb") as file:
+            writer = _ErrorRecordingWriter(file)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:
+                # torch turns a failed write into "unexpected pos ..."; the cause is the OSError
+                # the file raised (ENOSPC on a really full disk, measured on a 1 MiB tmpfs).
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
+            file.flush()
+            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    except OSError as err:
+        _remove_if_present(tmp)
+        raise CheckpointError(_write_failure_message(path, err, intact)) from None
+    except BaseException:  # a state torch cannot save, Ctrl-C mid-write: no debris either
+        _remove_if_present(tmp)
+        raise
+    _fsync_directory(path.parent)  # the rename itself survives a power cut
+
+
+class _ErrorRecordingWriter:
+    """A file's `write` that remembers the OSError it raised, which torch.save hides."""
+
+    def __init__(self, file):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _copy_durably(source: Path, target: Path) -> None:
+    shutil.copyfile(source, target)
+    with open(target, "rb+") as file:
+        os.fsync(file.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the renames and links in `directory` durable (a file's own fsync does not cover its
+    directory entry)."""
+    consequence = "a power cut may undo the last checkpoint rename"
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as err:  # e.g. Windows cannot open a directory
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            log.warning(f"cannot open {directory} to fsync it ({err.strerror}); {consequence}")
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            log.warning(f"fsync of {directory} failed ({err.strerror}); {consequence}")
+    finally:
+        os.close(fd)
+
+
+def _write_failure_message(path: Path, err: OSError, intact: Path) -> str:
+    reason = err.strerror or str(err) or type(err).__name__
+    if err.errno in _DISK_FULL:
+        fix = f"free space on {path.parent} or keep fewer checkpoints"
+    else:
+        fix = f"check that {path.parent} is writable and its file system healthy"
+    kept = f"the previous {intact.name} is intact" if intact.exists() else "no checkpoint was written"
+    return f"cannot save checkpoint {path}: {reason}; {fix}; {kept}"
+
+
+def _temp_path(path: Path) -> Path:
+    """Hidden, in the same directory (so the rename is atomic), unique per process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _remove_if_present(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.warning(f"cannot remove {path} ({err.strerror}); delete it by hand")
+
+
+class CheckpointStore:
+    """The checkpoints of one run directory: `step-<step>.pt` files, `last.pt` and `best.pt`.
+
+    keep_last_k: how many `step-*.pt` files to keep, newest by step (>= 1). With 1, only the
+    newest step file is kept, the very file `last.pt` names: no older checkpoint to fall back
+    to, and the disk holds one checkpoint (two when best.pt is older). Each further one is an
+    older fallback for `find_resumable` and costs one checkpoint's size.
+    Saving needs room for one more file than is kept (the new one is written in full before an
+    old one is deleted, so a failed save never leaves less than there was).
+    """
+
+    def __init__(self, directory: Path, keep_last_k: int):
+        if keep_last_k < 1:
+            raise CheckpointError(
+                f"keep_last_k={keep_last_k} for {directory} must be >= 1 (1 keeps only the newest "
+                f"step file, the one last.pt names)"
+            )
+        self.directory = Path(directory)
+        self.keep_last_k = keep_last_k
+
+    @property
+    def last(self) -> Path:
+        return self.directory / LAST_NAME
+
+    @property
+    def best(self) -> Path:
+        return self.directory / BEST_NAME
+
+    def save(self, state: dict[str, Any], step: int, best: bool) -> Path:
+        """Write `step-<step>.pt` durably, point last.pt (and best.pt when `best`) at it, then
+        delete the step files beyond the newest `keep_last_k`. Returns the step file."""
+        step_path = self.directory / step_checkpoint_name(step)
+        _write_durably(step_path, state, intact=self.last)
+        link_checkpoint(step_path, self.last)
+        if best:
+            link_checkpoint(step_path, self.best)
+        self._remove_old_step_files(step)
+        return step_path
+
+    def step_files(self) -> list[tuple[int, Path]]:
+        """(step, path) of every `step-*.pt` file, oldest first."""
+        return step_checkpoints(self.directory)
+
+    def _remove_old_step_files(self, saved_step: int) -> None:
+        # Deleting a step name never loses last.pt or best.pt: they are hard links to the same
+        # file (or copies where links are unsupported), so the data stays while either name
+        # does. That is why rotation counts only step names and may delete the one best.pt
+        # shares. The deletions need no fsync: one that a power cut undoes is only a file too many.
+        kept: list[tuple[int, Path]] = []
+        for step, path in self.step_files():
+            if step > saved_step:
+                # Steps only grow within a run: a newer file is from before a resume from an
+                # older checkpoint, a line of training this run has left.
+                log.warning(
+                    f"removing {path}: newer than step {saved_step} just saved, left from before "
+                    f"resuming an older checkpoint"
+                )
+                _remove_if_present(path)
+            else:
+                kept.append((step, path))
+        for _, path in kept[: -self.keep_last_k]:
+            _remove_if_present(path)
+
+
+def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _STEP_NAME.match(entry.name)
+        if match and entry.is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files of saves that were killed mid-write; returns them.
+
+    Only ringtrain's own names (`.last.pt.tmp-<pid>`, `.best.pt.tmp-<pid>`,
+    `.step-<step>.pt.tmp-<pid>`) are touched. Call it before the first save, while no other
+    process writes checkpoints to this directory (run.py refuses a directory another run uses).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for entry in directory.iterdir():
+        if _STALE_TEMP_NAME.match(entry.name) and entry.is_file():
+            _remove_if_present(entry)
+            removed.append(entry)
+    return sorted(removed)
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+class _Unusable(Exception):
+    """Why a checkpoint file cannot be used: `kind` picks the message, `detail` says more."""
+
+    def __init__(self, kind: str, detail: str = ""):
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+def _load_verified(path: str | Path, map_location: torch.device | str, mmap: bool = False) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise _Unusable("missing") from None
+    except Exception as err:  # truncated file, pickle with code in it, not a torch file at all
+        raise _Unusable("unreadable", _first_sentence(err)) from None
+    missing = [k for k in _REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise _Unusable("foreign", ", ".join(missing))
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise _Unusable("format", str(state["format"]))
+    return state
+
+
+def _first_sentence(err: Exception) -> str:
+    """What went wrong, from torch's multi-line errors, short enough for one line of ours.
+
+    A refused weights_only load puts the cause after paragraphs of advice, among it to load
+    with weights_only=False, the very thing a file of unknown origin must not get.
+    """
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    if code := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
+        return f"loading it would run {code.group(1)}, which ringtrain refuses"
+    if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
+        text = cause.group(1)
+    return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
 
 
 def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
     """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint '{path}' does not exist; check trainer.resume") from None
-    except Exception as err:  # truncated file, pickle with code in it, not a torch file at all
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
-            f"checkpoint '{path}' cannot be read ({first_line[:200]}); pass a last.pt/best.pt "
-            f"written by ringtrain"
-        ) from None
-    missing = [k for k in _REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint '{path}' is not a ringtrain checkpoint (missing {', '.join(missing)}); "
-            f"pass a last.pt/best.pt written by ringtrain"
-        )
-    if state["format"] != CHECKPOINT_FORMAT:
-        raise CheckpointError(
-            f"checkpoint '{path}' has format {state['format']}, this ringtrain reads {CHECKPOINT_FORMAT}"
-        )
-    return state
+        return _load_verified(path, map_location)
+    except _Unusable as err:
+        if err.kind == "missing":
+            message = f"checkpoint '{path}' does not exist; check trainer.resume"
+        elif err.kind == "unreadable":
+            message = (
+                f"checkpoint '{path}' cannot be read ({err.detail}); pass a last.pt/best.pt "
+                f"written by ringtrain"
+            )
+        elif err.kind == "foreign":
+            message = (
+                f"checkpoint '{path}' is not a ringtrain checkpoint (missing {err.detail}); "
+                f"pass a last.pt/best.pt written by ringtrain"
+            )
+        else:
+            message = f"checkpoint '{path}' has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
+        raise CheckpointError(message) from None
+
+
+def find_resumable(directory: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint in `directory` that loads, and one warning line per newer one that
+    does not (truncated, corrupt, not ringtrain's), naming the file it falls back to.
+
+    Tried in order: last.pt, the `step-*.pt` files newest first, best.pt (older than every kept
+    step file once its own was rotated away). A name that is the same file as one already tried
+    (last.pt and its step file are hard links) is not read twice. Temporary files of a killed
+    save are never candidates. Files are memory-mapped to check them, so checking costs little
+    even for a large checkpoint; a file whose structure is intact but whose tensor bytes were
+    altered is not detected (there are no checksums). Returns (None, warnings) when nothing in
+    the directory loads. The caller logs the warnings (rank 0; the others get the path from it).
+    """
+    directory = Path(directory)
+    candidates = [directory / LAST_NAME]
+    candidates += [path for _, path in reversed(step_checkpoints(directory))]
+    candidates.append(directory / BEST_NAME)
+
+    tried: list[Path] = []
+    broken: list[tuple[str, str]] = []  # (names of the file, why it cannot be used)
+    for path in candidates:
+        if not path.is_file():
+            continue
+        same = [earlier for earlier in tried if _same_file(earlier, path)]
+        tried.append(path)
+        if same:
+            continue
+        try:
+            _load_verified(path, "cpu", mmap=True)
+        except _Unusable as err:
+            broken.append((_names_of(path, candidates), _short_reason(err)))
+            continue
+        return path, [f"checkpoint {names} {why}; falling back to {path}" for names, why in broken]
+    return None, [f"checkpoint {names} {why}; no readable checkpoint is left in {directory}" for names, why in broken]
+
+
+def _short_reason(err: _Unusable) -> str:
+    if err.kind == "unreadable":
+        return f"cannot be read, truncated or corrupt ({err.detail})"
+    if err.kind == "foreign":
+        return f"is not a ringtrain checkpoint (missing {err.detail})"
+    if err.kind == "format":
+        return f"has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
+    return "disappeared while being read"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _names_of(path: Path, candidates: list[Path]) -> str:
+    """`<dir>/last.pt (= step-00000800.pt)`: every candidate name of this same file."""
+    aliases = [other.name for other in candidates if other != path and other.is_file() and _same_file(other, path)]
+    return f"{path} (= {', '.join(aliases)})" if aliases else str(path)
 
 
 def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path) -> None:

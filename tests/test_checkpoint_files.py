@@ -1,0 +1,325 @@
+"""Checkpoint files survive full disks, killed saves and broken files; loading never runs code."""
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    CheckpointStore,
+    find_resumable,
+    load_checkpoint,
+    remove_stale_temp_files,
+    save_checkpoint,
+)
+
+
+def _state(step: int, numel: int = 4) -> dict:
+    """A minimal ringtrain checkpoint whose weights say which step wrote it."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "model": {"w": torch.full((numel,), float(step))},
+        "optimizer": {},
+        "scheduler": {},
+        "progress": {"step": step},
+        "rng": [],
+        "config": {},
+    }
+
+
+def _step_of(path: Path) -> int:
+    return load_checkpoint(path)["progress"]["step"]
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# --- failed writes --------------------------------------------------------------------------
+
+
+def test_full_disk_keeps_the_previous_last_pt_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    last = tmp_path / "last.pt"
+    save_checkpoint(last, _state(10))
+    monkeypatch.setattr(torch, "save", _disk_full)
+
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(last, _state(20))
+
+    message = str(caught.value)
+    assert message == (
+        f"cannot save checkpoint {last}: No space left on device; free space on {tmp_path} "
+        f"or keep fewer checkpoints; the previous last.pt is intact"
+    )
+    assert "\n" not in message
+    assert _names(tmp_path) == ["last.pt"]
+    assert _step_of(last) == 10
+
+
+def test_store_full_disk_keeps_last_pt_and_writes_no_step_file(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path, keep_last_k=2)
+    store.save(_state(10), step=10, best=True)
+    monkeypatch.setattr(torch, "save", _disk_full)
+
+    with pytest.raises(CheckpointError, match=r"step-00000020.pt: No space left on device; .* the previous last.pt is intact$"):
+        store.save(_state(20), step=20, best=True)
+
+    assert _names(tmp_path) == ["best.pt", "last.pt", "step-00000010.pt"]
+    assert _step_of(store.last) == 10
+
+
+@pytest.fixture
+def tiny_tmpfs():
+    """A real 1 MiB file system to fill; skipped where mounting is not allowed."""
+    mount_point = Path(tempfile.mkdtemp(prefix="ringtrain-tmpfs-"))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True
+    ).returncode == 0 if os.geteuid() == 0 else False
+    if not mounted:
+        mount_point.rmdir()
+        pytest.skip("cannot mount a tmpfs here (needs root and mount permission)")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+        mount_point.rmdir()
+
+
+def test_really_full_file_system_keeps_the_previous_last_pt(tiny_tmpfs):
+    last = tiny_tmpfs / "last.pt"
+    save_checkpoint(last, _state(10, numel=1000))  # 4 kB
+
+    with pytest.raises(CheckpointError) as caught:
+        save_checkpoint(last, _state(20, numel=500_000))  # 2 MB on a 1 MiB disk
+
+    assert str(caught.value).startswith(f"cannot save checkpoint {last}: No space left on device; free space on {tiny_tmpfs}")
+    assert _names(tiny_tmpfs) == ["last.pt"]
+    assert _step_of(last) == 10
+
+
+def test_a_failed_save_that_is_not_an_os_error_also_leaves_no_temp_file(tmp_path):
+    with pytest.raises(Exception):
+        save_checkpoint(tmp_path / "last.pt", {"model": lambda: None})  # a lambda cannot be pickled
+    assert _names(tmp_path) == []
+
+
+# --- durability -----------------------------------------------------------------------------
+
+
+def test_file_then_rename_then_directory_are_fsynced(tmp_path, monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("replace", f"{Path(src).name} -> {Path(dst).name}"))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    save_checkpoint(tmp_path / "last.pt", _state(1))
+
+    temp = f".last.pt.tmp-{os.getpid()}"
+    assert events == [
+        ("fsync", str(tmp_path / temp)),
+        ("replace", f"{temp} -> last.pt"),
+        ("fsync", str(tmp_path)),
+    ]
+
+
+def test_store_links_are_made_durable_too(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+
+    CheckpointStore(tmp_path, keep_last_k=1).save(_state(5), step=5, best=True)
+
+    # The step file's data, then the directory after each of: step file, last.pt, best.pt.
+    assert synced == [str(tmp_path / f".step-00000005.pt.tmp-{os.getpid()}")] + [str(tmp_path)] * 3
+
+
+# --- rotation and links ---------------------------------------------------------------------
+
+
+def test_keep_last_k_keeps_exactly_k_step_files_plus_last_and_best(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=2)
+    for step in (10, 20, 30, 40, 50):
+        store.save(_state(step), step=step, best=step == 20)
+
+    assert _names(tmp_path) == ["best.pt", "last.pt", "step-00000040.pt", "step-00000050.pt"]
+    assert os.path.samefile(store.last, tmp_path / "step-00000050.pt")  # a link, not a copy
+    assert _step_of(store.best) == 20  # its step file was rotated away; the data stayed
+    assert [step for step, _ in store.step_files()] == [40, 50]
+
+
+def test_keep_last_1_keeps_only_the_file_last_pt_names(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=1)
+    for step in (1, 2, 3):
+        store.save(_state(step), step=step, best=False)
+    assert _names(tmp_path) == ["last.pt", "step-00000003.pt"]
+    assert os.path.samefile(store.last, tmp_path / "step-00000003.pt")
+
+
+def test_keep_last_k_below_1_is_one_clear_line(tmp_path):
+    with pytest.raises(CheckpointError, match=r"keep_last_k=0 for .* must be >= 1 \(1 keeps only the newest"):
+        CheckpointStore(tmp_path, keep_last_k=0)
+
+
+def test_saving_an_older_step_removes_the_newer_files_left_from_before_a_resume(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=5)
+    for step in (10, 20, 30):
+        store.save(_state(step), step=step, best=False)
+    store.save(_state(15), step=15, best=False)  # resumed from step 10
+    assert [step for step, _ in store.step_files()] == [10, 15]
+    assert _step_of(store.last) == 15
+
+
+def test_links_fall_back_to_copies_where_hard_links_are_unsupported(tmp_path, monkeypatch):
+    def no_links(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    (tmp_path / f".last.pt.tmp-{os.getpid()}").write_bytes(b"debris of a killed save with our pid")
+    store = CheckpointStore(tmp_path, keep_last_k=1)
+    store.save(_state(1), step=1, best=True)
+    store.save(_state(2), step=2, best=False)
+
+    assert _names(tmp_path) == ["best.pt", "last.pt", "step-00000002.pt"]
+    assert not os.path.samefile(store.last, tmp_path / "step-00000002.pt")
+    assert (_step_of(store.last), _step_of(store.best)) == (2, 1)
+
+
+# --- finding a checkpoint to resume from ----------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as file:
+        file.truncate(size // 2)
+
+
+def test_truncated_newest_falls_back_to_the_previous_with_one_warning(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=3)
+    for step in (10, 20, 30):
+        store.save(_state(step), step=step, best=False)
+    _truncate(tmp_path / "step-00000030.pt")  # also last.pt: the same file
+
+    found, warnings = find_resumable(tmp_path)
+
+    assert found == tmp_path / "step-00000020.pt"
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"checkpoint {tmp_path / 'last.pt'} (= step-00000030.pt) cannot be read, truncated or corrupt (")
+    assert warnings[0].endswith(f"; falling back to {tmp_path / 'step-00000020.pt'}")
+    assert _step_of(found) == 20
+
+
+def test_each_broken_file_gets_its_own_warning(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=3)
+    for step in (10, 20, 30):
+        store.save(_state(step), step=step, best=False)
+    store.last.unlink()
+    store.last.write_bytes(b"garbage")  # last.pt broken on its own
+    _truncate(tmp_path / "step-00000030.pt")
+
+    found, warnings = find_resumable(tmp_path)
+
+    assert found == tmp_path / "step-00000020.pt"
+    assert [w.split(" (")[0] for w in warnings] == [
+        f"checkpoint {tmp_path / 'last.pt'} cannot be read, truncated or corrupt",
+        f"checkpoint {tmp_path / 'step-00000030.pt'} cannot be read, truncated or corrupt",
+    ]
+    assert all(w.endswith(f"falling back to {tmp_path / 'step-00000020.pt'}") for w in warnings)
+
+
+def test_nothing_readable_says_so(tmp_path):
+    (tmp_path / "last.pt").write_bytes(b"garbage")
+    found, warnings = find_resumable(tmp_path)
+    assert found is None
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"checkpoint {tmp_path / 'last.pt'} cannot be read, truncated or corrupt (")
+    assert warnings[0].endswith(f"; no readable checkpoint is left in {tmp_path}")
+    assert find_resumable(tmp_path / "missing") == (None, [])
+
+
+def test_stale_temp_files_are_never_checkpoints_and_are_removed(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=2)
+    store.save(_state(10), step=10, best=False)
+    # A killed save's leftovers: one even a complete, newer checkpoint; one cut short.
+    save_checkpoint(tmp_path / "elsewhere.pt", _state(99))
+    os.replace(tmp_path / "elsewhere.pt", tmp_path / ".step-00000099.pt.tmp-4242")
+    (tmp_path / ".last.pt.tmp-4242").write_bytes(b"half a checkpoint")
+    (tmp_path / ".best.pt.tmp-17").write_bytes(b"")
+    # Not ringtrain's: left alone.
+    (tmp_path / ".notes.txt.tmp-1").write_bytes(b"mine")
+    (tmp_path / "last.pt.tmp-5").write_bytes(b"mine too")
+
+    assert find_resumable(tmp_path) == (tmp_path / "last.pt", [])
+    removed = remove_stale_temp_files(tmp_path)
+
+    assert [p.name for p in removed] == [".best.pt.tmp-17", ".last.pt.tmp-4242", ".step-00000099.pt.tmp-4242"]
+    assert _names(tmp_path) == [".notes.txt.tmp-1", "last.pt", "last.pt.tmp-5", "step-00000010.pt"]
+
+
+# --- loading never runs code ----------------------------------------------------------------
+
+
+class _CreatesMarker:
+    """Unpickling this calls open(marker, "w"): code run by merely loading the file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_a_pickle_that_would_run_code_is_refused_and_not_run(tmp_path, writer):
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "last.pt"
+    state = {**_state(1), "model": _CreatesMarker(marker)}
+    with open(path, "wb") as file:
+        torch.save(state, file) if writer == "torch.save" else pickle.dump(state, file, protocol=2)
+
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path)
+
+    message = str(caught.value)
+    assert message == (
+        f"checkpoint '{path}' cannot be read (loading it would run io.open, which ringtrain refuses); "
+        f"pass a last.pt/best.pt written by ringtrain"
+    )
+    assert "\n" not in message
+    assert not marker.exists()
+    assert find_resumable(tmp_path)[0] is None and not marker.exists()
+
+    # The file really is dangerous: an unrestricted load runs its code.
+    with open(path, "rb") as file:
+        torch.load(file, weights_only=False) if writer == "torch.save" else pickle.load(file)
+    assert marker.exists()
+
+
+def test_load_checkpoint_messages_are_unchanged(tmp_path):
+    with pytest.raises(CheckpointError, match=r"^checkpoint '.*nope.pt' does not exist; check trainer.resume$"):
+        load_checkpoint(tmp_path / "nope.pt")
+    torch.save({"model": {}}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match=r"is not a ringtrain checkpoint \(missing optimizer, scheduler"):
+        load_checkpoint(tmp_path / "other.pt")
+    torch.save({**_state(1), "format": 99}, tmp_path / "future.pt")
+    with pytest.raises(CheckpointError, match=rf"has format 99, this ringtrain reads {CHECKPOINT_FORMAT}$"):
+        load_checkpoint(tmp_path / "future.pt")

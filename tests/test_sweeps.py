@@ -191,7 +191,7 @@ def test_optuna_direction_follows_the_task_metric():
     from omegaconf import OmegaConf
 
     from conftest import CONF_DIR
-    from trainer.sweep import register_resolvers
+    from trainer.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -12,7 +12,7 @@ touched, and before Hydra creates the run directory.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -44,7 +44,10 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     checkpoint: bool = True
     checkpoint_every_n_steps: int = 0
-    resume: Any = None  # str path or None
+    keep_last_k: int = 2
+    resume: Any = "auto"  # "auto", a checkpoint path, or None
+    on_nonfinite: str = "stop"
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     seed: int = 0
     progress_bar: bool = True
     # torch DataLoader settings for Datasets without get_batch (a user's map-style Dataset)
@@ -205,11 +208,25 @@ def _check_trainer(t: TrainerConfig) -> None:
             "trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
             "trainer.precision=bf16-mixed or 32"
         )
-    if t.resume is not None:
+    if t.resume not in (None, "auto"):
         if not isinstance(t.resume, str) or not os.path.isfile(t.resume):
             raise ConfigError(
-                f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint, "
-                f"e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt"
+                f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
+                f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null"
+            )
+    if t.keep_last_k < 1:
+        raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
+    from trainer.nonfinite import POLICIES
+
+    if t.on_nonfinite not in POLICIES:
+        raise ConfigError(f"trainer.on_nonfinite={t.on_nonfinite!r} is unknown; use one of {', '.join(POLICIES)}")
+    import signal
+
+    for name in t.stop_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(
+                f"trainer.stop_signals: {name!r} is not a signal this process can catch; use names like "
+                f"SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] to handle none)"
             )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str | None  # None: no process group
+    # A gloo group of all ranks, made at set-up while everyone still answers: after a
+    # collective times out it asks who is missing (name_unresponsive_ranks).
+    health_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -101,7 +105,36 @@ def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_min
         world_size=world_size,
         timeout=timedelta(minutes=timeout_minutes),
     )
-    return DistInfo(rank, local_rank, world_size, device, backend)
+    health = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes)) if world_size > 1 else None
+    return DistInfo(rank, local_rank, world_size, device, backend, health)
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether `err` is a collective that gave up waiting (strategy.timeout_minutes)."""
+    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
+    """After a collective timed out: the one line saying which rank stopped answering.
+
+    Every rank that is still alive checks in with rank 0 through torch's monitored_barrier,
+    which names on rank 0 the ranks that did not; the others learn at least whether rank 0
+    itself is the one missing.
+    """
+    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60)))
+    fix = (f"no reply within strategy.timeout_minutes={timeout_minutes:g}; every rank stops. Look at that rank's "
+           f"machine (stopped, swapping, hung in I/O), or raise strategy.timeout_minutes for slow steps")
+    if info.health_group is None:
+        return f"a collective timed out: {fix}"
+    try:
+        dist.monitored_barrier(group=info.health_group, timeout=wait, wait_all_ranks=True)
+    except RuntimeError as err:
+        missing = sorted({int(r) for r in re.findall(r"\d+", str(err).split("failed to pass")[0])}) if "failed to pass" in str(err) else []
+        if info.rank == 0 and missing:
+            return f"rank {', '.join(map(str, missing))} stopped answering: {fix}"
+        if info.rank != 0:
+            return f"rank 0 stopped answering, or gave up on another rank: {fix}"
+    return f"a collective timed out though every rank answers now (rank {info.rank}): {fix}"
 
 
 def teardown_distributed(clean_exit: bool = True) -> None:
@@ -188,7 +221,7 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
     result = fn(*args)
     if local_rank == 0:
         results.put(result)  # written to the pipe before returning
-    exit_rank(0)
+    exit_rank(0)  # a run that stopped early reports it through its result, on rank 0
 
 
 def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:

@@ -18,7 +18,6 @@ Each configuration runs 2 AdamW steps in fresh spawned processes on CPU/gloo:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.transformer import Transformer, TransformerConfig  # noqa: E402
+from models.transformer import Transformer  # noqa: E402
 from trainer.distributed import gather_objects, setup_distributed, spawn_workers, teardown_distributed  # noqa: E402
 from trainer.fsdp import shard_model  # noqa: E402
 from trainer.optim import parameter_groups  # noqa: E402
@@ -64,7 +63,7 @@ def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]
     """One rank (run by spawn_workers): 2 AdamW steps; every rank's byte counts, in rank order."""
     info = setup_distributed("ddp", "gloo", "cpu", timeout_minutes=10)
     torch.manual_seed(0)
-    model = Transformer(TransformerConfig(**config))
+    model = Transformer(**config)
     if strategy == "ddp":
         wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
     else:
@@ -97,9 +96,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
     args = parser.parse_args()
-    config = TransformerConfig(vocab_size=args.vocab, block_size=args.block_size, n_layers=args.layers,
-                               n_heads=args.heads, d_model=args.d_model, dropout=0.0)
-    n_params = sum(p.numel() for p in Transformer(config).parameters())
+    config = dict(vocab_size=args.vocab, block_size=args.block_size, n_layers=args.layers,
+                  n_heads=args.heads, d_model=args.d_model, dropout=0.0)
+    n_params = sum(p.numel() for p in Transformer(**config).parameters())
     print(f"Transformer {args.layers} layers x {args.d_model} wide, vocab {args.vocab}, block {args.block_size}: "
           f"{n_params / 1e6:.1f} M parameters (tied head), fp32, AdamW; 2 steps, CPU/gloo, spawned ranks")
     print(f"bytes per rank after backward of step 2 (MiB); fsdp ranks differ by padding, the largest shown\n")
@@ -109,7 +108,7 @@ def main() -> None:
     for world_size in args.world_sizes:
         totals = {}
         for strategy in ("ddp", "fsdp"):
-            ranks = spawn_workers(world_size, measure_rank, (strategy, dataclasses.asdict(config), args.batch))
+            ranks = spawn_workers(world_size, measure_rank, (strategy, config, args.batch))
             largest = max(ranks, key=lambda counts: sum(counts.values()))
             totals[strategy] = total = sum(largest.values())
             ratio = f"{total / totals['ddp']:>9.3f}" if strategy == "fsdp" else f"{'':>9}"

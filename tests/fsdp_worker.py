@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.transformer import Transformer, TransformerConfig
+from models.transformer import Transformer
 from trainer.fsdp import (
     clip_grad_norm,
     full_model_state_dict,
@@ -39,7 +39,7 @@ from trainer.fsdp import (
 )
 from trainer.optim import parameter_groups
 
-CONFIG = TransformerConfig(vocab_size=16, block_size=16, n_layers=2, n_heads=2, d_model=32, dropout=0.0)
+CONFIG = dict(vocab_size=16, block_size=16, n_layers=2, n_heads=2, d_model=32, dropout=0.0)
 GLOBAL_BATCH = 8  # 2B: each of 2 ranks trains on B = 4 sequences per step
 STEPS, RESUME_STEP = 40, 20
 EVAL_EVERY = 10  # steps between evaluation forwards
@@ -60,7 +60,7 @@ BF16_STEPS = 3
 
 def build_model() -> Transformer:
     torch.manual_seed(0)  # the same initial weights in every process
-    return Transformer(CONFIG)
+    return Transformer(**CONFIG)
 
 
 def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
@@ -76,8 +76,8 @@ def build_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed random token batch of optimizer step `step`, the same in every process."""
     generator = torch.Generator().manual_seed(1000 + step)
-    inputs = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.block_size), generator=generator)
-    targets = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.block_size), generator=generator)
+    inputs = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["block_size"]), generator=generator)
+    targets = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, CONFIG["block_size"]), generator=generator)
     return inputs, targets
 
 

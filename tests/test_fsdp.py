@@ -135,10 +135,16 @@ def test_accumulation_skips_the_reduce_scatter_until_the_last_micro_batch(train_
 
 
 def test_fsdp_adamw_is_bit_identical_to_one_process_summing_the_same_halves(train_dir):
-    # Each rank's half as a micro-batch of one process: the same sums in the same order.
-    model = worker.build_model()
-    optimizer = worker.build_optimizer(model, "adamw")
-    worker.train(model, optimizer, range(worker.STEPS), micro_batches=2)
+    # Each rank's half as a micro-batch of one process: the same sums in the same order, and
+    # one thread, as each rank has (more threads split the matmuls' sums differently).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = worker.build_model()
+        optimizer = worker.build_optimizer(model, "adamw")
+        worker.train(model, optimizer, range(worker.STEPS), micro_batches=2)
+    finally:
+        torch.set_num_threads(threads)
     assert max_diff(load(train_dir / "adamw.pt"), model.state_dict()) <= 1e-7
 
 

@@ -22,7 +22,8 @@ from trainer.errors import ConfigError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
-STRATEGIES = ("single", "dp", "ddp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp")
+MULTI_PROCESS = ("ddp", "fsdp")  # strategies with one process per device
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -69,6 +70,10 @@ class StrategyConfig:
     static_graph: bool = False
     forward_sync_buffers: bool = True
     scale_lr_by_world_size: bool = False
+    # fsdp (trainer/fsdp.py)
+    shard_classes: list[str] = field(default_factory=list)  # []: the repeated layers
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -239,15 +244,24 @@ def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
         raise ConfigError(
             "strategy.nproc_per_node, strategy.timeout_minutes and strategy.bucket_cap_mb must be positive"
         )
-    if s.name != "ddp" and s.nproc_per_node != 1:
+    if s.name not in MULTI_PROCESS and s.nproc_per_node != 1:
         raise ConfigError(
-            f"strategy.nproc_per_node={s.nproc_per_node} needs strategy=ddp; add strategy=ddp"
+            f"strategy.nproc_per_node={s.nproc_per_node} needs strategy=ddp (or fsdp); add strategy=ddp"
         )
-    if s.name == "ddp" and s.backend == "nccl" and (t.accelerator == "cpu" or not _cuda_available()):
+    if s.name == "fsdp" and s.nproc_per_node == 1 and not _under_launcher():
+        raise ConfigError(
+            "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
+            "for one process use strategy=single or ddp"
+        )
+    if s.name in MULTI_PROCESS and s.backend == "nccl" and (t.accelerator == "cpu" or not _cuda_available()):
         raise ConfigError(
             "strategy.backend=nccl needs a CUDA device on every rank and none is visible; "
             "use strategy.backend=gloo (or auto) on CPU"
         )
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _cuda_available() -> bool:

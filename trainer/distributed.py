@@ -91,8 +91,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
-    """Join the process group for strategy=ddp; describe the single process otherwise."""
-    if strategy != "ddp" or not under_torchrun():
+    """Join the process group for strategy=ddp or fsdp; describe the single process otherwise."""
+    if strategy not in ("ddp", "fsdp") or not under_torchrun():
         return DistInfo(0, 0, 1, resolve_device(accelerator, 0), None)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

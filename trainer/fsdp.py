@@ -55,7 +55,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from models.transformer import Block, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +72,24 @@ _GATHER_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The FSDP units when the user names none: a ringtrain Transformer's Blocks; for any other
-    model none, so the whole model is one unit (memory is still sharded between steps, but
-    forward gathers everything at once: name the model's repeated layer to do better)."""
-    if isinstance(model, Transformer):
-        return (Block,)
-    log.info(
-        "fsdp: no shard classes named for %s; the whole model is one FSDP unit, gathered at once in forward",
-        type(model).__name__,
-    )
-    return ()
+    """The FSDP units when the user names none: the repeated layers, i.e. the class of the
+    modules in any nn.ModuleList whose members all share one class (a Transformer's blocks,
+    ringtrain's or a user's), as torchtitan shards each block. A model without such a list is
+    one unit: memory is still sharded between steps, but forward gathers everything at once,
+    so name its repeated layer with strategy.shard_classes to do better."""
+    repeated = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1 and next(iter(kinds)) not in repeated:
+                repeated.append(next(iter(kinds)))
+    if not repeated:
+        log.info(
+            "fsdp: %s has no repeated layers in an nn.ModuleList; the whole model is one FSDP unit, "
+            "gathered at once in forward (name its layer class in strategy.shard_classes)",
+            type(model).__name__,
+        )
+    return tuple(repeated)
 
 
 def resolve_shard_classes(model: nn.Module, names: Iterable[str]) -> tuple[type[nn.Module], ...]:

@@ -30,7 +30,6 @@ from trainer.checkpoint import (
     load_model_weights,
     rng_state,
     set_rng_state,
-    unwrap_model,
 )
 from trainer.config import RunConfig
 from trainer.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects
@@ -41,7 +40,16 @@ from trainer.nonfinite import NonFiniteWatch
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.precision import Precision
 from trainer.signals import StopAgreement, StopSignals
-from trainer.strategy import gradient_sync, wrap_model
+from trainer.fsdp import (
+    clip_grad_norm,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    grad_norm,
+    gradient_sync,
+    inference_context,
+    load_full_optimizer_state_dict,
+)
+from trainer.strategy import wrap_model
 
 
 @dataclass
@@ -181,7 +189,11 @@ class TrainingLoop:
         self.params = list(model.parameters())
         if resumed:
             load_model_weights(model, resumed, resume_from)
-        self.wrapped = wrap_model(model, self.run.strategy, dist)
+        # Under fsdp, bf16-mixed is FSDP2's own mixed precision (bf16 parameters, float32
+        # gradient reduction) instead of autocast.
+        sharded_bf16 = self.run.strategy.name == "fsdp" and cfg.precision == "bf16-mixed"
+        self.wrapped = wrap_model(model, self.run.strategy, dist, torch.bfloat16 if sharded_bf16 else None)
+        self.params = list(model.parameters())  # after sharding: FSDP2 makes them DTensors
 
         val_batch_size = cfg.val_batch_size or cfg.batch_size
         overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
@@ -218,7 +230,7 @@ class TrainingLoop:
             self.scheduler = self.run.scheduler(self.optimizer)
         else:
             self.scheduler = build_scheduler(self.run.scheduler, self.optimizer, self.total_steps)
-        self.precision = Precision(cfg.precision, self.device)
+        self.precision = Precision("32" if sharded_bf16 else cfg.precision, self.device)
         return train_loader
 
     def _evaluation_due(self, step: int, epoch_done: bool, total_steps: int) -> bool:
@@ -270,15 +282,11 @@ class TrainingLoop:
         return grad_norm
 
     def _clip_gradients(self, measure: bool) -> torch.Tensor | None:
-        """Clip the (unscaled, all-reduced) gradients to grad_clip_norm; return their norm."""
+        """Clip the (unscaled, reduced) gradients to grad_clip_norm; return their global norm
+        (also over FSDP's shards), or None when nothing needs it."""
         if self.cfg.grad_clip_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip_norm)
-        if not measure:
-            return None
-        grads = [p.grad.detach().float() for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            return clip_grad_norm(self.params, self.cfg.grad_clip_norm)
+        return grad_norm(self.params) if measure else None
 
     def _profiler(self) -> contextlib.AbstractContextManager:
         """torch.profiler over `profile_steps` optimizer steps after two to settle (rank 0 only);
@@ -297,16 +305,17 @@ class TrainingLoop:
 
     # --- evaluation and checkpoints ----------------------------------------------------------
 
-    @torch.inference_mode()  # cheaper than no_grad: no version counters, no view tracking
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over the whole validation set, identical for any number of ranks."""
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
-        for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
-            with self.precision.autocast():
-                outputs = self.model(inputs)
-            for key, value in self.task.eval_sums(outputs, targets).items():
-                sums[key] = sums.get(key, 0) + value.double()
+        # inference_mode where it is safe (no version counters, no view tracking); FSDP2 needs no_grad
+        with inference_context(self.model):
+            for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
+                with self.precision.autocast():
+                    outputs = self.model(inputs)
+                for key, value in self.task.eval_sums(outputs, targets).items():
+                    sums[key] = sums.get(key, 0) + value.double()
         self.model.train()
         keys = sorted(sums)  # the same task, so the same keys on every rank
         totals = all_reduce_sum(self.dist, torch.stack([sums[k] for k in keys]).to(self.device)).cpu()
@@ -331,12 +340,17 @@ class TrainingLoop:
     def _save(self, progress: Progress, best: bool) -> None:
         """Rank 0 writes step-<N>.pt, last.pt (and best.pt); every rank learns whether it worked."""
         rng = gather_objects(self.dist, rng_state(self.device))  # every rank's, for exact resume
+        # Full, plain-tensor state on rank 0 whatever the strategy (FSDP gathers its shards:
+        # every rank takes part); the optimizer's keyed by parameter name, so a checkpoint
+        # resumes under another strategy.
+        model_state = full_model_state_dict(self.model)
+        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
         failure = None
         if self.dist.is_main:
             state = {
                 "format": CHECKPOINT_FORMAT,
-                "model": unwrap_model(self.model).state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model_state,
+                "optimizer": optimizer_state,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict(),
                 "progress": asdict(progress),
@@ -359,7 +373,7 @@ class TrainingLoop:
             raise CheckpointError(failure)
 
     def _restore(self, state: dict) -> Progress:
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler") or {})
         rng = state["rng"]

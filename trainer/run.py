@@ -27,7 +27,7 @@ from torch import nn
 from data.bundle import DataBundle
 from trainer.builders import build_data, build_model, check_task
 from trainer.components import build
-from trainer.config import RunConfig, validate
+from trainer.config import MULTI_PROCESS, RunConfig, validate
 from trainer.distributed import (
     DistInfo,
     DistributedSetupError,
@@ -80,9 +80,9 @@ def stopped_error(result: FitResult) -> TrainingStopped:
 
 
 def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
-    """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp, no torchrun)."""
+    """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp/fsdp, no torchrun)."""
     strategy = run.strategy
-    if strategy.name == "ddp" and not under_torchrun() and strategy.nproc_per_node > 1:
+    if strategy.name in MULTI_PROCESS and not under_torchrun() and strategy.nproc_per_node > 1:
         return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built))
     return train_worker(run, run_dir, built)
 

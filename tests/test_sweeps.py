@@ -21,10 +21,16 @@ LRS, BATCHES = (0.01, 0.05), (32, 64)
 SCALAR_TAGS = {"train/loss", "val/loss", "lr", "grad_norm", "throughput/samples_per_sec"}
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no hydra_plugins package at all: no plugin is installed
+        return False
+
+
 def _needs(module: str):
     return pytest.mark.skipif(
-        importlib.util.find_spec(module) is None,
-        reason=f"{module} is not installed (pip install -e '.[sweep]' / '.[slurm]')",
+        not _installed(module), reason=f"{module} is not installed (pip install -e '.[sweep]' / '.[slurm]')",
     )
 
 

@@ -220,7 +220,8 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
     )
     result = fn(*args)
     if local_rank == 0:
-        results.put(result)  # written to the pipe before returning
+        results.send(result)  # written to the pipe before returning
+    results.close()
     exit_rank(0)  # a run that stopped early reports it through its result, on rank 0
 
 
@@ -231,16 +232,24 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
     failing rank ends the job instead of leaving the rest waiting in a collective.
     """
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    # A pipe, not a SimpleQueue: a queue's lock is a semaphore that workers leaving through
+    # os._exit never release, and Python's resource tracker then warns of a leak at exit.
+    parent_end, results = ctx.Pipe(duplex=False)
     port = _free_port()
+    result = None
     try:
-        mp.start_processes(
+        context = mp.start_processes(
             _spawned_entry,
             args=(nprocs, port, fn, args, results),
             nprocs=nprocs,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        # Read rank 0's result while waiting: a large one (the Python API's trained weights)
+        # fills the pipe, and rank 0 would block in send() while this process waits in join().
+        while not context.join(timeout=0.2):
+            if result is None and parent_end.poll():
+                result = parent_end.recv()
     except mp.ProcessExitedException as err:
         raise WorkerFailedError(
             f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
@@ -251,4 +260,5 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
         print(str(err).rstrip(), file=sys.stderr)
         last_line = str(err).strip().splitlines()[-1]
         raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
-    return results.get()
+    results.close()
+    return result if result is not None else parent_end.recv()

@@ -65,6 +65,11 @@ def test_resume_from_n_steps_to_2n_equals_2n_uninterrupted(tmp_path):
     assert_resumed_run_equals_uninterrupted(common, ["trainer.max_steps=40"], ["trainer.max_steps=17"], tmp_path)
 
 
+def test_resume_with_a_stateless_optimizer_matches(tmp_path):
+    # Plain SGD keeps no per-parameter state: only its hyperparameters come back.
+    assert_resumed_run_equals_uninterrupted([], ["trainer.max_steps=400"], ["trainer.max_steps=150"], tmp_path)
+
+
 def test_resume_across_an_epoch_boundary_with_accumulation_matches(tmp_path):
     common = SMALL_MLP + ["trainer.batch_size=48", "trainer.accumulate_grad_batches=2", "optimizer=adam"]
     # 512 samples / 48 = 11 micro-batches = 6 optimizer steps per epoch (the last one short)

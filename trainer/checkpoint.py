@@ -433,10 +433,14 @@ def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path
     try:
         unwrap_model(model).load_state_dict(state["model"])
     except RuntimeError as err:
-        detail = " ".join(str(err).split())[:300]
+        text = " ".join(str(err).split())
+        # torch lists every mismatch; the first says enough ("size mismatch for x: copying a
+        # param with shape [a] from checkpoint, the shape in current model is [b]").
+        first = re.search(r"(size mismatch for [^:]+: .*?current model is torch\.Size\(\[[^\]]*\]\))", text)
+        detail = first.group(1) if first else text[:200]
         raise CheckpointError(
-            f"checkpoint '{path}' does not fit this model ({detail}); resume with the model "
-            f"config it was trained with"
+            f"checkpoint '{path}' does not fit this model ({detail}); continue with the model and data it "
+            f"was trained with, or start a new run (a new hydra.run.dir, or trainer.resume=null)"
         ) from None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import sys
 from dataclasses import dataclass
@@ -171,7 +172,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, pickled_args: bytes, results) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N workers with all cores' threads each would fight over the cores
         # (2.5x slower measured with 2 workers on 2 cores). OMP_NUM_THREADS overrides this.
@@ -185,9 +186,12 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    result = fn(*args)
+    result = fn(*pickle.loads(pickled_args))
     if local_rank == 0:
-        results.put(result)  # written to the pipe before returning
+        # By value, as bytes: torch's multiprocessing pickler would send tensors (the weights a
+        # Python caller gets back) as shared-memory handles that the parent fetches from this
+        # process later, after exit_rank has ended it (ConnectionRefusedError in the parent).
+        results.put(pickle.dumps(result))  # written to the pipe before returning
     exit_rank(0)
 
 
@@ -196,6 +200,11 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
 
     If any worker fails, torch.multiprocessing terminates the others and raises here, so a
     failing rank ends the job instead of leaving the rest waiting in a collective.
+
+    `args` reach every worker by value, as their own copy (plain pickle, as bytes). Handed to
+    torch.multiprocessing as they are, tensors in them (the Python API's model and data sets)
+    would be moved into shared memory, one storage for all ranks: each rank's optimizer would
+    then update the same weights, every step applied N times.
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -203,7 +212,7 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
     try:
         mp.start_processes(
             _spawned_entry,
-            args=(nprocs, port, fn, args, results),
+            args=(nprocs, port, fn, pickle.dumps(args), results),
             nprocs=nprocs,
             join=True,
             start_method="spawn",
@@ -218,4 +227,4 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
         print(str(err).rstrip(), file=sys.stderr)
         last_line = str(err).strip().splitlines()[-1]
         raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
-    return results.get()
+    return pickle.loads(results.get())

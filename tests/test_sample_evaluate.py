@@ -25,10 +25,12 @@ WORDS = "the king and queen of rome speak to romeo while juliet sleeps under a p
 
 
 def _tool(module: str, args: list[str], cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m trainer.<module> ARGS` as a user runs it; this checkout's code comes first."""
+    """`python -m <module> ARGS` (trainer.<module> for a bare name) as a user runs it; this
+    checkout's code comes first."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", f"trainer.{module}", *args], cwd=cwd or REPO, env=env,
+    module = module if "." in module else f"trainer.{module}"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -120,11 +122,15 @@ def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(c
     assert proc.stdout.strip().splitlines() == [f"val/loss={record['metrics']['val/loss']:.6g}"]
 
 
-def test_evaluate_on_two_self_launched_ranks_equals_one_process(char_run, tmp_path):
+@pytest.mark.parametrize("launch", ["self-launched", "torchrun"])
+def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
     _ok(_tool("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
-    _ok(_tool("evaluate", [checkpoint, "split=train", "strategy=ddp", "strategy.nproc_per_node=2",
-                           "trainer.val_batch_size=7", f"output={tmp_path / 'two.json'}"]))
+    two_ranks = [checkpoint, "split=train", "trainer.val_batch_size=7", f"output={tmp_path / 'two.json'}"]
+    if launch == "torchrun":  # strategy=auto is ddp under torchrun
+        _ok(_tool("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "trainer.evaluate", *two_ranks]))
+    else:
+        _ok(_tool("trainer.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two["world_size"] == 2 and two["strategy"] == "ddp"
     assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)

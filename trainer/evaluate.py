@@ -19,7 +19,9 @@ config has, `+data.x=1` adds one, `~data.x` removes one, in the sections model, 
 task, trainer (e.g. trainer.val_batch_size, trainer.limit_val_batches, trainer.accelerator,
 trainer.precision) and strategy (strategy.nproc_per_node=N starts N ranks, as train.py
 does). The result is checked like train.py's config (trainer/builders.check_components):
-a mistake is one `error:` line, exit 2, before any data is built.
+a mistake is one `error:` line, exit 2, before any data is built. A relative path in the
+stored config (data.path) is read from the current directory, as the run read it; from
+elsewhere, pass data.path=<path>.
 
 The metrics are computed exactly as the training loop's validation: the split sharded over
 the ranks without padding, per-batch sums and counts all-reduced (data.tasks), autocast per
@@ -40,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.bundle import DataBundle
 from data.tasks import metrics_from_sums
@@ -145,32 +148,43 @@ def apply_overrides(config: dict, overrides: Sequence[str]) -> dict:
     only changes what exists, `+key=` only adds what does not."""
     cfg = OmegaConf.create(config)
     for text in overrides:
-        key, _, raw = text.partition("=")
-        path = key.lstrip("+~")
-        section = path.split(".", 1)[0]
-        if section in ("optimizer", "scheduler"):
-            raise ConfigError(f"{path}: evaluation trains nothing, so the {section} is not used; drop the override")
-        if section not in SECTIONS:
-            raise ConfigError(f"{path}: {section} is not a section of the stored config; the sections are {', '.join(SECTIONS)}")
-        present = OmegaConf.select(cfg, path, default=_ABSENT) is not _ABSENT
-        if key.startswith("~"):
-            if not present:
-                raise ConfigError(f"~{path}: the checkpoint's config has no {path} to remove")
-            parent, _, leaf = path.rpartition(".")
-            del OmegaConf.select(cfg, parent)[leaf]
-            continue
-        if key.startswith("+") and present:
-            raise ConfigError(f"{path} already exists, so +{path}=... cannot add it; change it with {path}=<value>")
-        if not key.startswith("+") and not present:
-            parent = OmegaConf.select(cfg, path.rpartition(".")[0], default=None)
-            known = ", ".join(k for k in parent if k != "_target_") if hasattr(parent, "keys") else ""
-            raise ConfigError(
-                f"{path} is not in the checkpoint's config; to pass a new argument write +{path}=<value>, "
-                f"or check the spelling (set now: {known or 'nothing'})"
-            )
-        value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={raw}"]))["value"] if raw else ""
-        OmegaConf.update(cfg, path, value, merge=False, force_add=True)
+        try:
+            _apply_override(cfg, text)
+        except OmegaConfBaseException as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"cannot apply {text!r} ({first}); write section.key=value, e.g. data.path=other.txt") from None
     return OmegaConf.to_container(cfg)
+
+
+def _apply_override(cfg: DictConfig, text: str) -> None:
+    key, _, raw = text.partition("=")
+    path = key.lstrip("+~")
+    section = path.split(".", 1)[0]
+    if section in ("optimizer", "scheduler"):
+        raise ConfigError(f"{path}: evaluation trains nothing, so the {section} is not used; drop the override")
+    if section not in SECTIONS:
+        raise ConfigError(f"{path}: {section} is not a section of the stored config; the sections are {', '.join(SECTIONS)}")
+    if "." not in path:
+        raise ConfigError(f"{key} would replace the whole {section} section; change its keys instead, e.g. {section}.<key>=<value>")
+    present = OmegaConf.select(cfg, path, default=_ABSENT) is not _ABSENT
+    parent_path, _, leaf = path.rpartition(".")
+    if key.startswith("~"):
+        if not present:
+            raise ConfigError(f"~{path}: the checkpoint's config has no {path} to remove")
+        del OmegaConf.select(cfg, parent_path)[leaf]
+        return
+    if key.startswith("+") and present:
+        raise ConfigError(f"{path} already exists, so +{path}=... cannot add it; change it with {path}=<value>")
+    if not key.startswith("+") and not present:
+        parent = OmegaConf.select(cfg, parent_path, default=None)
+        known = ", ".join(k for k in parent if k != "_target_") if isinstance(parent, DictConfig) else ""
+        raise ConfigError(
+            f"{path} is not in the checkpoint's config; to pass a new argument write +{path}=<value>, "
+            f"or check the spelling (set now: {known or 'nothing'})"
+        )
+    # Values are read as on train.py's command line: 3 is an int, 1e-3 a float, [1,2] a list.
+    value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={raw}"]))["value"] if raw else ""
+    OmegaConf.update(cfg, path, value, merge=False, force_add=True)
 
 
 # --- on each rank -----------------------------------------------------------------------------

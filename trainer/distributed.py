@@ -206,13 +206,22 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
     would be moved into shared memory, one storage for all ranks: each rank's optimizer would
     then update the same weights, every step applied N times.
     """
+    try:
+        pickled_args = pickle.dumps(args)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
+        from trainer.errors import ConfigError
+
+        raise ConfigError(
+            f"the {nprocs} spawned ranks each need a copy of the model, data and task, and one does not "
+            f"pickle ({' '.join(str(err).split())[:200]}); define those classes and functions at module level"
+        ) from None
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
     try:
         mp.start_processes(
             _spawned_entry,
-            args=(nprocs, port, fn, pickle.dumps(args), results),
+            args=(nprocs, port, fn, pickled_args, results),
             nprocs=nprocs,
             join=True,
             start_method="spawn",

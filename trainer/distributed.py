@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+<<<<<<< HEAD
 import re
+=======
+import pickle
+>>>>>>> helper/apps
 import socket
 import sys
 from dataclasses import dataclass
@@ -204,7 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, pickled_args: bytes, results) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N workers with all cores' threads each would fight over the cores
         # (2.5x slower measured with 2 workers on 2 cores). OMP_NUM_THREADS overrides this.
@@ -218,9 +222,12 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    result = fn(*args)
+    result = fn(*pickle.loads(pickled_args))
     if local_rank == 0:
-        results.send(result)  # written to the pipe before returning
+        # By value, as bytes: torch's multiprocessing pickler would send tensors (the weights a
+        # Python caller gets back) as shared-memory handles that the parent fetches from this
+        # process later, after exit_rank has ended it (ConnectionRefusedError in the parent).
+        results.send_bytes(pickle.dumps(result))  # written to the pipe before returning
     results.close()
     exit_rank(0)  # a run that stopped early reports it through its result, on rank 0
 
@@ -230,7 +237,21 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
 
     If any worker fails, torch.multiprocessing terminates the others and raises here, so a
     failing rank ends the job instead of leaving the rest waiting in a collective.
+
+    `args` reach every worker by value, as their own copy (plain pickle, as bytes). Handed to
+    torch.multiprocessing as they are, tensors in them (the Python API's model and data sets)
+    would be moved into shared memory, one storage for all ranks: each rank's optimizer would
+    then update the same weights, every step applied N times.
     """
+    try:
+        pickled_args = pickle.dumps(args)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
+        from trainer.errors import ConfigError
+
+        raise ConfigError(
+            f"the {nprocs} spawned ranks each need a copy of the model, data and task, and one does not "
+            f"pickle ({' '.join(str(err).split())[:200]}); define those classes and functions at module level"
+        ) from None
     ctx = mp.get_context("spawn")
     # A pipe, not a SimpleQueue: a queue's lock is a semaphore that workers leaving through
     # os._exit never release, and Python's resource tracker then warns of a leak at exit.
@@ -240,7 +261,7 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
     try:
         context = mp.start_processes(
             _spawned_entry,
-            args=(nprocs, port, fn, args, results),
+            args=(nprocs, port, fn, pickled_args, results),
             nprocs=nprocs,
             join=False,
             start_method="spawn",
@@ -249,7 +270,7 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
         # fills the pipe, and rank 0 would block in send() while this process waits in join().
         while not context.join(timeout=0.2):
             if result is None and parent_end.poll():
-                result = parent_end.recv()
+                result = pickle.loads(parent_end.recv_bytes())
     except mp.ProcessExitedException as err:
         raise WorkerFailedError(
             f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
@@ -261,4 +282,4 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
         last_line = str(err).strip().splitlines()[-1]
         raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
     results.close()
-    return result if result is not None else parent_end.recv()
+    return result if result is not None else pickle.loads(parent_end.recv_bytes())

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-<<<<<<< HEAD
-import re
-=======
 import pickle
->>>>>>> helper/apps
+import re
 import socket
 import sys
 from dataclasses import dataclass

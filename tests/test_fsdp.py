@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def run_two_ranks(scenario: str, out: Path, source: Path | None = None, timeout: float = 120) -> None:
+def run_two_ranks(scenario: str, out: Path, source: Path | None = None, timeout: float = 300) -> None:
     """Both ranks of `scenario` as plain subprocesses with torchrun's environment variables."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

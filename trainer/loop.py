@@ -117,6 +117,11 @@ class TrainingLoop:
             if self.stop is not None:
                 self.stop.lag_steps = agreement.lag_steps
                 self.stop.poll(progress.step)
+            if progress.step >= total_steps:
+                logger.info(
+                    f"nothing to train: the checkpoint is at step {progress.step} of {total_steps}; raise "
+                    f"trainer.max_steps (or trainer.max_epochs) to continue"
+                )
             meter = TrainMeter()
             started = time.perf_counter()  # the loop's time: set-up and imports are not in it
             while progress.step < total_steps and stopped is None:

@@ -335,12 +335,18 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
     into `optimizer`, re-sharding it for FSDP. Call it on every rank after the model is set
     up (sharded) and the optimizer built; with a process group rank 0's `state` is broadcast
     and the other ranks' is ignored (they may pass {})."""
-    if not state.get("state"):
+    settings_only = not state.get("state")
+    if _distributed():  # rank 0's state decides: the other ranks may have passed {}
+        holder = [(settings_only, state.get("param_groups"))]
+        dist.broadcast_object_list(holder, src=0)
+        settings_only, groups = holder[0]
+    else:
+        groups = state.get("param_groups")
+    if settings_only:
         # Nothing but hyperparameters (SGD without momentum keeps no state): DCP's loader
-        # cannot place what has no tensor (it looks for one to learn the device from), and
-        # a plain copy of each group's settings is all there is to load. Every rank read the
-        # same file, so every rank takes this branch.
-        for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
+        # cannot place what has no tensor (it looks for one to learn the device from), and a
+        # plain copy of each group's settings is all there is to load.
+        for group, saved in zip(optimizer.param_groups, groups or []):
             group.update({key: value for key, value in saved.items() if key != "params"})
         return
     set_optimizer_state_dict(_without_data_parallel(model), optimizer, _rank0_only(state), options=_load_options())

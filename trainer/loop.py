@@ -32,14 +32,16 @@ from trainer.checkpoint import (
     set_rng_state,
     unwrap_model,
 )
+from trainer.compilation import compile_for_training
 from trainer.config import RunConfig
 from trainer.distributed import DistInfo, all_reduce_sum, barrier, gather_objects
 from trainer.errors import ConfigError
 from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loader, build_val_loader
 from trainer.logger import RunLogger
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.precision import Precision
+from trainer.precision import Precision, set_matmul_precision
 from trainer.strategy import gradient_sync, wrap_model
+from trainer.throughput import ThroughputReporter
 
 
 @dataclass
@@ -96,6 +98,10 @@ class TrainingLoop:
             logger.config(self.run.resolved)
             logger.advance(progress.step)
             meter = TrainMeter()
+            speed = ThroughputReporter.for_run(
+                self.wrapped, self.device, cfg.precision, cfg.tf32, cfg.peak_tflops, dist.world_size,
+                start_step=progress.step, info=logger.info,
+            )
             started = time.perf_counter()  # the loop's time: set-up and imports are not in it
             while progress.step < total_steps:
                 epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
@@ -106,8 +112,9 @@ class TrainingLoop:
                     grad_norm = self._optimizer_step(micro_batches, meter, measure_grad_norm=log_now)
                     epoch_done = progress.finish_step(len(micro_batches), batches_per_epoch)
 
-                    if log_now:
-                        logger.scalars({**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}, step)
+                    if log_now:  # the only host syncs of a step: reading the loss and the grad norm
+                        values = {**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}
+                        logger.scalars({**values, **speed.read(step, values)}, step)
                     logger.advance(1)
                     if profiler:
                         profiler.step()
@@ -140,7 +147,8 @@ class TrainingLoop:
         self.params = list(model.parameters())
         if resumed:
             load_model_weights(model, resumed, cfg.resume)
-        self.wrapped = wrap_model(model, self.run.strategy, dist)
+        # Compiled (trainer.compile) inside DDP, as torch.compile + DDP expects (trainer/compilation.py).
+        self.wrapped = wrap_model(compile_for_training(model, cfg.compile, cfg.compile_mode), self.run.strategy, dist)
 
         val_batch_size = cfg.val_batch_size or cfg.batch_size
         overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
@@ -178,6 +186,7 @@ class TrainingLoop:
         else:
             self.scheduler = build_scheduler(self.run.scheduler, self.optimizer, self.total_steps)
         self.precision = Precision(cfg.precision, self.device)
+        set_matmul_precision(self.device, cfg.tf32)
         return train_loader
 
     def _evaluation_due(self, step: int, epoch_done: bool, total_steps: int) -> bool:

@@ -1,12 +1,14 @@
 """`trainer.compile`: torch.compile for training, falling back to eager mode when compiling fails.
 
-The loop trains `compile_for_training(model, mode)`: the bare model when compiling is off,
+The loop trains `compile_for_training(model, enabled, mode)`: the bare model when it is off,
 otherwise a `CompiledModel` wrapping it. The wrapper goes *inside* DDP, as nanoGPT and
 torchtitan order it (compile first, then wrap): its compiled call runs within DDP's forward,
 so dynamo's DDP optimizer splits the graph at DDP's bucket boundaries and the gradient
 all-reduce still overlaps the backward pass (torch 2.13, `torch._dynamo.config.optimize_ddp`'s
-default). DataParallel copies the model in every forward and is refused with compiling
-(trainer/config.py).
+default; `TORCH_LOGS=ddp_graphs` shows the split, and a 2-rank gloo run with accumulation
+matches one eager process, tests/test_speed_features.py). That splitting refuses buckets
+smaller than DDP's 1 MiB first bucket, so `strategy.bucket_cap_mb` < 1 is refused with
+compiling, as is DataParallel, which copies the model in every forward (trainer/config.py).
 
 Why a wrapper rather than `torch.compile(model)` alone:
   * Compile errors surface lazily. The forward graph is compiled at the first call and the

@@ -112,7 +112,7 @@ class TrainingLoop:
                     grad_norm = self._optimizer_step(micro_batches, meter, measure_grad_norm=log_now)
                     epoch_done = progress.finish_step(len(micro_batches), batches_per_epoch)
 
-                    if log_now:  # the only host syncs of a step: reading the loss and the grad norm
+                    if log_now:  # ringtrain's only host reads in a step: the loss and the grad norm
                         values = {**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}
                         logger.scalars({**values, **speed.read(step, values)}, step)
                     logger.advance(1)

@@ -11,6 +11,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from trainer.cli import (
@@ -22,13 +23,15 @@ from trainer.cli import (
 from trainer.distributed import exit_rank, under_torchrun
 from trainer.errors import exit_on_user_error
 from trainer.run import run
-from trainer.sweep import register_resolvers
+from trainer.resolvers import register_resolvers
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
+    hydra_cfg = HydraConfig.get()
     with exit_on_user_error():
-        return run(cfg, HydraConfig.get().runtime.output_dir)
+        return run(cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task,
+                   in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
 
 
 if __name__ == "__main__":
@@ -39,8 +42,13 @@ if __name__ == "__main__":
         argv = strip_legacy_local_rank_arg(sys.argv)
         refuse_multirun_under_torchrun(argv)
         check_overrides(argv[1:])
-    sys.argv = argv + hydra_overrides_for_this_rank()
+    sys.argv = argv + hydra_overrides_for_this_rank(argv)
     register_resolvers()
-    main()
-    if under_torchrun():  # errors exit inside main(); here the rank finished cleanly
+    try:
+        main()
+    except SystemExit as exit:  # a mistake (2), a stop signal (143), non-finite values (3)
+        if not under_torchrun():
+            raise
+        exit_rank(exit.code if isinstance(exit.code, int) else 1)
+    if under_torchrun():  # here the rank finished cleanly
         exit_rank(0)

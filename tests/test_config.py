@@ -24,7 +24,7 @@ def _options(group: str) -> list[str]:
 
 def test_every_group_has_its_expected_options():
     assert _options("model") == ["linear", "mlp", "transformer"]
-    assert _options("data") == ["classification", "regression", "text", "tokens"]
+    assert _options("data") == ["cifar10", "classification", "regression", "text", "token_file", "tokens"]
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
     assert _options("strategy") == ["ddp", "dp", "single"]
@@ -195,11 +195,14 @@ def test_cli_bad_checkpoint_fails_clearly_and_is_left_alone(tmp_path):
     assert bad.read_bytes() == b"not a checkpoint"
 
 
-def test_cli_refuses_to_overwrite_another_runs_checkpoints(tmp_path):
+def test_cli_never_overwrites_another_runs_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli(["trainer.max_steps=5", f"hydra.run.dir={run_dir}"]).returncode == 0
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
-    proc = run_cli(["trainer.max_steps=5", "trainer.seed=1", f"hydra.run.dir={run_dir}"])
-    assert proc.returncode == 2
-    assert "already holds checkpoints" in proc.stderr
+    # trainer.resume=null: a fresh run refuses a directory that holds checkpoints
+    proc = run_cli(["trainer.max_steps=5", "trainer.resume=null", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2 and "already holds checkpoints and trainer.resume=null" in proc.stderr
+    # resume=auto (the default) continues only the same model
+    proc = run_cli(["model=mlp", "data.num_features=8", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2 and "holds a run whose model._target_" in proc.stderr
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before

@@ -65,7 +65,8 @@ def test_torchrun_job_writes_one_run_dir_from_rank_0_only(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "another rank wrote a directory"
     run = tmp_path / "run"
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    # 1 epoch of 10000 / (2 * 32) = 157 steps, one evaluation: one step file, last.pt, best.pt
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt", "step-00000157.pt"]
     assert proc.stdout.count("learned w=") + proc.stderr.count("learned w=") == 1
     assert (run / "train.log").read_text().count("learned w=") == 1
 
@@ -157,8 +158,8 @@ def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, t
         all_reduces.append(bucket.index())
         return allreduce_hook(state, bucket)
 
-    def wrap_and_count(model, strategy, dist):
-        wrapped = original_wrap(model, strategy, dist)
+    def wrap_and_count(model, strategy, dist, param_dtype=None):
+        wrapped = original_wrap(model, strategy, dist, param_dtype)
         wrapped.register_comm_hook(None, counting_hook)
         return wrapped
 

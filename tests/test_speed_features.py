@@ -35,10 +35,12 @@ def _compile_warnings(caplog) -> list[str]:
 # --- trainer.compile ------------------------------------------------------------------------
 
 
-def test_compiled_run_trains_and_checkpoints_move_between_compiled_and_eager(tmp_path, caplog):
+def test_compiled_run_trains_and_checkpoints_move_between_compiled_and_eager(tmp_path, caplog, monkeypatch):
     """The one real inductor compile of the default suite (~20-40 s on 2 cores, less with a
     warm inductor cache): a compiled run trains like the eager one, its checkpoint has bare
     keys, loads into an uncompiled model, and resumes with compile toggled either way."""
+    real_compile, compiled_models = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compiled_models.append(model) or real_compile(model, **options))
     common = SMALL_TRANSFORMER + ["trainer.batch_size=16", "trainer.log_every_n_steps=3",
                                   "trainer.eval_every_n_steps=4", "trainer.limit_val_batches=2"]
     eager = train_in_process(common + ["trainer.max_steps=8"], tmp_path / "eager")
@@ -61,7 +63,7 @@ def test_compiled_run_trains_and_checkpoints_move_between_compiled_and_eager(tmp
     straight = checkpoint_weights(tmp_path / "eager")
     assert_same_weights(straight, checkpoint_weights(tmp_path / "to_eager"), atol=1e-4)
     assert_same_weights(straight, checkpoint_weights(tmp_path / "to_compiled"), atol=1e-4)
-    assert not _compile_warnings(caplog)
+    assert not _compile_warnings(caplog) and len(compiled_models) == 2  # the two compiled runs, with inductor
     assert eager.metrics["val/loss"] < math.log(16)
 
 
@@ -136,6 +138,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch, tmp_path):
     (["trainer.compile=true", "trainer.compile_mode=fastest"], "trainer.compile_mode='fastest' is not a torch.compile mode"),
     (["trainer.compile_mode=max-autotune"], "has no effect without compiling; add trainer.compile=true"),
     (["trainer.compile=true", "strategy=dp"], "trainer.compile=true does not work with strategy=dp"),
+    (["trainer.compile=true", "strategy=fsdp", "strategy.nproc_per_node=2"], "does not work with strategy=fsdp"),
     (["trainer.compile=true", "strategy=ddp", "strategy.bucket_cap_mb=0.5"], "strategy.bucket_cap_mb=0.5 is below DDP's first bucket"),
     (["trainer.peak_tflops=-1"], "trainer.peak_tflops=-1.0 must be >= 0"),
     (["trainer.peak_tflops=nan"], "trainer.peak_tflops=nan must be >= 0"),
@@ -227,12 +230,12 @@ def test_cuda_steps_between_log_steps_do_not_sync(monkeypatch, tmp_path):
 
     original_step = loop.TrainingLoop._optimizer_step
 
-    def step_that_must_not_sync(self, micro_batches, meter, measure_grad_norm):
+    def step_that_must_not_sync(self, *args, measure_grad_norm, **kwargs):
         if measure_grad_norm:  # a logging step: reading the norm later is allowed
-            return original_step(self, micro_batches, meter, measure_grad_norm)
+            return original_step(self, *args, measure_grad_norm=measure_grad_norm, **kwargs)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return original_step(self, micro_batches, meter, measure_grad_norm)
+            return original_step(self, *args, measure_grad_norm=measure_grad_norm, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

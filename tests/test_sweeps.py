@@ -21,10 +21,16 @@ LRS, BATCHES = (0.01, 0.05), (32, 64)
 SCALAR_TAGS = {"train/loss", "val/loss", "lr", "grad_norm", "throughput/samples_per_sec"}
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # no hydra_plugins package at all: no plugin is installed
+        return False
+
+
 def _needs(module: str):
     return pytest.mark.skipif(
-        importlib.util.find_spec(module) is None,
-        reason=f"{module} is not installed (pip install -e '.[sweep]' / '.[slurm]')",
+        not _installed(module), reason=f"{module} is not installed (pip install -e '.[sweep]' / '.[slurm]')",
     )
 
 
@@ -191,7 +197,7 @@ def test_optuna_direction_follows_the_task_metric():
     from omegaconf import OmegaConf
 
     from conftest import CONF_DIR
-    from trainer.sweep import register_resolvers
+    from trainer.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -65,6 +65,11 @@ def test_resume_from_n_steps_to_2n_equals_2n_uninterrupted(tmp_path):
     assert_resumed_run_equals_uninterrupted(common, ["trainer.max_steps=40"], ["trainer.max_steps=17"], tmp_path)
 
 
+def test_resume_with_a_stateless_optimizer_matches(tmp_path):
+    # Plain SGD keeps no per-parameter state: only its hyperparameters come back.
+    assert_resumed_run_equals_uninterrupted([], ["trainer.max_steps=400"], ["trainer.max_steps=150"], tmp_path)
+
+
 def test_resume_across_an_epoch_boundary_with_accumulation_matches(tmp_path):
     common = SMALL_MLP + ["trainer.batch_size=48", "trainer.accumulate_grad_batches=2", "optimizer=adam"]
     # 512 samples / 48 = 11 micro-batches = 6 optimizer steps per epoch (the last one short)
@@ -94,21 +99,24 @@ def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
 
 
 def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monkeypatch):
-    import trainer.loop as loop
+    from trainer.checkpoint import CheckpointStore
 
     saved = []
+    original_save = CheckpointStore.save
 
-    def recording_save(path, state):
-        saved.append((path.name, state["progress"]["step"]))
-        original_save(path, state)
+    def recording_save(self, state, step, best):
+        saved.append((step, best))
+        return original_save(self, state, step, best)
 
-    original_save = loop.save_checkpoint
-    monkeypatch.setattr(loop, "save_checkpoint", recording_save)
+    monkeypatch.setattr(CheckpointStore, "save", recording_save)
     # 16 steps per epoch: in 12 steps the only evaluation is the final one.
     train_in_process(SMALL_MLP + ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=5"], tmp_path)
-    assert saved == [("last.pt", 5), ("last.pt", 10), ("last.pt", 12)]
+    assert saved == [(5, False), (10, False), (12, True)]
     assert (tmp_path / "checkpoints" / "best.pt").exists()  # the final evaluation set a best
     assert torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)["progress"]["step"] == 12
+    # keep_last_k=2 (the default): the two newest step files, plus last.pt and best.pt
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "best.pt", "last.pt", "step-00000010.pt", "step-00000012.pt"]
 
 
 def test_gradient_clipping_bounds_the_update(tmp_path):

@@ -1,12 +1,16 @@
 """Checkpoint files: plain tensors and plain data, written durably, read back safely.
 
 A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
-  model        the bare model's state_dict (no `module.` / `_orig_mod.` prefixes)
-  optimizer, scheduler, scaler   their state_dicts
-  progress     {"step", "epoch", "batches_into_epoch", "best_metric"}
+  model        the bare model's full state_dict (no `module.` / `_orig_mod.` prefixes; under
+               fsdp gathered from every rank's shards)
+  optimizer    its full state keyed by parameter name (torch.distributed.checkpoint's
+               get_optimizer_state_dict), so it loads under single, ddp or fsdp alike
+  scheduler, scaler   their state_dicts
+  progress     {"step", "epoch", "batches_into_epoch", "best_metric", "skipped_steps"}
   rng          one torch RNG state per rank (CPU, and CUDA when used), in rank order
   config       the resolved run config as plain data
-  format       CHECKPOINT_FORMAT
+  data_dims, vocab   the sizes the data gave the model, and its vocabulary (sampling)
+  format       CHECKPOINT_FORMAT (2: optimizer state by parameter name)
 
 Why the care: a week-long run must not lose its progress to a preemption, a full disk, a
 power cut or a file broken some other way. So:
@@ -35,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 _REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config", "format")
 
 LAST_NAME = "last.pt"
@@ -429,10 +433,14 @@ def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path
     try:
         unwrap_model(model).load_state_dict(state["model"])
     except RuntimeError as err:
-        detail = " ".join(str(err).split())[:300]
+        text = " ".join(str(err).split())
+        # torch lists every mismatch; the first says enough ("size mismatch for x: copying a
+        # param with shape [a] from checkpoint, the shape in current model is [b]").
+        first = re.search(r"(size mismatch for [^:]+: .*?current model is torch\.Size\(\[[^\]]*\]\))", text)
+        detail = first.group(1) if first else text[:200]
         raise CheckpointError(
-            f"checkpoint '{path}' does not fit this model ({detail}); resume with the model "
-            f"config it was trained with"
+            f"checkpoint '{path}' does not fit this model ({detail}); continue with the model and data it "
+            f"was trained with, or start a new run (a new hydra.run.dir, or trainer.resume=null)"
         ) from None
 
 

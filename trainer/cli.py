@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from trainer.distributed import env_rank, under_torchrun
+from trainer.rundir import directory_before_restart
 from trainer.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -82,17 +83,29 @@ def refuse_multirun_under_torchrun(argv: list[str]) -> None:
         )
 
 
-def hydra_overrides_for_this_rank() -> list[str]:
-    """Only rank 0 keeps Hydra's run directory; the others write nothing there.
+def hydra_overrides_for_this_rank(argv: list[str]) -> list[str]:
+    """Hydra overrides the command line implies for this process's run directory.
 
-    Every rank composes the config, but the run directory (named by a timestamp) could differ
-    between processes started a second apart. Rank 0's directory is broadcast once the
-    process group is up (trainer/run.py), so all ranks share one directory and only rank 0
-    writes logs there.
+    * Ranks other than 0 write nothing into Hydra's run directory: every rank composes the
+      config, but the directory could differ between processes started a second apart, so
+      rank 0's is broadcast once the process group is up (trainer/run.py).
+    * trainer.resume=<path> continues in that checkpoint's own run directory (its .hydra/
+      keeps the run's config), unless hydra.run.dir is given.
+    * A torchrun worker restarted after a failure goes back to the directory its job used
+      before (trainer/rundir.py), so trainer.resume=auto finds the checkpoint there.
     """
-    if not under_torchrun() or env_rank() == 0:
+    if under_torchrun() and env_rank() != 0:
+        return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+    args = argv[1:]
+    if any(a in ("-m", "--multirun") for a in args) or any(a.startswith("hydra.run.dir=") for a in args):
         return []
-    return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+    resume = next((a.split("=", 1)[1] for a in args if a.startswith("trainer.resume=")), None)
+    if resume and Path(resume).is_file() and Path(resume).parent.name == "checkpoints":
+        return [f"hydra.run.dir={Path(resume).resolve().parent.parent}", "hydra.output_subdir=null"]
+    previous = directory_before_restart() if under_torchrun() else None
+    if previous:
+        return [f"hydra.run.dir={previous}", "hydra.output_subdir=null"]
+    return []
 
 
 # --- composing ahead ------------------------------------------------------------------------

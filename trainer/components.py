@@ -262,7 +262,9 @@ def _public_name(cls: type) -> str:
 
 
 def _describe(target: type) -> str:
-    bases = [b for b in target.__mro__[1:] if b is not object]
+    # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
+    # which says nothing about what the class is.
+    bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
     return f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__
 
 

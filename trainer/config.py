@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,7 +23,8 @@ from trainer.errors import ConfigError
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
-STRATEGIES = ("single", "dp", "ddp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp")
+MULTI_PROCESS = ("ddp", "fsdp")  # strategies with one process per device
 BACKENDS = ("auto", "gloo", "nccl")
 # torch.compile's modes (trainer.compile_mode); "default" passes none.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -47,7 +48,10 @@ class TrainerConfig:
     log_every_n_steps: int = 50
     checkpoint: bool = True
     checkpoint_every_n_steps: int = 0
-    resume: Any = None  # str path or None
+    keep_last_k: int = 2
+    resume: Any = "auto"  # "auto", a checkpoint path, or None
+    on_nonfinite: str = "stop"
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
     seed: int = 0
     progress_bar: bool = True
     # torch DataLoader settings for Datasets without get_batch (a user's map-style Dataset)
@@ -74,6 +78,10 @@ class StrategyConfig:
     static_graph: bool = False
     forward_sync_buffers: bool = True
     scale_lr_by_world_size: bool = False
+    # fsdp (trainer/fsdp.py)
+    shard_classes: list[str] = field(default_factory=list)  # []: the repeated layers
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -225,11 +233,25 @@ def _check_trainer(t: TrainerConfig) -> None:
             "trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
             "trainer.precision=bf16-mixed or 32"
         )
-    if t.resume is not None:
+    if t.resume not in (None, "auto"):
         if not isinstance(t.resume, str) or not os.path.isfile(t.resume):
             raise ConfigError(
-                f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint, "
-                f"e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt"
+                f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
+                f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null"
+            )
+    if t.keep_last_k < 1:
+        raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
+    from trainer.nonfinite import POLICIES
+
+    if t.on_nonfinite not in POLICIES:
+        raise ConfigError(f"trainer.on_nonfinite={t.on_nonfinite!r} is unknown; use one of {', '.join(POLICIES)}")
+    import signal
+
+    for name in t.stop_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(
+                f"trainer.stop_signals: {name!r} is not a signal this process can catch; use names like "
+                f"SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] to handle none)"
             )
 
 
@@ -242,14 +264,20 @@ def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
         raise ConfigError(
             "strategy.nproc_per_node, strategy.timeout_minutes and strategy.bucket_cap_mb must be positive"
         )
-    if s.name != "ddp" and s.nproc_per_node != 1:
+    if s.name not in MULTI_PROCESS and s.nproc_per_node != 1:
         raise ConfigError(
-            f"strategy.nproc_per_node={s.nproc_per_node} needs strategy=ddp; add strategy=ddp"
+            f"strategy.nproc_per_node={s.nproc_per_node} needs strategy=ddp (or fsdp); add strategy=ddp"
         )
-    if s.name == "dp" and t.compile:
+    if s.name == "fsdp" and s.nproc_per_node == 1 and not _under_launcher():
         raise ConfigError(
-            "trainer.compile=true does not work with strategy=dp (DataParallel copies the model in every "
-            "forward); use strategy=ddp or strategy=single"
+            "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
+            "for one process use strategy=single or ddp"
+        )
+    if s.name in ("dp", "fsdp") and t.compile:
+        why = {"dp": "DataParallel copies the model in every forward",
+               "fsdp": "compiling FSDP2-sharded models (per block, before sharding) is not wired up yet"}[s.name]
+        raise ConfigError(
+            f"trainer.compile=true does not work with strategy={s.name} ({why}); use strategy=ddp or strategy=single"
         )
     if s.name == "ddp" and t.compile and s.bucket_cap_mb < 1:
         # DDP's first bucket is 1 MiB; torch.compile's DDP optimizer (which splits the graph
@@ -258,11 +286,15 @@ def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
             f"strategy.bucket_cap_mb={s.bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
             f"torch.compile's DDP graph splitting refuses; use strategy.bucket_cap_mb >= 1 with trainer.compile=true"
         )
-    if s.name == "ddp" and s.backend == "nccl" and (t.accelerator == "cpu" or not _cuda_available()):
+    if s.name in MULTI_PROCESS and s.backend == "nccl" and (t.accelerator == "cpu" or not _cuda_available()):
         raise ConfigError(
             "strategy.backend=nccl needs a CUDA device on every rank and none is visible; "
             "use strategy.backend=gloo (or auto) on CPU"
         )
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _cuda_available() -> bool:

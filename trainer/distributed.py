@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -43,6 +45,9 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str | None  # None: no process group
+    # A gloo group of all ranks, made at set-up while everyone still answers: after a
+    # collective times out it asks who is missing (name_unresponsive_ranks).
+    health_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -87,8 +92,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
-    """Join the process group for strategy=ddp; describe the single process otherwise."""
-    if strategy != "ddp" or not under_torchrun():
+    """Join the process group for strategy=ddp or fsdp; describe the single process otherwise."""
+    if strategy not in ("ddp", "fsdp") or not under_torchrun():
         return DistInfo(0, 0, 1, resolve_device(accelerator, 0), None)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -101,7 +106,36 @@ def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_min
         world_size=world_size,
         timeout=timedelta(minutes=timeout_minutes),
     )
-    return DistInfo(rank, local_rank, world_size, device, backend)
+    health = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes)) if world_size > 1 else None
+    return DistInfo(rank, local_rank, world_size, device, backend, health)
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether `err` is a collective that gave up waiting (strategy.timeout_minutes)."""
+    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
+    """After a collective timed out: the one line saying which rank stopped answering.
+
+    Every rank that is still alive checks in with rank 0 through torch's monitored_barrier,
+    which names on rank 0 the ranks that did not; the others learn at least whether rank 0
+    itself is the one missing.
+    """
+    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60)))
+    fix = (f"no reply within strategy.timeout_minutes={timeout_minutes:g}; every rank stops. Look at that rank's "
+           f"machine (stopped, swapping, hung in I/O), or raise strategy.timeout_minutes for slow steps")
+    if info.health_group is None:
+        return f"a collective timed out: {fix}"
+    try:
+        dist.monitored_barrier(group=info.health_group, timeout=wait, wait_all_ranks=True)
+    except RuntimeError as err:
+        missing = sorted({int(r) for r in re.findall(r"\d+", str(err).split("failed to pass")[0])}) if "failed to pass" in str(err) else []
+        if info.rank == 0 and missing:
+            return f"rank {', '.join(map(str, missing))} stopped answering: {fix}"
+        if info.rank != 0:
+            return f"rank 0 stopped answering, or gave up on another rank: {fix}"
+    return f"a collective timed out though every rank answers now (rank {info.rank}): {fix}"
 
 
 def teardown_distributed(clean_exit: bool = True) -> None:
@@ -171,7 +205,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, pickled_args: bytes, results) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N workers with all cores' threads each would fight over the cores
         # (2.5x slower measured with 2 workers on 2 cores). OMP_NUM_THREADS overrides this.
@@ -185,10 +219,14 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    result = fn(*args)
+    result = fn(*pickle.loads(pickled_args))
     if local_rank == 0:
-        results.put(result)  # written to the pipe before returning
-    exit_rank(0)
+        # By value, as bytes: torch's multiprocessing pickler would send tensors (the weights a
+        # Python caller gets back) as shared-memory handles that the parent fetches from this
+        # process later, after exit_rank has ended it (ConnectionRefusedError in the parent).
+        results.send_bytes(pickle.dumps(result))  # written to the pipe before returning
+    results.close()
+    exit_rank(0)  # a run that stopped early reports it through its result, on rank 0
 
 
 def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
@@ -196,18 +234,40 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
 
     If any worker fails, torch.multiprocessing terminates the others and raises here, so a
     failing rank ends the job instead of leaving the rest waiting in a collective.
+
+    `args` reach every worker by value, as their own copy (plain pickle, as bytes). Handed to
+    torch.multiprocessing as they are, tensors in them (the Python API's model and data sets)
+    would be moved into shared memory, one storage for all ranks: each rank's optimizer would
+    then update the same weights, every step applied N times.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = _free_port()
     try:
-        mp.start_processes(
+        pickled_args = pickle.dumps(args)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
+        from trainer.errors import ConfigError
+
+        raise ConfigError(
+            f"the {nprocs} spawned ranks each need a copy of the model, data and task, and one does not "
+            f"pickle ({' '.join(str(err).split())[:200]}); define those classes and functions at module level"
+        ) from None
+    ctx = mp.get_context("spawn")
+    # A pipe, not a SimpleQueue: a queue's lock is a semaphore that workers leaving through
+    # os._exit never release, and Python's resource tracker then warns of a leak at exit.
+    parent_end, results = ctx.Pipe(duplex=False)
+    port = _free_port()
+    result = None
+    try:
+        context = mp.start_processes(
             _spawned_entry,
-            args=(nprocs, port, fn, args, results),
+            args=(nprocs, port, fn, pickled_args, results),
             nprocs=nprocs,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        # Read rank 0's result while waiting: a large one (the Python API's trained weights)
+        # fills the pipe, and rank 0 would block in send() while this process waits in join().
+        while not context.join(timeout=0.2):
+            if result is None and parent_end.poll():
+                result = pickle.loads(parent_end.recv_bytes())
     except mp.ProcessExitedException as err:
         raise WorkerFailedError(
             f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
@@ -218,4 +278,5 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
         print(str(err).rstrip(), file=sys.stderr)
         last_line = str(err).strip().splitlines()[-1]
         raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
-    return results.get()
+    results.close()
+    return result if result is not None else pickle.loads(parent_end.recv_bytes())

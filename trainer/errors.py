@@ -1,5 +1,13 @@
 """User mistakes: one line on stderr and a non-zero exit, instead of a traceback.
 
+Exit statuses of `python train.py` (and of each rank):
+  0    the run is complete
+  1    a crash (a traceback says where)
+  2    a mistake in the configuration or inputs, reported in one line before work starts
+       where it can be
+  3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
+  143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the
+       same command continues the run (trainer/signals.py says why 143)
 ConfigError lives here (not in config.py) so that every module can raise it without
 importing the validation code.
 """
@@ -13,8 +21,20 @@ from typing import Iterator
 USER_ERROR_EXIT = 2
 
 
+NONFINITE_EXIT = 3
+
+
 class ConfigError(ValueError):
     """A mistake in the user's configuration; the message is one line with the fix."""
+
+
+class TrainingStopped(Exception):
+    """Training ended before its last step; `exit_code` is the process's status (above).
+    What happened is already in the log, so nothing more is printed."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -36,4 +56,6 @@ def exit_on_user_error() -> Iterator[None]:
         sys.exit(USER_ERROR_EXIT)
     except WorkerFailedError as err:  # a spawned worker's own error is already printed above
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except TrainingStopped as err:
         sys.exit(err.exit_code)

@@ -119,6 +119,10 @@ class RunLogger:
         if self.enabled:
             log.info(message)
 
+    def error(self, message: str) -> None:
+        if self.enabled:
+            log.error(message)
+
     def hparams(self, resolved: dict, final_metrics: dict[str, float], step: int) -> None:
         """Record the run's hyperparameters and final metrics for TensorBoard's HPARAMS tab.
 

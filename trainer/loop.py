@@ -24,23 +24,34 @@ from data.bundle import DataBundle
 from data.tasks import metrics_from_sums
 from trainer.checkpoint import (
     CHECKPOINT_FORMAT,
-    link_checkpoint,
+    CheckpointError,
+    CheckpointStore,
     load_checkpoint,
     load_model_weights,
     rng_state,
-    save_checkpoint,
     set_rng_state,
-    unwrap_model,
 )
 from trainer.compilation import compile_for_training
 from trainer.config import RunConfig
-from trainer.distributed import DistInfo, all_reduce_sum, barrier, gather_objects
+from trainer.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects
 from trainer.errors import ConfigError
 from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loader, build_val_loader
 from trainer.logger import RunLogger
+from trainer.nonfinite import NonFiniteWatch
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.compilation import compile_for_training
 from trainer.precision import Precision, set_matmul_precision
-from trainer.strategy import gradient_sync, wrap_model
+from trainer.signals import StopAgreement, StopSignals
+from trainer.fsdp import (
+    clip_grad_norm,
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    grad_norm,
+    gradient_sync,
+    inference_context,
+    load_full_optimizer_state_dict,
+)
+from trainer.strategy import wrap_model
 from trainer.throughput import ThroughputReporter
 
 
@@ -50,6 +61,7 @@ class Progress:
     epoch: int = 0  # epochs completed
     batches_into_epoch: int = 0  # micro-batches of the current epoch already trained on
     best_metric: float | None = None
+    skipped_steps: int = 0  # updates skipped for non-finite values
 
     def finish_step(self, micro_batches: int, batches_per_epoch: int) -> bool:
         """Count one optimizer step over `micro_batches`; True when it completed the epoch."""
@@ -70,65 +82,100 @@ class FitResult:
     best_metric: float | None
     steps: int
     train_seconds: float
+    # Why training ended before its last step: "SIGTERM" (a stop signal, last.pt saved) or
+    # "non-finite" (trainer.on_nonfinite=stop); None when it ran to the end.
+    stopped: str | None = None
+    skipped_steps: int = 0  # updates skipped for non-finite values (on_nonfinite=skip, fp16 scaler)
     # The trained weights, only when a spawned rank 0 hands them back to a Python caller.
     model_state: dict | None = None
 
 
 class TrainingLoop:
-    def __init__(self, run: RunConfig, dist: DistInfo, run_dir: Path):
+    def __init__(self, run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None = None):
         self.run = run
         self.cfg = run.trainer
         self.dist = dist
         self.device = dist.device
         self.run_dir = Path(run_dir)
-        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.checkpoints = CheckpointStore(self.run_dir / "checkpoints", self.cfg.keep_last_k)
+        self.stop = stop  # the stop signals this process watches (None: none)
 
     # --- the loop ----------------------------------------------------------------------------
 
-    def fit(self, model: nn.Module, data: DataBundle, task) -> FitResult:
+    def fit(self, model: nn.Module, data: DataBundle, task, resume_from: Path | None = None) -> FitResult:
         cfg, dist = self.cfg, self.dist
-        resumed = load_checkpoint(cfg.resume, self.device) if cfg.resume else None
+        resumed = load_checkpoint(resume_from, self.device) if resume_from else None
         self.task, self.data = task, data
-        train_loader = self._setup(model, data, resumed)
+        train_loader = self._setup(model, data, resumed, resume_from)
         total_steps, batches_per_epoch = self.total_steps, len(train_loader)
         progress = self._restore(resumed) if resumed else Progress()
+        agreement = StopAgreement(timeout_minutes=self.run.strategy.timeout_minutes)
+        nonfinite = NonFiniteWatch(cfg.on_nonfinite, self.device, uses_scaler=self.precision.scaler is not None)
 
         metrics: dict[str, float] = {}
-        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler:
+        stopped: str | None = None
+        with RunLogger(self.run_dir, dist.is_main, total_steps, cfg.progress_bar) as logger, self._profiler() as profiler, agreement:
             logger.config(self.run.resolved)
             logger.advance(progress.step)
+            if self.stop is not None:
+                self.stop.lag_steps = agreement.lag_steps
+                self.stop.poll(progress.step)
             meter = TrainMeter()
             speed = ThroughputReporter.for_run(
                 self.wrapped, self.device, cfg.precision, cfg.tf32, cfg.peak_tflops, dist.world_size,
                 start_step=progress.step, info=logger.info,
             )
             started = time.perf_counter()  # the loop's time: set-up and imports are not in it
-            while progress.step < total_steps:
+            while progress.step < total_steps and stopped is None:
                 epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
                 for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
                     step = progress.step + 1
                     log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
+                    evaluate_now = checkpoint_now = False
                     lr_used = self.scheduler.get_last_lr()[0]
-                    grad_norm = self._optimizer_step(micro_batches, meter, measure_grad_norm=log_now)
+                    grad_norm = self._optimizer_step(micro_batches, meter, nonfinite, progress, step,
+                                                     measure_grad_norm=log_now or nonfinite.needs_grad_norm)
                     epoch_done = progress.finish_step(len(micro_batches), batches_per_epoch)
+                    evaluate_now = self._evaluation_due(step, epoch_done, total_steps)
+                    checkpoint_now = not evaluate_now and self._checkpoint_due(step)
 
-                    if log_now:  # ringtrain's only host reads in a step: the loss and the grad norm
+                    # stop: the first non-finite step is read (one sync) only where it matters:
+                    # before values are logged or weights evaluated or saved.
+                    if (log_now or evaluate_now or checkpoint_now) and nonfinite.first_bad_step() is not None:
+                        stopped = "non-finite"
+                        logger.error(nonfinite.stop_message(progress.step, self.checkpoints.last))
+                        metrics = {self.task.monitor: float("nan")}
+                        break
+                    if log_now:
                         values = {**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}
+                        if progress.skipped_steps:
+                            values["train/skipped_steps"] = progress.skipped_steps
                         logger.scalars({**values, **speed.read(step, values)}, step)
                     logger.advance(1)
                     if profiler:
                         profiler.step()
-                    if self._evaluation_due(step, epoch_done, total_steps):
+                    if evaluate_now:
                         metrics = self._evaluate_and_checkpoint(progress, batches_per_epoch, logger)
-                    elif self._checkpoint_due(step):
+                    elif checkpoint_now:
                         self._save(progress, best=False)
                     if step == total_steps:
+                        break
+                    if self.stop is not None and agreement.should_stop(self.stop.poll(step)):
+                        stopped = self.stop.received or "a stop signal on another rank"
+                        if cfg.checkpoint and not (evaluate_now or checkpoint_now):
+                            self._save(progress, best=False)
+                        logger.info(
+                            f"stopped by {stopped} after step {step}"
+                            + (f"; last.pt saved: the same command continues the run" if cfg.checkpoint else
+                               " (trainer.checkpoint=false: nothing saved)")
+                        )
                         break
             train_seconds = time.perf_counter() - started
             logger.hparams(self.run.resolved, metrics, progress.step)
             logger.summary({
                 "final": metrics, "monitor": self.task.monitor, "mode": self.task.mode,
                 "best": progress.best_metric, "steps": progress.step, "train_seconds": train_seconds,
+                "stopped": stopped, "skipped_steps": progress.skipped_steps,
             })
         return FitResult(
             metrics=metrics,
@@ -137,18 +184,25 @@ class TrainingLoop:
             best_metric=progress.best_metric,
             steps=progress.step,
             train_seconds=train_seconds,
+            stopped=stopped,
+            skipped_steps=progress.skipped_steps,
         )
 
-    def _setup(self, model: nn.Module, data: DataBundle, resumed: dict | None) -> BatchLoader:
+    def _setup(self, model: nn.Module, data: DataBundle, resumed: dict | None, resume_from: Path | None) -> BatchLoader:
         """Place and wrap the model; build the loaders, optimizer, lr schedule and precision.
         Returns the training loader."""
         cfg, dist = self.cfg, self.dist
         self.model = model.to(self.device)
         self.params = list(model.parameters())
         if resumed:
-            load_model_weights(model, resumed, cfg.resume)
+            load_model_weights(model, resumed, resume_from)
+        # Under fsdp, bf16-mixed is FSDP2's own mixed precision (bf16 parameters, float32
+        # gradient reduction) instead of autocast.
+        sharded_bf16 = self.run.strategy.name == "fsdp" and cfg.precision == "bf16-mixed"
         # Compiled (trainer.compile) inside DDP, as torch.compile + DDP expects (trainer/compilation.py).
-        self.wrapped = wrap_model(compile_for_training(model, cfg.compile, cfg.compile_mode), self.run.strategy, dist)
+        self.wrapped = wrap_model(compile_for_training(model, cfg.compile, cfg.compile_mode), self.run.strategy, dist,
+                                  torch.bfloat16 if sharded_bf16 else None)
+        self.params = list(model.parameters())  # after sharding: FSDP2 makes them DTensors
 
         val_batch_size = cfg.val_batch_size or cfg.batch_size
         overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
@@ -185,7 +239,7 @@ class TrainingLoop:
             self.scheduler = self.run.scheduler(self.optimizer)
         else:
             self.scheduler = build_scheduler(self.run.scheduler, self.optimizer, self.total_steps)
-        self.precision = Precision(cfg.precision, self.device)
+        self.precision = Precision("32" if sharded_bf16 else cfg.precision, self.device)
         set_matmul_precision(self.device, cfg.tf32)
         return train_loader
 
@@ -200,15 +254,17 @@ class TrainingLoop:
         return self.cfg.checkpoint and every > 0 and step % every == 0
 
     def _optimizer_step(
-        self, micro_batches: list[Batch], meter: TrainMeter, measure_grad_norm: bool
+        self, micro_batches: list[Batch], meter: TrainMeter, nonfinite: NonFiniteWatch, progress: Progress,
+        step: int, measure_grad_norm: bool,
     ) -> torch.Tensor | None:
         """Forward/backward K micro-batches, then one optimizer step.
 
-        Returns the gradient norm, or None when neither clipping nor logging needs it
-        (computing it costs a pass over all gradients).
+        Returns the gradient norm, or None when neither clipping, logging nor the non-finite
+        check needs it (computing it costs a pass over all gradients).
         """
         total = sum(inputs.shape[0] for inputs, _ in micro_batches)
         last = len(micro_batches) - 1
+        step_loss = None
         for i, (inputs, targets) in enumerate(micro_batches):
             # DDP decides in forward whether backward all-reduces: both go inside no_sync.
             with gradient_sync(self.wrapped, enabled=i == last):
@@ -219,23 +275,28 @@ class TrainingLoop:
                 share = inputs.shape[0] / total
                 self.precision.backward(loss if share == 1 else loss * share)
             meter.add(loss.detach(), inputs.shape[0], targets.numel() if targets.dim() > 1 else 0)
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
         self.precision.unscale_(self.optimizer)
         grad_norm = self._clip_gradients(measure_grad_norm)
-        self.precision.step(self.optimizer)
+        update = True
+        if nonfinite.policy != "ignore":
+            bad = nonfinite.is_bad(step_loss, grad_norm)
+            nonfinite.record(bad, step, grad_norm if grad_norm is not None else step_loss)
+            if nonfinite.policy == "skip" and bool(bad):  # the one host sync skip costs
+                update = False
+                progress.skipped_steps += 1
+        if update and self.precision.step(self.optimizer) is False:
+            progress.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def _clip_gradients(self, measure: bool) -> torch.Tensor | None:
-        """Clip the (unscaled, all-reduced) gradients to grad_clip_norm; return their norm."""
+        """Clip the (unscaled, reduced) gradients to grad_clip_norm; return their global norm
+        (also over FSDP's shards), or None when nothing needs it."""
         if self.cfg.grad_clip_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip_norm)
-        if not measure:
-            return None
-        grads = [p.grad.detach().float() for p in self.params if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            return clip_grad_norm(self.params, self.cfg.grad_clip_norm)
+        return grad_norm(self.params) if measure else None
 
     def _profiler(self) -> contextlib.AbstractContextManager:
         """torch.profiler over `profile_steps` optimizer steps after two to settle (rank 0 only);
@@ -254,16 +315,17 @@ class TrainingLoop:
 
     # --- evaluation and checkpoints ----------------------------------------------------------
 
-    @torch.inference_mode()  # cheaper than no_grad: no version counters, no view tracking
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over the whole validation set, identical for any number of ranks."""
         self.model.eval()
         sums: dict[str, torch.Tensor] = {}
-        for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
-            with self.precision.autocast():
-                outputs = self.model(inputs)
-            for key, value in self.task.eval_sums(outputs, targets).items():
-                sums[key] = sums.get(key, 0) + value.double()
+        # inference_mode where it is safe (no version counters, no view tracking); FSDP2 needs no_grad
+        with inference_context(self.model):
+            for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
+                with self.precision.autocast():
+                    outputs = self.model(inputs)
+                for key, value in self.task.eval_sums(outputs, targets).items():
+                    sums[key] = sums.get(key, 0) + value.double()
         self.model.train()
         keys = sorted(sums)  # the same task, so the same keys on every rank
         totals = all_reduce_sum(self.dist, torch.stack([sums[k] for k in keys]).to(self.device)).cpu()
@@ -286,12 +348,19 @@ class TrainingLoop:
         return metrics
 
     def _save(self, progress: Progress, best: bool) -> None:
+        """Rank 0 writes step-<N>.pt, last.pt (and best.pt); every rank learns whether it worked."""
         rng = gather_objects(self.dist, rng_state(self.device))  # every rank's, for exact resume
+        # Full, plain-tensor state on rank 0 whatever the strategy (FSDP gathers its shards:
+        # every rank takes part); the optimizer's keyed by parameter name, so a checkpoint
+        # resumes under another strategy.
+        model_state = full_model_state_dict(self.model)
+        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
+        failure = None
         if self.dist.is_main:
             state = {
                 "format": CHECKPOINT_FORMAT,
-                "model": unwrap_model(self.model).state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model_state,
+                "optimizer": optimizer_state,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict(),
                 "progress": asdict(progress),
@@ -303,13 +372,18 @@ class TrainingLoop:
                 "data_dims": dict(self.data.dims),
                 "vocab": self.data.vocab,
             }
-            save_checkpoint(self.checkpoint_dir / "last.pt", state)
-            if best:
-                link_checkpoint(self.checkpoint_dir / "last.pt", self.checkpoint_dir / "best.pt")
-        barrier(self.dist)  # nobody reads or resumes before the file is complete
+            try:
+                self.checkpoints.save(state, progress.step, best)
+            except CheckpointError as err:
+                failure = str(err)
+        # Also the barrier: nobody reads or resumes before the file is complete, and a failed
+        # save (a full disk) ends every rank with its one line instead of leaving them waiting.
+        failure = broadcast_object(self.dist, failure)
+        if failure:
+            raise CheckpointError(failure)
 
     def _restore(self, state: dict) -> Progress:
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler") or {})
         rng = state["rng"]

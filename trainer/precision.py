@@ -57,13 +57,16 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Optimizer step; with 16-mixed it is skipped when gradients overflowed."""
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Optimizer step; with 16-mixed it is skipped when gradients overflowed. Returns
+        whether the step was applied (GradScaler lowers its scale when it skips one)."""
         if self.scaler is None:
             optimizer.step()
-        else:
-            self.scaler.step(optimizer)
-            self.scaler.update()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}

@@ -21,24 +21,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from data.bundle import DataBundle
 from trainer.builders import build_data, build_model, check_task
-from trainer.checkpoint import RunDirError
 from trainer.components import build
-from trainer.config import RunConfig, validate
+from trainer.config import MULTI_PROCESS, RunConfig, validate
 from trainer.distributed import (
     DistInfo,
+    DistributedSetupError,
     broadcast_object,
+    is_timeout,
+    name_unresponsive_ranks,
     setup_distributed,
     spawn_workers,
     teardown_distributed,
     under_torchrun,
 )
-from trainer.errors import ConfigError, exit_on_user_error
+from trainer.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
 from trainer.loop import FitResult, TrainingLoop
+from trainer.resume import checkpoint_to_resume, config_to_continue
+from trainer.rundir import leave_restart_note
+from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
 
 log = logging.getLogger("ringtrain")
 
@@ -52,15 +57,32 @@ class BuiltComponents:
     task: Any
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> float:
-    """Train as configured, writing outputs under `run_dir`; return the final monitored metric."""
-    return sweep_value(launch(validate(cfg), str(run_dir)))
+def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] = (), in_sweep: bool = False) -> float:
+    """Train as configured, writing outputs under `run_dir`; return the final monitored metric.
+
+    `overrides` are the command line's; with trainer.resume=<path> they are applied to the
+    checkpoint's stored config (trainer/resume.py). A run stopped early raises
+    TrainingStopped (its exit status), except in a sweep, where it scores the worst value
+    and the sweep goes on.
+    """
+    if OmegaConf.select(cfg, "trainer.resume") not in (None, "auto"):
+        cfg = config_to_continue(cfg, list(overrides))
+    result = launch(validate(cfg), str(run_dir))
+    if result.stopped and not in_sweep:
+        raise stopped_error(result)
+    return sweep_value(result)
+
+
+def stopped_error(result: FitResult) -> TrainingStopped:
+    if result.stopped == "non-finite":
+        return TrainingStopped("training stopped on a non-finite value (see the log)", NONFINITE_EXIT)
+    return TrainingStopped(f"stopped by {result.stopped}; last.pt saved", STOPPED_BY_SIGNAL_EXIT)
 
 
 def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
-    """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp, no torchrun)."""
+    """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp/fsdp, no torchrun)."""
     strategy = run.strategy
-    if strategy.name == "ddp" and not under_torchrun() and strategy.nproc_per_node > 1:
+    if strategy.name in MULTI_PROCESS and not under_torchrun() and strategy.nproc_per_node > 1:
         return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built))
     return train_worker(run, run_dir, built)
 
@@ -82,7 +104,13 @@ def _spawned_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None)
 
 
 def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
-    """Everything one rank does. The process group is torn down on every exit path."""
+    """Everything one rank does, with stop signals watched from the start. The process group
+    is torn down on every exit path."""
+    with StopSignals(run.trainer.stop_signals) as stop:
+        return _train_rank(run, run_dir, built, stop)
+
+
+def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, stop: StopSignals) -> FitResult:
     dist = setup_distributed(
         run.strategy.name, run.strategy.backend, run.trainer.accelerator, run.strategy.timeout_minutes
     )
@@ -91,9 +119,10 @@ def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = N
         # Rank 0's directory for everyone: under torchrun each rank's Hydra picked its own.
         shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
         _configure_rank_logging(dist, shared_dir)
-        _refuse_to_overwrite(shared_dir, run)
         if dist.is_main:
             log.info(f"run directory: {shared_dir}")
+            leave_restart_note(shared_dir)
+        resume_from = checkpoint_to_resume(shared_dir, run.trainer.resume, run.resolved, dist)
 
         data = built.data if built else build_data(run.data, dist)
         task = built.task if built else check_task(build(run.task, "task"))
@@ -109,25 +138,17 @@ def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = N
         model = built.model if built else build_model(run.model, data.dims)
         torch.manual_seed(run.trainer.seed + dist.rank)
 
-        result = TrainingLoop(run, dist, shared_dir).fit(model, data, task)
+        result = TrainingLoop(run, dist, shared_dir, stop).fit(model, data, task, resume_from)
         if dist.is_main:
             _report(result, model, shared_dir)
         clean_exit = True
         return result
+    except Exception as err:
+        if dist.is_distributed and is_timeout(err):
+            raise DistributedSetupError(name_unresponsive_ranks(dist, run.strategy.timeout_minutes)) from None
+        raise
     finally:
         teardown_distributed(clean_exit)
-
-
-def _refuse_to_overwrite(run_dir: Path, run: RunConfig) -> None:
-    last = run_dir / "checkpoints" / "last.pt"
-    if not run.trainer.checkpoint or not last.exists():
-        return
-    resuming_here = run.trainer.resume and Path(run.trainer.resume).resolve().parent == last.parent.resolve()
-    if not resuming_here:
-        raise RunDirError(
-            f"{run_dir} already holds checkpoints of another run; continue it with "
-            f"trainer.resume={last}, or choose a new hydra.run.dir"
-        )
 
 
 def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
@@ -152,7 +173,8 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
 
 def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
-    log.info(f"done: {result.steps} steps in {result.train_seconds:.2f}s, {metrics}")
+    ended = "stopped early" if result.stopped else "done"
+    log.info(f"{ended}: {result.steps} steps in {result.train_seconds:.2f}s, {metrics}")
     summary = getattr(model, "summary", None)
     if callable(summary):  # a model may say what it learned (the tutorial's w and b)
         log.info(summary())

@@ -67,6 +67,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from types import FrameType, TracebackType
 
 import torch
@@ -283,11 +284,14 @@ class StopAgreement:
     once per optimizer step on every rank, and `close()` before leaving the process group.
     """
 
-    def __init__(self):
+    def __init__(self, timeout_minutes: float | None = None):
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")
+            # The job's collective timeout (strategy.timeout_minutes), not gloo's 30-minute
+            # default: a rank that stops answering must fail the others as soon as DDP would.
+            timeout = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+            self._group = dist.new_group(backend="gloo", **timeout)
 
     @property
     def lag_steps(self) -> int:

@@ -1,7 +1,10 @@
-"""Wrapping the model for the chosen strategy, and gradient synchronisation control."""
+"""Wrapping the model for the chosen strategy: DDP, DataParallel, FSDP2 sharding, or nothing.
+
+Gradient synchronisation during accumulation, clipping and checkpoint state for every
+strategy live in trainer/fsdp.py, whose helpers handle plain, DDP and FSDP models alike.
+"""
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 
@@ -15,8 +18,23 @@ from trainer.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 
-def wrap_model(model: nn.Module, strategy: StrategyConfig, dist: DistInfo) -> nn.Module:
-    """DDP / DataParallel / the model itself. The bare model stays reachable as `.module`."""
+def wrap_model(
+    model: nn.Module, strategy: StrategyConfig, dist: DistInfo, param_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """DDP / DataParallel (the bare model stays reachable as `.module`), FSDP2 (the model
+    itself, sharded in place: `param_dtype` is then its mixed-precision dtype), or the model."""
+    if strategy.name == "fsdp":
+        from trainer.errors import ConfigError
+        from trainer.fsdp import resolve_shard_classes, shard_model
+
+        try:
+            classes = resolve_shard_classes(model, strategy.shard_classes) if strategy.shard_classes else None
+            return shard_model(
+                model, dist.device, shard_classes=classes, reshard_after_forward=strategy.reshard_after_forward,
+                param_dtype=param_dtype, cpu_offload=strategy.cpu_offload,
+            )
+        except ValueError as err:
+            raise ConfigError(f"strategy=fsdp: {err}") from None
     if strategy.name == "ddp" and dist.is_distributed:
         on_cuda = dist.device.type == "cuda"
         # Syncing buffers from rank 0 in every forward is DDP's default. torch 2.13 renamed the
@@ -48,8 +66,3 @@ def wrap_model(model: nn.Module, strategy: StrategyConfig, dist: DistInfo) -> nn
     return model
 
 
-def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Under DDP, skip the gradient all-reduce on micro-steps that are not the last (no_sync)."""
-    if not enabled and isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    return contextlib.nullcontext()

@@ -21,19 +21,6 @@ log = logging.getLogger("ringtrain")
 SUMMARY_FILE = "sweep_summary.json"
 
 
-def register_resolvers() -> None:
-    """`${ringtrain.direction:${task.mode}}`: "minimize" or "maximize", as the task monitors a
-    loss (mode min) or an accuracy (mode max); hparams_search presets use it for Optuna."""
-    if not OmegaConf.has_resolver("ringtrain.direction"):
-        OmegaConf.register_new_resolver("ringtrain.direction", optimization_direction)
-
-
-def optimization_direction(mode: str) -> str:
-    if mode not in ("min", "max"):
-        raise ValueError(f"task.mode={mode!r} must be min or max")
-    return "maximize" if mode == "max" else "minimize"
-
-
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -1,0 +1,91 @@
+"""strategy=fsdp through train.py: 2 gloo ranks (self-launched and torchrun) against one process,
+resume, checkpoints that load into a bare model and resume under ddp, and the refusals.
+
+trainer/fsdp.py's own tests (tests/test_fsdp.py) hold the building blocks to the same numbers
+with a hand-written loop; these hold the whole job.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from conftest import assert_same_weights, checkpoint_weights, run_cli
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+# A Transformer without biases: a bias whose true gradient is zero gets pure rounding noise,
+# which Adam scales up to full steps, and that says nothing about sharding.
+SMALL = [
+    "model=transformer", "model.block_size=16", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+    "model.bias=false", "data.num_train_tokens=20000", "data.num_val_tokens=1000", "data.vocab_size=16",
+    "data.branching=2", "trainer.log_every_n_steps=10", "trainer.eval_every_n_steps=20",
+]
+FSDP_2 = ["strategy=fsdp", "strategy.nproc_per_node=2"]
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _train(tmp_path, name, overrides, launcher=None):
+    _ok(run_cli(SMALL + overrides + [f"hydra.run.dir={tmp_path / name}"], launcher=launcher))
+    return checkpoint_weights(tmp_path / name)
+
+
+@pytest.mark.parametrize("optimizer,atol", [("sgd", 1e-5), ("adamw", 1e-4)])
+def test_fsdp_two_ranks_batch_b_match_one_process_batch_2b(tmp_path, optimizer, atol):
+    common = [f"optimizer={optimizer}", "trainer.max_steps=40"]
+    single = _train(tmp_path, "single", common + ["trainer.batch_size=16"])
+    fsdp = _train(tmp_path, "fsdp", common + FSDP_2 + ["trainer.batch_size=8"])
+    assert_same_weights(single, fsdp, atol=atol)
+
+
+def test_fsdp_with_accumulation_under_torchrun_matches_one_big_batch(tmp_path):
+    single = _train(tmp_path, "single", ["trainer.max_steps=40", "trainer.batch_size=16"])
+    fsdp = _train(tmp_path, "fsdp", ["strategy=fsdp", "trainer.max_steps=40", "trainer.batch_size=4",
+                                     "trainer.accumulate_grad_batches=2"], launcher=TORCHRUN)
+    assert_same_weights(single, fsdp, atol=1e-5)
+
+
+def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(tmp_path):
+    from models.transformer import Transformer
+
+    common = FSDP_2 + ["optimizer=adamw", "trainer.batch_size=8"]
+    straight = _train(tmp_path, "straight", common + ["trainer.max_steps=40"])
+    _train(tmp_path, "first", common + ["trainer.max_steps=20"])
+    first_last = tmp_path / "first" / "checkpoints" / "last.pt"
+    resumed = _train(tmp_path, "second", common + ["trainer.max_steps=40", f"trainer.resume={first_last}"])
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    # The fsdp checkpoint is plain: a bare model loads it, strictly, without torch.distributed.
+    state = torch.load(first_last, weights_only=True)
+    bare = Transformer(**state["data_dims"], **{k: v for k, v in state["config"]["model"].items() if k != "_target_"})
+    bare.load_state_dict(state["model"])
+    # ... and resumes under ddp to the same weights as fsdp all the way.
+    ddp = _train(tmp_path, "ddp", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
+                                   "trainer.batch_size=8", "trainer.max_steps=40", f"trainer.resume={first_last}"])
+    assert_same_weights(straight, ddp, atol=1e-5)
+
+
+def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
+    proc = _ok(run_cli(SMALL + FSDP_2 + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",
+                                         "trainer.max_steps=60", f"hydra.run.dir={tmp_path}"]))
+    weights = checkpoint_weights(tmp_path)
+    assert all(w.dtype == torch.float32 for w in weights.values())  # the shards stay float32
+    assert "val/loss" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["strategy=fsdp"], "strategy=fsdp needs a process group"),
+    (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.bucket_cap_mb=5"],
+     "strategy.bucket_cap_mb is not a setting of strategy=fsdp; it belongs to strategy=ddp"),
+    (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.shard_classes=[Blok]"],
+     "strategy=fsdp: shard class 'Blok' matches no module of Transformer"),
+])
+def test_fsdp_mistakes_are_one_line_and_exit_2(tmp_path, overrides, message):
+    proc = run_cli(SMALL + overrides + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and message in errors[0], proc.stderr[-2000:]

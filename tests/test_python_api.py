@@ -1,0 +1,66 @@
+"""The README's Python API example, run as a user runs it: docs/python_api_example.py, in one
+process and on 2 spawned DDP ranks, learns y = 2x + 3, and both ways reach the same weights."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_same_weights, checkpoint_weights
+from trainer.errors import ConfigError
+
+EXAMPLE = REPO / "docs" / "python_api_example.py"
+LEARNED = re.compile(r"^learned w=(\S+) b=(\S+)$", re.MULTILINE)
+
+
+def _run_example(cwd: Path, *flags: str) -> tuple[float, float, Path]:
+    """(w, b) the script prints, and the run directory it wrote under cwd/outputs/runs."""
+    cwd.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *flags], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (w, b), = LEARNED.findall(proc.stdout)
+    run_dir, = (cwd / "outputs" / "runs").iterdir()
+    return float(w), float(b), run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[float, float, Path]]:
+    root = tmp_path_factory.mktemp("api")
+    return {"single": _run_example(root / "single"), "ddp": _run_example(root / "ddp", "--ddp")}
+
+
+def test_the_example_is_short():
+    assert len(EXAMPLE.read_text().splitlines()) <= 30
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_the_example_learns_the_line(runs, mode):
+    w, b, _ = runs[mode]
+    assert abs(w - 2) < 0.02 and abs(b - 3) < 0.02, (w, b)
+
+
+def test_two_spawned_ranks_reach_the_weights_of_one_process(runs):
+    (w1, b1, single), (w2, b2, ddp) = runs["single"], runs["ddp"]
+    assert abs(w1 - w2) <= 1e-5 and abs(b1 - b2) <= 1e-5  # what fit() left in the caller's model
+    assert_same_weights(checkpoint_weights(single), checkpoint_weights(ddp), atol=1e-5)
+
+
+def test_a_misspelt_setting_is_a_config_error_naming_the_setting():
+    from trainer import Trainer
+
+    with pytest.raises(ConfigError, match="did you mean max_steps"):
+        Trainer(max_step=3)
+
+
+def test_the_readme_shows_the_example_verbatim():
+    readme = (REPO / "README.md").read_text()
+    if "python_api_example.py" not in readme:
+        pytest.skip("README.md does not include docs/python_api_example.py yet")
+    assert EXAMPLE.read_text().strip() in readme

@@ -1,0 +1,204 @@
+"""Using what was trained: `python -m trainer.sample` and `python -m trainer.evaluate` on a
+checkpoint alone, as real subprocesses; their refusals are one line and exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, SHAKESPEARE, run_cli, train_in_process
+from trainer.sample import generate, sample
+
+# A tiny character Transformer: a few seconds on one core, and it sees a context of 16.
+TINY_CHAR_MODEL = [
+    "model=transformer", "data=text", "model.block_size=16", "model.d_model=32", "model.n_layers=1",
+    "model.n_heads=2", "optimizer=adamw", "optimizer.lr=3e-3", "trainer.batch_size=16", "trainer.max_steps=40",
+    "trainer.eval_every_n_steps=20",
+]
+WORDS = "the king and queen of rome speak to romeo while juliet sleeps under a pale moon".split()
+
+
+def _tool(module: str, args: list[str], cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m <module> ARGS` (trainer.<module> for a bare name) as a user runs it; this
+    checkout's code comes first."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    module = module if "." in module else f"trainer.{module}"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _refused(proc: subprocess.CompletedProcess, *phrases: str) -> str:
+    """Exit 2 and exactly one line on stderr, `error: ...`, holding every phrase."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory) -> Path:
+    """A run directory of a tiny char Transformer trained on generated text (data=text)."""
+    root = tmp_path_factory.mktemp("char")
+    rng = random.Random(0)
+    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "." for _ in range(300))
+    (root / "words.txt").write_text(text, encoding="utf-8")
+    train_in_process(TINY_CHAR_MODEL + [f"data.path={root / 'words.txt'}", "data.cache_dir="], root / "run")
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def vocabulary(char_run) -> str:
+    return torch.load(char_run / "checkpoints" / "last.pt", weights_only=True)["vocab"]["chars"]
+
+
+def test_sample_prints_the_prompt_and_200_characters_of_the_vocabulary(char_run, vocabulary):
+    prompt = "The king"
+    proc = _ok(_tool("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"prompt={prompt}",
+                                "max_new_tokens=200", "temperature=0.8", "top_k=200", "seed=0", "device=cpu"]))
+    text = proc.stdout.removesuffix("\n")  # print's newline; the sample itself may end in one
+    assert text.startswith(prompt) and len(text) == len(prompt) + 200
+    assert set(text) <= set(vocabulary)
+
+
+def test_greedy_sampling_is_deterministic_and_ignores_the_seed(char_run):
+    checkpoint = str(char_run / "checkpoints" / "last.pt")
+    first = sample(checkpoint, prompt="romeo", max_new_tokens=60, temperature=0, seed=0, device="cpu")
+    again = sample(checkpoint, prompt="romeo", max_new_tokens=60, temperature=0, seed=123, device="cpu")
+    assert first == again and len(first[0]) == len("romeo") + 60
+    # Sampling proper follows the seed: the same seed repeats, and the text is not the greedy one.
+    drawn = sample(checkpoint, prompt="romeo", max_new_tokens=60, temperature=1.0, seed=5, num_samples=2, device="cpu")
+    assert drawn == sample(checkpoint, prompt="romeo", max_new_tokens=60, temperature=1.0, seed=5, num_samples=2,
+                           device="cpu")
+    assert drawn[0] != drawn[1]
+
+
+def test_generate_crops_the_context_to_block_size_and_works_for_any_logits_model():
+    class Bigram(torch.nn.Module):  # no config, no block_size: the whole context is fed
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(5, 5)
+            with torch.no_grad():
+                self.table.weight.copy_(torch.eye(5).roll(1, dims=1) * 10)  # i -> i + 1
+
+        def forward(self, idx):
+            return self.table(idx)
+
+    out = generate(Bigram(), torch.tensor([[0]]), max_new_tokens=7, temperature=0)
+    assert out.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+
+    seen = []
+
+    class Windowed(Bigram):
+        config = type("Config", (), {"block_size": 3})()
+
+        def forward(self, idx):
+            seen.append(idx.shape[1])
+            return super().forward(idx)
+
+    generate(Windowed(), torch.tensor([[0]]), max_new_tokens=6, temperature=0.5, top_k=1,
+             generator=torch.Generator().manual_seed(0))
+    assert seen == [1, 2, 3, 3, 3, 3]
+
+
+def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):
+    logged = json.loads((char_run / "metrics.json").read_text())["final"]["val/loss"]
+    proc = _ok(_tool("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}"]))
+    record = json.loads((char_run / "eval" / "metrics.json").read_text())  # the default output
+    assert record["metrics"]["val/loss"] == pytest.approx(logged, abs=1e-6)
+    assert record["step"] == 40 and record["split"] == "val" and record["world_size"] == 1
+    assert proc.stdout.strip().splitlines() == [f"val/loss={record['metrics']['val/loss']:.6g}"]
+
+
+@pytest.mark.parametrize("launch", ["self-launched", "torchrun"])
+def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
+    checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
+    _ok(_tool("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
+    two_ranks = [checkpoint, "split=train", "trainer.val_batch_size=7", f"output={tmp_path / 'two.json'}"]
+    if launch == "torchrun":  # strategy=auto is ddp under torchrun
+        _ok(_tool("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "trainer.evaluate", *two_ranks]))
+    else:
+        _ok(_tool("trainer.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert two["world_size"] == 2 and two["strategy"] == "ddp"
+    assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)
+
+
+def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
+    """Other data of the same kind (a copy of the text under another name) gives the same loss."""
+    data = Path(torch.load(char_run / "checkpoints" / "last.pt", weights_only=True)["config"]["data"]["path"])
+    (tmp_path / "copy.txt").write_text(data.read_text(encoding="utf-8"), encoding="utf-8")
+    _ok(_tool("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"data.path={tmp_path / 'copy.txt'}",
+                           "trainer.limit_val_batches=2", f"output={tmp_path / 'm.json'}"]))
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["overrides"] == [f"data.path={tmp_path / 'copy.txt'}", "trainer.limit_val_batches=2"]
+    assert 0 < record["metrics"]["val/loss"] < 10
+
+
+@pytest.fixture(scope="module")
+def token_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of data=tokens: token ids without a vocabulary."""
+    run = tmp_path_factory.mktemp("tokens") / "run"
+    train_in_process(["model=transformer", "model.block_size=8", "model.d_model=16", "model.n_layers=1",
+                      "model.n_heads=2", "data.num_train_tokens=500", "data.num_val_tokens=100",
+                      "trainer.max_steps=2"], run)
+    return run / "checkpoints" / "last.pt"
+
+
+def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
+    _refused(_tool("sample", [f"checkpoint={token_checkpoint}"]),
+             "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text or "
+             "data=token_file")
+
+
+@pytest.mark.parametrize("args,phrases", [
+    (["prompt=Zebra#"], ["prompt has characters", "'#'", "'Z'", "'b'"]),
+    (["top_k=0"], ["top_k=0 must be at least 1"]),
+    (["temperature=-0.5"], ["temperature=-0.5 must be >= 0"]),
+    (["max_tokens=5"], ["max_tokens is not a setting of trainer.sample", "max_new_tokens"]),
+    (["seed=x"], ["seed='x' is not an integer"]),
+])
+def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
+    _refused(_tool("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
+
+
+@pytest.mark.parametrize("args,phrases", [
+    (["checkpoint=missing.pt"], ["checkpoint='missing.pt' is not a file"]),
+    (["data.pth=x"], ["data.pth is not in the checkpoint's config", "+data.pth=<value>"]),
+    (["optimizer.lr=1"], ["evaluation trains nothing"]),
+    (["split=test"], ["split='test' is not one of val, train"]),
+    (["+model.widht=3"], ["takes no argument 'widht'"]),
+    (["strategy.nproc_per_node=2"], ["needs strategy=ddp"]),
+])
+def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
+    checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]
+    _refused(_tool("evaluate", checkpoint + args + [f"output={tmp_path / 'm.json'}"]), *phrases)
+    assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not here (Tiny Shakespeare)")
+def test_shakespeare_char_then_sample_200_characters(tmp_path):
+    """The issue's acceptance 6: train the preset on Tiny Shakespeare, then sample from it."""
+    run = tmp_path / "run"
+    _ok(run_cli(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}", f"data.cache_dir={tmp_path / 'cache'}",
+                 f"hydra.run.dir={run}"], timeout=1800))
+    vocab = torch.load(run / "checkpoints" / "best.pt", weights_only=True)["vocab"]["chars"]
+    proc = _ok(_tool("sample", [f"checkpoint={run / 'checkpoints/best.pt'}", "prompt=ROMEO:", "max_new_tokens=200",
+                                "temperature=0.8", "top_k=200", "seed=0"]))
+    text = proc.stdout.removesuffix("\n")
+    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 200 and set(text) <= set(vocab)
+    # A trained model writes words and lines, not noise: mostly letters and spaces.
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.85 * len(text)

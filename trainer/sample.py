@@ -1,0 +1,174 @@
+"""Text from a trained language model: `python -m trainer.sample checkpoint=... prompt=...`.
+
+    python -m trainer.sample checkpoint=outputs/runs/<run>/checkpoints/best.pt prompt="ROMEO:" \
+        max_new_tokens=200 temperature=0.8 top_k=200 seed=0 [num_samples=1] [device=auto|cpu|cuda]
+
+nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint
+alone (its model node, the data's sizes and the weights; trainer/restore.py) and the text is
+encoded and decoded with the vocabulary the checkpoint keeps, so neither the run's command
+line nor its data file is needed. Prints the prompt followed by the generated text on stdout
+(samples separated by a line of dashes); everything else goes to stderr.
+
+`temperature=0` is greedy decoding (deterministic); `top_k` keeps the k likeliest tokens
+(`top_k=none` keeps all); `prompt=FILE:path` reads the prompt from a file. The forward passes
+run under the run's `trainer.precision` (float32 on the CPU for a 16-mixed run).
+
+`generate()` works for any model that maps (B, T) token ids to (B, T, vocab) logits; the
+context is cropped to `model.config.block_size` when the model has one.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from data.vocab import ByteVocab, CharVocab, vocab_from_state
+from trainer.errors import ConfigError, exit_on_user_error
+from trainer.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
+from trainer.restore import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
+
+PROGRAM = "trainer.sample"
+KEYS = (
+    Key("checkpoint", str, REQUIRED, "a checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/best.pt"),
+    Key("prompt", str, "\n", "the text to continue; FILE:path reads it from a file"),
+    Key("max_new_tokens", int, 200, "tokens to generate per sample"),
+    Key("temperature", float, 0.8, "softmax temperature; 0 is greedy decoding"),
+    Key("top_k", int, 200, "sample from the k likeliest tokens only (none: all)", optional=True),
+    Key("seed", int, 0, "seed of the sampling generator"),
+    Key("num_samples", int, 1, "how many samples to draw"),
+    Key("device", str, "auto", "where the model runs", choices=("auto", "cpu", "cuda")),
+)
+SEPARATOR = "\n---------------\n"
+
+
+@torch.inference_mode()
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue the (B, T) token ids `idx` by `max_new_tokens` tokens; returns (B, T + new).
+
+    Each step feeds the last `block_size` tokens (all of them when the model has no
+    `config.block_size`), takes the last position's logits, and picks the next token:
+    the argmax when `temperature` is 0, else a draw from softmax(logits / temperature)
+    restricted to the `top_k` likeliest tokens. Runs in eval mode (no dropout) and restores
+    the model's mode afterwards. No KV cache: the whole context is recomputed each step,
+    which is what a model of any architecture supports.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be at least 1 (or None for all tokens)")
+    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            context = idx if block_size is None else idx[:, -block_size:]
+            logits = model(context)[:, -1, :].float()
+            if temperature == 0:
+                next_ids = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.size(-1):
+                    kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+                probabilities = torch.softmax(logits, dim=-1)
+                next_ids = torch.multinomial(probabilities, num_samples=1, generator=generator)
+            idx = torch.cat([idx, next_ids.to(idx.dtype)], dim=1)
+    finally:
+        model.train(was_training)
+    return idx
+
+
+def encode_prompt(vocab: CharVocab | ByteVocab, prompt: str) -> torch.Tensor:
+    """The prompt's ids; refuses characters the model never saw, naming all of them."""
+    if not prompt:
+        raise ConfigError('prompt is empty; give the text to continue, e.g. prompt="ROMEO:"')
+    if isinstance(vocab, CharVocab):
+        unknown = sorted(set(prompt) - set(vocab.chars))
+        if unknown:
+            raise ConfigError(
+                f"prompt has characters the model's vocabulary lacks: {', '.join(map(repr, unknown))}; "
+                f"use only the {vocab.size} characters of the training text"
+            )
+    return vocab.encode_tensor(prompt)
+
+
+def read_prompt(prompt: str) -> str:
+    if not prompt.startswith("FILE:"):
+        return prompt
+    path = Path(prompt[len("FILE:"):]).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"prompt=FILE:{path} cannot be read ({err}); pass a UTF-8 text file") from None
+
+
+def sample(
+    checkpoint: str,
+    prompt: str = "\n",
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int = 0,
+    num_samples: int = 1,
+    device: str = "auto",
+) -> list[str]:
+    """`num_samples` texts, each the prompt followed by `max_new_tokens` generated characters
+    (tokens); see the module docstring. User mistakes raise ConfigError / CheckpointError."""
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature} must be >= 0; use 0 for greedy decoding, e.g. 0.8 to sample")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=none for all tokens")
+    if max_new_tokens < 0 or num_samples < 1:
+        raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
+    state = read_checkpoint(checkpoint)
+    if not state.get("vocab"):
+        raise ConfigError(
+            "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
+            "data=text or data=token_file"
+        )
+    try:
+        vocab = vocab_from_state(state["vocab"])
+    except ValueError as err:
+        raise ConfigError(f"checkpoint {checkpoint!r} has an unusable vocabulary ({err})") from None
+    ids = encode_prompt(vocab, read_prompt(prompt))
+    target = choose_device(device)
+    model = rebuild_model(model_node(state, checkpoint), state.get("data_dims") or {}, state["model"], checkpoint)
+    model.to(target)
+    precision = inference_precision((state["config"].get("trainer") or {}).get("precision"), target)
+
+    generator = torch.Generator(device=target)
+    generator.manual_seed(seed)
+    texts = []
+    for _ in range(num_samples):
+        with precision.autocast():
+            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator)
+        texts.append(vocab.decode(out[0].tolist()))
+    return texts
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(usage(PROGRAM, KEYS))
+        return
+    with exit_on_user_error():
+        options, _ = parse_key_values(argv, KEYS, PROGRAM)
+        texts = sample(**options)
+    # A vocabulary may hold characters the console's encoding lacks: replace those, never crash.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+    print(SEPARATOR.join(texts))
+
+
+if __name__ == "__main__":
+    main()

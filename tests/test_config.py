@@ -27,7 +27,7 @@ def test_every_group_has_its_expected_options():
     assert _options("data") == ["cifar10", "classification", "regression", "text", "token_file", "tokens"]
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
-    assert _options("strategy") == ["ddp", "dp", "single"]
+    assert _options("strategy") == ["ddp", "dp", "fsdp", "single"]
     assert _options("task") == ["classification", "language_model", "regression"]
 
 
@@ -73,7 +73,8 @@ def test_text_data_composes_and_builds(tmp_path):
     list(itertools.product(_options("optimizer"), _options("scheduler"), _options("strategy"))),
 )
 def test_every_optimizer_scheduler_strategy_option_validates(optimizer, scheduler, strategy):
-    run = validate(compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}", f"strategy={strategy}"]))
+    ranks = ["strategy.nproc_per_node=2"] if strategy == "fsdp" else []  # fsdp needs a process group
+    run = validate(compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}", f"strategy={strategy}", *ranks]))
     expected = compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}"])
     assert run.optimizer["_target_"] == expected.optimizer._target_ and run.strategy.name == strategy
     assert run.scheduler["_target_"] == expected.scheduler._target_

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data.tokens import TokensConfig, build_tokens  # noqa: E402
-from models.transformer import Transformer, TransformerConfig  # noqa: E402
+from data.tokens import MarkovTokens  # noqa: E402
+from models.transformer import Transformer  # noqa: E402
 from trainer.optim import parameter_groups  # noqa: E402
 
 SIZES = dict(block_size=64, n_layers=2, n_heads=4, d_model=128, dropout=0.0)  # conf/model/transformer.yaml
@@ -37,10 +37,11 @@ BATCH, LR, BETAS, DECAY, LOG_EVERY = 32, 1e-3, (0.9, 0.95), 0.1, 50
 
 def hand_written_loop(steps: int) -> float:
     """Seconds for `steps` optimizer steps plus one validation batch, written by hand."""
-    data = build_tokens(TokensConfig(seq_len=SIZES["block_size"]))
+    data = MarkovTokens(seq_len=SIZES["block_size"])  # data=tokens's defaults, as ringtrain's run
+    data.setup()
     train, val = data.train.windows, data.val.windows
     torch.manual_seed(0)
-    model = Transformer(TransformerConfig(vocab_size=64, **SIZES))
+    model = Transformer(vocab_size=64, **SIZES)
     optimizer = torch.optim.AdamW(parameter_groups(model, DECAY), lr=LR, betas=BETAS)
     order = torch.randperm(len(train))
     start = time.perf_counter()

@@ -63,6 +63,12 @@ class LanguageModelTask:
     mode: str = "min"
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # No extra copy of the logits (B x T x vocab, the largest tensor of a GPT step): on
+        # float32 logits (precision 32) .float() returns the tensor itself; on bf16/fp16 logits
+        # under autocast, cross_entropy is one of autocast's float32 ops and would make this
+        # same single float32 copy itself (nanoGPT's plain F.cross_entropy(logits, ...) gives
+        # the identical loss, tests/test_speed_features.py). Outside autocast, a model that
+        # returns bf16 logits still gets a float32 loss.
         return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten())
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,10 +1,18 @@
-"""Decoder-only GPT-style language model (pre-LayerNorm, learned positions, tied head)."""
+"""Decoder-only GPT-style language model (pre-LayerNorm, learned positions, tied head).
+
+`activation_checkpointing=True` trades compute for memory: in training each Block keeps only
+its input, and recomputes its activations during the backward pass (torch.utils.checkpoint,
+non-reentrant). Gradients are unchanged; a step costs about one extra forward of the blocks,
+and activation memory drops from every block's intermediates to one block's plus the block
+inputs. Use it when a batch or context does not fit otherwise.
+"""
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -20,6 +28,7 @@ class TransformerConfig:
     dropout: float
     bias: bool  # biases in the Linear layers and LayerNorms
     tie_weights: bool  # lm_head shares the token embedding matrix
+    activation_checkpointing: bool = False  # recompute each Block's activations in backward
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layers", "n_heads", "d_model"):
@@ -39,6 +48,10 @@ class TransformerConfig:
         if not is_number or not 0 <= self.dropout < 1:
             raise ValueError(
                 f"model.dropout={self.dropout!r} must be in [0, 1); use 0.0 to disable dropout"
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(
+                f"model.activation_checkpointing={self.activation_checkpointing!r} must be true or false"
             )
 
     @property
@@ -119,10 +132,12 @@ class Transformer(nn.Module):
         dropout: float = 0.1,
         bias: bool = True,
         tie_weights: bool = True,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.config = config = TransformerConfig(
-            vocab_size, block_size, n_layers, n_heads, d_model, d_ff, dropout, bias, tie_weights
+            vocab_size, block_size, n_layers, n_heads, d_model, d_ff, dropout, bias, tie_weights,
+            activation_checkpointing,
         )
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.block_size, config.d_model)
@@ -160,8 +175,11 @@ class Transformer(nn.Module):
             )
         positions = torch.arange(T, device=idx.device)
         x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            # Non-reentrant: works with torch.compile, DDP and inputs that need no grad, and
+            # replays dropout with the RNG state of the forward, so gradients are exact.
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.ln_f(x))
 
     def num_parameters(self, exclude_embeddings: bool = True) -> int:

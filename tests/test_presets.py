@@ -14,6 +14,9 @@ TINY_TRANSFORMER = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "
 SMALLEST = {
     "linear_regression": ["data.num_samples=256", "data.num_val_samples=64", "trainer.max_steps=4"],
     "shakespeare_char": TINY_TRANSFORMER + ["trainer.max_steps=3", "trainer.limit_val_batches=2"],
+    # compile is the preset's GPU setting; tests/test_speed_features.py compiles on CPU
+    "shakespeare_char_gpu": TINY_TRANSFORMER + ["trainer.max_steps=3", "trainer.limit_val_batches=2",
+                                                "trainer.batch_size=8", "trainer.compile=false"],
     "gpt2_small": TINY_TRANSFORMER + ["data.vocab_size=512", "data.num_train_tokens=2048",
                                       "data.num_val_tokens=512", "trainer.max_steps=2", "trainer.batch_size=4"],
 }
@@ -31,7 +34,7 @@ def test_the_presets_are_the_documented_ones():
 @pytest.mark.parametrize("name", sorted(SMALLEST))
 def test_every_experiment_preset_runs_its_smallest_form(name, tmp_path):
     extra = SMALLEST[name]
-    if name == "shakespeare_char":
+    if name.startswith("shakespeare_char"):
         text = tmp_path / "tiny.txt"
         text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40, encoding="utf-8")
         extra = extra + [f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}"]

@@ -11,6 +11,7 @@ touched, and before Hydra creates the run directory.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,6 +26,8 @@ ACCELERATORS = ("auto", "cpu", "cuda")
 STRATEGIES = ("single", "dp", "ddp", "fsdp")
 MULTI_PROCESS = ("ddp", "fsdp")  # strategies with one process per device
 BACKENDS = ("auto", "gloo", "nccl")
+# torch.compile's modes (trainer.compile_mode); "default" passes none.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -56,6 +59,11 @@ class TrainerConfig:
     pin_memory: Optional[bool] = None  # None: on when training on CUDA
     persistent_workers: bool = False
     prefetch_factor: int = 2
+    # Speed (trainer/compilation.py, trainer/precision.py, trainer/throughput.py)
+    compile: bool = False  # torch.compile the model; off: compiling costs more than short/CPU runs gain
+    compile_mode: str = "default"
+    tf32: bool = True  # CUDA only: float32 matmuls on TensorFloat-32 tensor cores
+    peak_tflops: float = 0.0  # the device's peak for MFU; 0: look the GPU up
 
 
 @dataclass
@@ -202,6 +210,18 @@ def _check_trainer(t: TrainerConfig) -> None:
         )
     if t.grad_clip_norm < 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be >= 0 (0 disables it)")
+    if t.compile_mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"trainer.compile_mode={t.compile_mode!r} is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)}"
+        )
+    if t.compile_mode != "default" and not t.compile:
+        raise ConfigError(
+            f"trainer.compile_mode={t.compile_mode} has no effect without compiling; add trainer.compile=true"
+        )
+    if not (math.isfinite(t.peak_tflops) and t.peak_tflops >= 0):
+        raise ConfigError(
+            f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (the device's peak TFLOP/s; 0 looks the GPU up)"
+        )
     cuda = _cuda_available()
     if t.accelerator == "cuda" and not cuda:
         raise ConfigError(
@@ -252,6 +272,19 @@ def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
         raise ConfigError(
             "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
             "for one process use strategy=single or ddp"
+        )
+    if s.name in ("dp", "fsdp") and t.compile:
+        why = {"dp": "DataParallel copies the model in every forward",
+               "fsdp": "compiling FSDP2-sharded models (per block, before sharding) is not wired up yet"}[s.name]
+        raise ConfigError(
+            f"trainer.compile=true does not work with strategy={s.name} ({why}); use strategy=ddp or strategy=single"
+        )
+    if s.name == "ddp" and t.compile and s.bucket_cap_mb < 1:
+        # DDP's first bucket is 1 MiB; torch.compile's DDP optimizer (which splits the graph
+        # at bucket boundaries) refuses any later bucket smaller than that.
+        raise ConfigError(
+            f"strategy.bucket_cap_mb={s.bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
+            f"torch.compile's DDP graph splitting refuses; use strategy.bucket_cap_mb >= 1 with trainer.compile=true"
         )
     if s.name in MULTI_PROCESS and s.backend == "nccl" and (t.accelerator == "cpu" or not _cuda_available()):
         raise ConfigError(

@@ -14,6 +14,9 @@ Orders are index tensors, never Python lists (a list of a million indices costs 
 epoch to build). The training order is DistributedSampler's, index for index, so rank r of N
 sees exactly every N-th sample of the single-process order: a DDP run with per-rank batch B
 consumes the same samples per step as one process with batch N*B.
+
+On CUDA (`trainer.pin_memory`, on by default there) gathered batches are pinned before their
+`non_blocking` copy, so the copy does not stall the host between steps.
 """
 from __future__ import annotations
 
@@ -132,8 +135,13 @@ class BatchLoader:
             yield from self._dataloader_batches(indices, epoch)
             return
         chunk = GATHER_BATCHES * self.batch_size
+        # A copy from pageable memory makes the host wait for it; from pinned (page-locked)
+        # memory it is queued like a kernel and overlaps the GPU's work.
+        pin = self.workers.pin_memory and self.device.type == "cuda"
         for start in range(0, len(indices), chunk):
             inputs, targets = self.dataset.get_batch(indices[start : start + chunk])
+            if pin:
+                inputs, targets = inputs.pin_memory(), targets.pin_memory()
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))

@@ -4,7 +4,10 @@ Only rank 0 reports; on other ranks every method is a no-op, so the loop never a
 "am I rank 0?" itself. The event file lives directly in the run directory, so
 `tensorboard --logdir <sweep dir>` shows every job of a sweep as its own run.
 Scalar tags: train/loss, val/<metric>, lr, grad_norm, throughput/samples_per_sec,
-throughput/tokens_per_sec.
+throughput/tokens_per_sec, throughput/step_ms, throughput/mfu_percent (when known),
+memory/peak_allocated_gib (CUDA).
+At each logging step the console gets the train loss and speed: in the progress bar's
+postfix when the bar is on, else as one log line (also in train.log).
 """
 from __future__ import annotations
 
@@ -30,6 +33,31 @@ def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
         else:  # lists, None
             out[name] = str(value)
     return out
+
+
+def _speed_fields(values: dict[str, float]) -> dict[str, str]:
+    """The speed figures of a logging step, short enough for a progress bar."""
+    fields = {}
+    if "throughput/tokens_per_sec" in values:
+        fields["tok/s"] = _si(values["throughput/tokens_per_sec"])
+    elif "throughput/samples_per_sec" in values:
+        fields["samples/s"] = _si(values["throughput/samples_per_sec"])
+    if "throughput/step_ms" in values:
+        ms = values["throughput/step_ms"]
+        fields["ms/step"] = f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+    if "throughput/mfu_percent" in values:
+        fields["mfu"] = f"{values['throughput/mfu_percent']:.1f}%"
+    if "memory/peak_allocated_gib" in values:
+        fields["mem"] = f"{values['memory/peak_allocated_gib']:.2f}GiB"
+    return fields
+
+
+def _si(value: float) -> str:
+    """12345.6 -> "12.3k"."""
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"
 
 
 class RunLogger:
@@ -73,8 +101,15 @@ class RunLogger:
 
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in values.items()])
         self.writer.file_writer.add_summary(summary, step)
-        if self.bar and "train/loss" in values:
-            self.bar.set_postfix(loss=f"{values['train/loss']:.4g}", refresh=False)
+        if "train/loss" in values:
+            self._show_training(values, step)
+
+    def _show_training(self, values: dict[str, float], step: int) -> None:
+        shown = {"loss": f"{values['train/loss']:.4g}", **_speed_fields(values)}
+        if self.bar:
+            self.bar.set_postfix(shown, refresh=False)
+        else:
+            log.info(f"step {step}: " + " ".join(f"{key}={value}" for key, value in shown.items()))
 
     def advance(self, steps: int) -> None:
         if self.bar:

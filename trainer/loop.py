@@ -31,6 +31,7 @@ from trainer.checkpoint import (
     rng_state,
     set_rng_state,
 )
+from trainer.compilation import compile_for_training
 from trainer.config import RunConfig
 from trainer.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects
 from trainer.errors import ConfigError
@@ -38,7 +39,8 @@ from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loade
 from trainer.logger import RunLogger
 from trainer.nonfinite import NonFiniteWatch
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.precision import Precision
+from trainer.compilation import compile_for_training
+from trainer.precision import Precision, set_matmul_precision
 from trainer.signals import StopAgreement, StopSignals
 from trainer.fsdp import (
     clip_grad_norm,
@@ -50,6 +52,7 @@ from trainer.fsdp import (
     load_full_optimizer_state_dict,
 )
 from trainer.strategy import wrap_model
+from trainer.throughput import ThroughputReporter
 
 
 @dataclass
@@ -123,6 +126,10 @@ class TrainingLoop:
                     f"trainer.max_steps (or trainer.max_epochs) to continue"
                 )
             meter = TrainMeter()
+            speed = ThroughputReporter.for_run(
+                self.wrapped, self.device, cfg.precision, cfg.tf32, cfg.peak_tflops, dist.world_size,
+                start_step=progress.step, info=logger.info,
+            )
             started = time.perf_counter()  # the loop's time: set-up and imports are not in it
             while progress.step < total_steps and stopped is None:
                 epoch = train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
@@ -148,7 +155,7 @@ class TrainingLoop:
                         values = {**meter.read(dist), "lr": lr_used, "grad_norm": float(grad_norm)}
                         if progress.skipped_steps:
                             values["train/skipped_steps"] = progress.skipped_steps
-                        logger.scalars(values, step)
+                        logger.scalars({**values, **speed.read(step, values)}, step)
                     logger.advance(1)
                     if profiler:
                         profiler.step()
@@ -197,7 +204,9 @@ class TrainingLoop:
         # Under fsdp, bf16-mixed is FSDP2's own mixed precision (bf16 parameters, float32
         # gradient reduction) instead of autocast.
         sharded_bf16 = self.run.strategy.name == "fsdp" and cfg.precision == "bf16-mixed"
-        self.wrapped = wrap_model(model, self.run.strategy, dist, torch.bfloat16 if sharded_bf16 else None)
+        # Compiled (trainer.compile) inside DDP, as torch.compile + DDP expects (trainer/compilation.py).
+        self.wrapped = wrap_model(compile_for_training(model, cfg.compile, cfg.compile_mode), self.run.strategy, dist,
+                                  torch.bfloat16 if sharded_bf16 else None)
         self.params = list(model.parameters())  # after sharding: FSDP2 makes them DTensors
 
         val_batch_size = cfg.val_batch_size or cfg.batch_size
@@ -236,6 +245,7 @@ class TrainingLoop:
         else:
             self.scheduler = build_scheduler(self.run.scheduler, self.optimizer, self.total_steps)
         self.precision = Precision("32" if sharded_bf16 else cfg.precision, self.device)
+        set_matmul_precision(self.device, cfg.tf32)
         return train_loader
 
     def _evaluation_due(self, step: int, epoch_done: bool, total_steps: int) -> bool:

@@ -1,0 +1,363 @@
+"""GPT training throughput on one device: ringtrain against a hand-written loop, Lightning and
+HF Accelerate, in one process.
+
+Every row trains the same model (models/transformer.py in `experiment=gpt2_small`'s shape:
+12 layers x 12 heads x 768, 1024 context, 50304-token vocabulary, no biases, no dropout) on
+the same synthetic tokens (data/tokens.py), batch 16, AdamW (lr 6e-4, betas 0.9/0.95, weight
+decay 0.1 on matrices), gradient clipping at 1.0, bf16 autocast, no gradient accumulation:
+
+  ringtrain eager        `experiment=gpt2_small`, ringtrain's own loop (trainer.run.train_worker;
+  ringtrain compiled     fused AdamW on CUDA), checkpoints off, evaluation and the train-loss
+                         read only after the last timed step; the second row adds trainer.compile
+  raw loop eager         a hand-written loop: batches gathered from the token tensor, pinned and
+                         copied non-blocking, autocast, backward, clip, AdamW (foreach)
+  raw loop compiled      the same with torch.compile(model) and fused AdamW
+  Lightning              lightning.Trainer(precision="bf16-mixed", gradient_clip_val=1.0), a
+                         DataLoader with pinned memory, AdamW foreach (Lightning refuses clipping
+                         with a fused optimizer); skipped when lightning is missing
+  Accelerate             Accelerator(mixed_precision="bf16"), prepare(), accelerator.backward,
+                         accelerator.clip_grad_norm_, fused AdamW on CUDA; skipped when
+                         accelerate is missing
+
+Each row runs `--warmup` optimizer steps (compilation happens there), then `--windows` windows
+of `--steps` steps, each timed between two device synchronisations; the fastest window counts
+(a shared machine's load only ever slows a window down). Printed per row: tokens/s, ms/step, MFU (from the
+model's flops_per_token() and the device's peak, trainer/throughput.py, or --peak-tflops),
+peak GPU memory, and the ratio to the faster raw loop.
+
+    python benchmarks/bench_gpt.py              # a GPU; --warmup 10 --steps 50 --windows 3
+    python benchmarks/bench_gpt.py --tiny       # CPU: a tiny GPT in float32, < 1 minute;
+                                                # --warmup 3 --steps 20 --windows 5
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data.tokens import MarkovTokens  # noqa: E402
+from models.transformer import Transformer  # noqa: E402
+from trainer.optim import parameter_groups  # noqa: E402
+from trainer.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
+
+GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layers=12, n_heads=12, d_model=768)
+TINY = dict(vocab_size=256, block_size=64, n_layers=2, n_heads=2, d_model=64)
+LR, BETAS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
+
+
+@dataclass
+class Setup:
+    shape: dict
+    batch_size: int
+    precision: str  # ringtrain's name: "bf16-mixed" or "32"
+    device: torch.device
+    warmup: int
+    steps: int  # per timed window
+    windows: int
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps * self.windows
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.shape["block_size"]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def model(self) -> Transformer:
+        torch.manual_seed(0)
+        return Transformer(**self.shape, dropout=0.0, bias=False).to(self.device)
+
+    def optimizer(self, model: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameter_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, fused=fused or None)
+
+    def data(self) -> MarkovTokens:
+        """The tokens ringtrain's data=tokens builds for the same overrides."""
+        block = self.shape["block_size"]
+        tokens = MarkovTokens(vocab_size=self.shape["vocab_size"], seq_len=block,
+                              num_train_tokens=(self.total_steps + 1) * self.tokens_per_step,
+                              num_val_tokens=self.tokens_per_step)
+        tokens.setup()
+        return tokens
+
+
+class StepClock:
+    """Wall time of each window of `steps` steps after the warm-up, between device syncs."""
+
+    def __init__(self, setup: Setup):
+        self.setup, self.done, self.marks = setup, 0, []
+
+    def step_done(self) -> None:
+        self.done += 1
+        after_warmup = self.done - self.setup.warmup
+        if after_warmup >= 0 and after_warmup % self.setup.steps == 0:
+            if self.setup.device.type == "cuda":
+                torch.cuda.synchronize(self.setup.device)
+            self.marks.append(time.perf_counter())
+
+    @property
+    def seconds(self) -> list[float]:
+        """Each window's seconds."""
+        return [end - start for start, end in zip(self.marks, self.marks[1:])]
+
+
+# --- the rows --------------------------------------------------------------------------------
+
+
+def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
+    from hydra import compose, initialize_config_dir
+
+    import trainer.loop as loop
+    from trainer.config import validate
+    from trainer.run import train_worker
+
+    shape, total = setup.shape, setup.total_steps
+    overrides = [
+        "experiment=gpt2_small", f"trainer.compile={str(compile).lower()}", f"trainer.precision={setup.precision}",
+        f"trainer.accelerator={setup.device.type}", f"trainer.batch_size={setup.batch_size}", f"trainer.max_steps={total}",
+        "trainer.checkpoint=false", "trainer.progress_bar=false", "trainer.limit_val_batches=1",
+        f"trainer.eval_every_n_steps={total}", f"trainer.log_every_n_steps={total}",
+        f"model.block_size={shape['block_size']}", f"model.n_layers={shape['n_layers']}",
+        f"model.n_heads={shape['n_heads']}", f"model.d_model={shape['d_model']}", f"data.vocab_size={shape['vocab_size']}",
+        f"data.num_train_tokens={(total + 1) * setup.tokens_per_step}", f"data.num_val_tokens={setup.tokens_per_step}",
+        f"optimizer.lr={LR}", f"trainer.grad_clip_norm={CLIP}",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        run = validate(compose(config_name="config", overrides=overrides))
+    clock = StepClock(setup)
+    original_step = loop.TrainingLoop._optimizer_step
+
+    def timed_step(self, *args, **kwargs):
+        result = original_step(self, *args, **kwargs)
+        clock.step_done()
+        return result
+
+    loop.TrainingLoop._optimizer_step = timed_step
+    try:
+        with tempfile.TemporaryDirectory() as run_dir:
+            train_worker(run, run_dir)
+    finally:
+        loop.TrainingLoop._optimizer_step = original_step
+    return clock.seconds
+
+
+def raw_loop_row(setup: Setup, compile: bool) -> list[float]:
+    windows = setup.data().train.windows
+    model = setup.model()
+    on_cuda = setup.device.type == "cuda"
+    optimizer = setup.optimizer(model, fused=compile)
+    forward = torch.compile(model) if compile else model
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
+    clock = StepClock(setup)
+    for step in range(setup.total_steps):
+        batch = windows[order[step * setup.batch_size : (step + 1) * setup.batch_size]]
+        if on_cuda:
+            batch = batch.pin_memory()
+        batch = batch.to(setup.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        with setup.autocast():
+            logits = forward(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.step_done()
+    loss.item()  # the loss a loop prints, read once at the end as ringtrain's row does
+    return clock.seconds
+
+
+def _token_loader(setup: Setup) -> torch.utils.data.DataLoader:
+    dataset = setup.data().train
+    return torch.utils.data.DataLoader(dataset, batch_size=setup.batch_size, shuffle=True, drop_last=True,
+                                       pin_memory=setup.device.type == "cuda",
+                                       generator=torch.Generator().manual_seed(0))
+
+
+def lightning_row(setup: Setup) -> list[float]:
+    import lightning as L
+
+    class GPTModule(L.LightningModule):
+        def __init__(self, model: Transformer):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return F.cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
+
+        def configure_optimizers(self):
+            # foreach, not fused: Lightning refuses gradient clipping with a fused optimizer
+            # under its mixed-precision plugin (bf16 included).
+            return setup.optimizer(self.model, fused=False)
+
+    clock = StepClock(setup)
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, *args, **kwargs):
+            clock.step_done()
+
+    trainer = L.Trainer(
+        accelerator="gpu" if setup.device.type == "cuda" else "cpu", devices=1,
+        precision="bf16-mixed" if setup.precision == "bf16-mixed" else "32-true",
+        max_steps=setup.total_steps, gradient_clip_val=CLIP, limit_val_batches=0, num_sanity_val_steps=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Clock()],
+    )
+    trainer.fit(GPTModule(setup.model()), _token_loader(setup))
+    return clock.seconds
+
+
+def accelerate_row(setup: Setup) -> list[float]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16" if setup.precision == "bf16-mixed" else "no",
+                              cpu=setup.device.type == "cpu")
+    model = setup.model()
+    optimizer = setup.optimizer(model, fused=setup.device.type == "cuda")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, _token_loader(setup))
+    clock = StepClock(setup)
+    steps = 0
+    while steps < setup.total_steps:
+        for inputs, targets in loader:
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            clock.step_done()
+            steps += 1
+            if steps == setup.total_steps:
+                break
+    loss.item()
+    return clock.seconds
+
+
+ROWS: dict[str, tuple[str | None, Callable[[Setup], list[float]]]] = {
+    # name: (package it needs, the row)
+    "ringtrain eager": (None, lambda s: ringtrain_row(s, compile=False)),
+    "ringtrain compiled": (None, lambda s: ringtrain_row(s, compile=True)),
+    "raw loop eager": (None, lambda s: raw_loop_row(s, compile=False)),
+    "raw loop compiled": (None, lambda s: raw_loop_row(s, compile=True)),
+    "Lightning": ("lightning", lightning_row),
+    "Accelerate": ("accelerate", accelerate_row),
+}
+RAW_ROWS = ("raw loop eager", "raw loop compiled")
+
+
+def _missing(package: str | None) -> str | None:
+    if package is None:
+        return None
+    try:
+        __import__(package)
+    except Exception as error:  # not installed, or built for another torch
+        return f"skipped: {package} cannot be imported ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
+    return None
+
+
+def _peak_tflops(setup: Setup, given: float) -> float | None:
+    if given:
+        return given
+    if setup.device.type != "cuda":
+        return None
+    peaks = gpu_peaks(torch.cuda.get_device_name(setup.device))
+    return peak_tflops_for(peaks, setup.precision, tf32=True) if peaks else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny GPT in float32 on the CPU, under a minute")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 10, --tiny 3)")
+    parser.add_argument("--steps", type=int, help="steps per timed window (default 50, --tiny 20)")
+    parser.add_argument("--windows", type=int, help="timed windows; the fastest counts (default 3, --tiny 5)")
+    parser.add_argument("--batch-size", type=int, help="default 16, --tiny 8")
+    parser.add_argument("--precision", choices=["32", "bf16-mixed"], help="default bf16-mixed, --tiny 32")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak for MFU; 0: look the GPU up")
+    parser.add_argument("--rows", nargs="*", choices=list(ROWS), help="only these rows")
+    args = parser.parse_args()
+
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU, or pass --tiny for the CPU version")
+    device = torch.device("cpu" if args.tiny else "cuda")
+    setup = Setup(
+        shape=TINY if args.tiny else GPT2_SMALL, batch_size=args.batch_size or (8 if args.tiny else 16),
+        precision=args.precision or ("32" if args.tiny else "bf16-mixed"), device=device,
+        warmup=args.warmup if args.warmup is not None else (3 if args.tiny else 10),
+        steps=args.steps or (20 if args.tiny else 50), windows=args.windows or (5 if args.tiny else 3),
+    )
+    if setup.device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # ringtrain's trainer.tf32 default, for every row
+    logging.disable(logging.WARNING)  # ringtrain's, Lightning's and Accelerate's INFO/WARNING lines
+    warnings.filterwarnings("ignore")  # e.g. Lightning's advice about DataLoader workers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    flops_per_token = Transformer(**setup.shape).flops_per_token()
+    peak = _peak_tflops(setup, args.peak_tflops)
+    print(f"device {name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(f"model {setup.shape}, batch {setup.batch_size} x {setup.shape['block_size']} tokens, "
+          f"precision {setup.precision}, per row {setup.warmup} warm-up steps, then the fastest of "
+          f"{setup.windows} windows of {setup.steps} steps; "
+          f"peak {f'{peak:g} TFLOP/s' if peak else 'unknown (no MFU)'}")
+
+    results: dict[str, float | str] = {}
+    for row, (package, run_row) in ROWS.items():
+        if args.rows and row not in args.rows:
+            continue
+        skip = _missing(package)
+        if skip:
+            results[row] = skip
+            continue
+        torch.compiler.reset()  # every compiled row compiles from the same state
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            seconds = min(run_row(setup))
+        except Exception as error:  # one row's failure is a result too; the others still run
+            results[row] = f"failed: {type(error).__name__}: {' '.join(str(error).split())[:120]}"
+            continue
+        memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        results[row] = setup.steps * setup.tokens_per_step / seconds
+        results[row + " memory"] = memory
+
+    raw = [results[r] for r in RAW_ROWS if isinstance(results.get(r), float)]
+    best_raw = max(raw) if raw else None
+    print()
+    print("| row | tok/s | ms/step | MFU | peak memory | vs best raw loop |")
+    print("|---|---|---|---|---|---|")
+    for row in ROWS:
+        if row not in results:
+            continue
+        value = results[row]
+        if isinstance(value, str):
+            print(f"| {row} | {value} | | | | |")
+            continue
+        ms = setup.tokens_per_step / value * 1e3
+        mfu = f"{100 * flops_per_token * value / (peak * 1e12):.1f} %" if peak else "-"
+        memory = results[row + " memory"]
+        memory_text = f"{memory:.2f} GiB" if memory is not None else "-"
+        ratio = f"{value / best_raw:.2f}x" if best_raw else "-"
+        print(f"| {row} | {value:,.0f} | {ms:.1f} | {mfu} | {memory_text} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

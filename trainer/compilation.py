@@ -1,0 +1,138 @@
+"""`trainer.compile`: torch.compile for training, falling back to eager mode when compiling fails.
+
+The loop trains `compile_for_training(model, enabled, mode)`: the bare model when it is off,
+otherwise a `CompiledModel` wrapping it. The wrapper goes *inside* DDP, as nanoGPT and
+torchtitan order it (compile first, then wrap): its compiled call runs within DDP's forward,
+so dynamo's DDP optimizer splits the graph at DDP's bucket boundaries and the gradient
+all-reduce still overlaps the backward pass (torch 2.13, `torch._dynamo.config.optimize_ddp`'s
+default; `TORCH_LOGS=ddp_graphs` shows the split, and a 2-rank gloo run with accumulation
+matches one eager process, tests/test_speed_features.py). That splitting refuses buckets
+smaller than DDP's 1 MiB first bucket, so `strategy.bucket_cap_mb` < 1 is refused with
+compiling, as is DataParallel, which copies the model in every forward (trainer/config.py).
+
+Why a wrapper rather than `torch.compile(model)` alone:
+  * Compile errors surface lazily. The forward graph is compiled at the first call and the
+    backward graph at the first backward, deep inside the loop. A compile that fails (no C++
+    compiler, an op inductor cannot lower, a Triton problem) should cost speed, not the run:
+    the wrapper catches a failing compiled forward, runs the same call eagerly, and if eager
+    succeeds logs ONE warning and stays eager from then on. If eager fails too, the error is
+    the model's own and eager's exception propagates unchanged. For the backward, the first
+    training forward first runs a probe: one compiled forward and backward on the same inputs
+    through `torch.autograd.grad` (no `.grad` is touched, no DDP hook fires, the RNG state and
+    buffers are restored), so a backward compile that fails is caught there, before any
+    gradient exists. The probe costs one extra forward and backward, once.
+  * Checkpoints. `torch.compile` returns a module whose state_dict keys carry `_orig_mod.`;
+    the loop saves the bare model (`trainer.checkpoint.unwrap_model` strips `.module` and
+    `._orig_mod`), so a compiled run's checkpoint loads into an uncompiled model and back.
+
+Only the training forward is compiled: evaluation runs the bare model eagerly. Compiling the
+inference graph is a second compile (inference mode, and each new batch shape, recompile)
+that pays off only for long evaluations.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+log = logging.getLogger("ringtrain")
+
+
+def compile_for_training(model: nn.Module, enabled: bool, mode: str = "default") -> nn.Module:
+    """The module the loop trains: `model` itself, or a CompiledModel around it."""
+    return CompiledModel(model, mode) if enabled else model
+
+
+class CompiledModel(nn.Module):
+    """`torch.compile(module)` with an eager fall-back; `.module` is the bare model.
+
+    The bare model is the only registered child, so parameters(), train()/eval() and
+    `unwrap_model` see it as usual; the compiled module is kept outside the module tree (it
+    holds the same parameters under `_orig_mod.`, which must not appear twice).
+    """
+
+    def __init__(self, module: nn.Module, mode: str = "default") -> None:
+        super().__init__()
+        self.module = module
+        self.mode = mode
+        self.__dict__["compiled"] = torch.compile(module, mode=None if mode == "default" else mode)
+        self.backward_checked = False  # the probe has run (or compiling was given up)
+
+    @property
+    def is_compiled(self) -> bool:
+        """False once compiling failed and the model runs eagerly."""
+        return self.__dict__["compiled"] is not None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self.__dict__["compiled"]
+        if compiled is None:
+            return self.module(*args, **kwargs)
+        if not self.backward_checked and self.module.training and torch.is_grad_enabled():
+            self._probe_backward(compiled, args, kwargs)
+            if not self.is_compiled:
+                return self.module(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as error:
+            compile_error = error
+        # A compile error, or the model's own? Eager decides: its exception, if any, is the
+        # one the user should see (and compiling stays on); if eager works, compiling failed.
+        outputs = self.module(*args, **kwargs)
+        self._give_up(compile_error)
+        return outputs
+
+    def _probe_backward(self, compiled: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Compile the forward and the backward graph now, on these inputs, without side effects."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        saved_buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
+        compile_error = None
+        try:
+            with _rng_restored(params):
+                try:
+                    outputs = compiled(*args, **kwargs)
+                    differentiable = [t for t in _tensors(outputs) if t.requires_grad]
+                    if differentiable and params:
+                        total = torch.stack([t.float().sum() for t in differentiable]).sum()
+                        torch.autograd.grad(total, params, allow_unused=True)
+                except Exception as error:
+                    compile_error = error
+                if compile_error is not None:
+                    # The model's own error (eager raises it too) propagates as it is.
+                    self.module(*args, **kwargs)
+        finally:
+            with torch.no_grad():  # e.g. BatchNorm's running statistics: as if no probe ran
+                for buffer, value in saved_buffers:
+                    buffer.copy_(value)
+        self.backward_checked = True
+        if compile_error is not None:
+            self._give_up(compile_error)
+
+    def _give_up(self, error: BaseException) -> None:
+        self.__dict__["compiled"] = None
+        self.backward_checked = True
+        detail = " ".join(str(error).split())[:240] or "no message"
+        log.warning(
+            f"trainer.compile: torch.compile failed ({type(error).__name__}: {detail}); "
+            f"training continues in eager mode"
+        )
+
+
+def _tensors(outputs: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a model's outputs: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(outputs, torch.Tensor):
+        yield outputs
+    elif isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            yield from _tensors(item)
+    elif isinstance(outputs, dict):
+        for item in outputs.values():
+            yield from _tensors(item)
+
+
+def _rng_restored(params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """Dropout in the probe must not shift the random stream the run goes on to use."""
+    cuda_devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    return torch.random.fork_rng(devices=cuda_devices)

@@ -98,15 +98,36 @@ def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_min
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = resolve_device(accelerator, local_rank)
     backend = resolve_backend(backend, device)
+    timeout = timedelta(minutes=timeout_minutes)
+    restarted = _store_for_restarted_workers(rank, world_size, timeout)
     dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=timeout_minutes),
+        backend=backend, **({"store": restarted} if restarted else {"init_method": "env://"}),
+        rank=rank, world_size=world_size, timeout=timeout,
     )
     health = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes)) if world_size > 1 else None
     return DistInfo(rank, local_rank, world_size, device, backend, health)
+
+
+def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """For workers torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0): the env:// store with
+    this attempt's keys kept apart from the earlier attempts'. None otherwise (env:// as usual).
+
+    torchrun's agent hosts one TCPStore for the whole job (MASTER_PORT) and restarted workers
+    meet in it again, but every process group writes the same key names in every attempt
+    (default_pg/..., the groups new_group() numbers in the same order). A restarted rank read
+    the killed attempt's keys: gloo's connectFullMesh dialled the dead rank's old address
+    ("timed out connecting: Connection refused") or the ranks waited on each other in a futex
+    until the collective timeout, and the restarted job failed or hung. A prefix per attempt
+    gives each attempt fresh keys. (Elastic membership changes restart workers without
+    counting a restart; this does not cover those.)
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # "default_pg" inside, as init_process_group itself does when it makes the store.
+    return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
 
 
 def is_timeout(err: BaseException) -> bool:

@@ -142,7 +142,10 @@ def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
     which names on rank 0 the ranks that did not; the others learn at least whether rank 0
     itself is the one missing.
     """
-    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60)))
+    # The ranks still alive timed out on the same collective, entered within about a step of
+    # each other, so they reach this barrier about as close together: a third of the timeout
+    # (5 to 30 s) is plenty, and every second of it delays the end of the job.
+    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60 / 3)))
     fix = (f"no reply within strategy.timeout_minutes={timeout_minutes:g}; every rank stops. Look at that rank's "
            f"machine (stopped, swapping, hung in I/O), or raise strategy.timeout_minutes for slow steps")
     if info.health_group is None:
@@ -150,9 +153,13 @@ def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
     try:
         dist.monitored_barrier(group=info.health_group, timeout=wait, wait_all_ranks=True)
     except RuntimeError as err:
-        missing = sorted({int(r) for r in re.findall(r"\d+", str(err).split("failed to pass")[0])}) if "failed to pass" in str(err) else []
+        # Rank 0's error in torch 2.13: "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in
+        # 5000 ms" ("Rank 1 failed ..." for one). Only the numbers after "Rank(s)" are missing
+        # ranks; reading every number before "failed to pass" counted rank 0 itself as well.
+        named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(err))
+        missing = sorted({int(r) for r in re.findall(r"\d+", named.group(1))}) if named else []
         if info.rank == 0 and missing:
-            return f"rank {', '.join(map(str, missing))} stopped answering: {fix}"
+            return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering: {fix}"
         if info.rank != 0:
             return f"rank 0 stopped answering, or gave up on another rank: {fix}"
     return f"a collective timed out though every rank answers now (rank {info.rank}): {fix}"

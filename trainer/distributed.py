@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, NoReturn
@@ -252,31 +254,125 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, ar
     exit_rank(0)  # a run that stopped early reports it through its result, on rank 0
 
 
-def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
+def spawn_workers(nprocs: int, fn: Callable, args: tuple,
+                  forward_signals: tuple[str, ...] | list[str] = ("SIGTERM", "SIGINT", "SIGUSR1")) -> Any:
     """Run `fn(*args)` in `nprocs` fresh processes on this node, as torchrun would; return rank 0's result.
 
-    If any worker fails, torch.multiprocessing terminates the others and raises here, so a
+    If any worker fails, the others are terminated and WorkerFailedError is raised here, so a
     failing rank ends the job instead of leaving the rest waiting in a collective.
+
+    Stop signals sent to this process (`forward_signals`: `kill <pid>`, a scheduler, Ctrl-C)
+    are forwarded to the live workers, as torchrun forwards them, and the workers stop the
+    way trainer/signals.py describes (finish the step, save last.pt); rank 0's result then
+    says `stopped`. Without forwarding, a SIGTERM here killed only this process and left the
+    workers training with no one to report to. This process's own handlers are restored
+    afterwards. If this process is SIGKILLed instead, torch.multiprocessing has the kernel
+    send each worker SIGINT (PR_SET_PDEATHSIG), which stops them the same way: no orphans
+    are left training.
     """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = _free_port()
-    try:
-        mp.start_processes(
-            _spawned_entry,
-            args=(nprocs, port, fn, args, results),
-            nprocs=nprocs,
-            join=True,
-            start_method="spawn",
-        )
-    except mp.ProcessExitedException as err:
-        raise WorkerFailedError(
-            f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
-            exit_code=err.exit_code if err.exit_code and err.exit_code > 0 else 1,
-        ) from None
-    except mp.ProcessRaisedException as err:
-        # An unexpected exception: its traceback is what a developer needs, so show it whole.
-        print(str(err).rstrip(), file=sys.stderr)
-        last_line = str(err).strip().splitlines()[-1]
-        raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
-    return results.get()
+    with _ForwardedSignals(forward_signals) as forwarded:
+        try:
+            context = mp.start_processes(
+                _spawned_entry,
+                args=(nprocs, port, fn, args, results),
+                nprocs=nprocs,
+                join=False,
+                start_method="spawn",
+            )
+            forwarded.attach(context.processes)
+            result, have_result = None, False
+            while True:
+                # Read rank 0's result while the workers run: a result bigger than the pipe's
+                # buffer (the Python API's trained weights) would block rank 0 in put() while
+                # this process waited for it to exit.
+                if not have_result and not results.empty():
+                    result, have_result = results.get(), True
+                if context.join(timeout=0.2):  # raises when a worker failed (others terminated)
+                    break
+        except mp.ProcessExitedException as err:
+            code = err.exit_code if err.exit_code and err.exit_code > 0 else 1
+            if forwarded.received and (-(err.exit_code or 0) in forwarded.signums or code - 128 in forwarded.signums):
+                # Killed by the forwarded signal before it could handle it (still starting up),
+                # or a repeated signal made it exit at once: nothing was saved by this stop.
+                raise WorkerFailedError(
+                    f"stopped by {forwarded.received}: worker rank {err.error_index} exited at once "
+                    f"(status {err.exit_code}); nothing was saved by this stop",
+                    exit_code=code if code > 128 else 128 + forwarded.received_signum,
+                ) from None
+            raise WorkerFailedError(
+                f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
+                exit_code=code,
+            ) from None
+        except mp.ProcessRaisedException as err:
+            # An unexpected exception: its traceback is what a developer needs, so show it whole.
+            print(str(err).rstrip(), file=sys.stderr)
+            last_line = str(err).strip().splitlines()[-1]
+            raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
+        if not have_result and not results.empty():
+            result, have_result = results.get(), True
+    if not have_result:
+        # torch.multiprocessing ends a worker that a KeyboardInterrupt reached before training
+        # (a forwarded SIGINT while it was still starting) with status 0 and no result.
+        if forwarded.received:
+            raise WorkerFailedError(
+                f"stopped by {forwarded.received} while the workers were starting; nothing to save",
+                exit_code=128 + forwarded.received_signum,
+            )
+        raise WorkerFailedError("worker rank 0 ended without a result; its output is above", exit_code=1)
+    return result
+
+
+class _ForwardedSignals:
+    """While active (main thread only), stop signals to this process go to the workers too.
+
+    The handlers are Python-level: they run on the main thread, which waits in `join` with a
+    timeout, so they run within a fraction of a second and may log. A signal that arrives
+    before the workers exist is forwarded to them as soon as they do.
+    """
+
+    def __init__(self, names: tuple[str, ...] | list[str]):
+        self.signums = [int(getattr(signal, name)) for name in names]
+        self.received: str | None = None  # the first signal's name
+        self._pending: list[int] = []
+        self._processes: list = []
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def received_signum(self) -> int:
+        return int(getattr(signal, self.received)) if self.received else 0
+
+    def __enter__(self) -> "_ForwardedSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signums:
+                self._previous[signum] = signal.signal(signum, self._forward)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def attach(self, processes: list) -> None:
+        self._processes = list(processes)
+        for signum in self._pending:
+            self._send(signum)
+        self._pending.clear()
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.received = self.received or name
+        if not self._processes:
+            self._pending.append(signum)
+            return
+        logging.getLogger("ringtrain").warning(f"received {name}: forwarding it to the {len(self._processes)} workers")
+        self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:
+                    pass

@@ -83,7 +83,9 @@ def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -
     """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp, no torchrun)."""
     strategy = run.strategy
     if strategy.name == "ddp" and not under_torchrun() and strategy.nproc_per_node > 1:
-        return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built))
+        # The trainer's stop signals reach the workers through this process too (Ctrl-C, `kill`).
+        return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built),
+                             forward_signals=tuple(run.trainer.stop_signals))
     return train_worker(run, run_dir, built)
 
 

@@ -7,7 +7,25 @@
     python train.py --config-dir my_conf model=my_net # your own components (README)
 """
 import os
+import signal
 import sys
+
+
+def _interrupted_outside_training(signum, frame):
+    """Ctrl-C while starting up (imports, composing, building) or while finishing: nothing is
+    being trained, so there is nothing to save; one line instead of a KeyboardInterrupt
+    traceback from whatever was being imported. Training itself handles SIGINT in
+    trainer/signals.py (finish the step, save last.pt, exit 143) and restores this after."""
+    print("interrupted by SIGINT outside training (nothing to save); exiting with status 130", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+
+if __name__ in ("__main__", "__mp_main__") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Before the heavy imports below (torch takes seconds). Also in the workers of a
+    # self-launched DDP job, which import this file as __mp_main__. Not where SIGINT is
+    # ignored (a shell's background job): that stays so.
+    signal.signal(signal.SIGINT, _interrupted_outside_training)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

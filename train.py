@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 from trainer.cli import (
     check_overrides,
     hydra_overrides_for_this_rank,
+    overrides_implied_by_resume,
     refuse_multirun_under_torchrun,
     strip_legacy_local_rank_arg,
 )
@@ -47,9 +48,14 @@ from trainer.resolvers import register_resolvers
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
+    # What the user typed: the options implied by trainer.resume=<checkpoint> only shaped the
+    # composition (trainer/cli.py overrides_implied_by_resume) and change nothing stored.
+    overrides = [o for o in hydra_cfg.overrides.task if o not in _IMPLIED_BY_RESUME]
     with exit_on_user_error():
-        return run(cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task,
-                   in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+        return run(cfg, hydra_cfg.runtime.output_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+_IMPLIED_BY_RESUME: list[str] = []
 
 
 if __name__ == "__main__":
@@ -59,8 +65,9 @@ if __name__ == "__main__":
     with exit_on_user_error():
         argv = strip_legacy_local_rank_arg(sys.argv)
         refuse_multirun_under_torchrun(argv)
-        check_overrides(argv[1:])
-    sys.argv = argv + hydra_overrides_for_this_rank(argv)
+        _IMPLIED_BY_RESUME = overrides_implied_by_resume(argv[1:])
+        check_overrides(argv[1:] + _IMPLIED_BY_RESUME)
+    sys.argv = argv + _IMPLIED_BY_RESUME + hydra_overrides_for_this_rank(argv)
     register_resolvers()
     try:
         main()

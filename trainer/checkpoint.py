@@ -352,10 +352,11 @@ def _first_sentence(err: Exception) -> str:
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
 
 
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
-    """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise."""
+def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise.
+    `mmap`: map the tensors instead of reading them (cheap when only the config is wanted)."""
     try:
-        return _load_verified(path, map_location)
+        return _load_verified(path, map_location, mmap=mmap)
     except _Unusable as err:
         if err.kind == "missing":
             message = f"checkpoint '{path}' does not exist; check trainer.resume"

@@ -381,12 +381,16 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
 # --- 3. torchrun --max-restarts: the job heals itself ------------------------------------------
 
 
-def run_with_a_restart(args: list[str], cwd: Path, seed: str, launcher: list[str] | None = None) -> str:
-    """A torchrun job allowed one restart, one worker SIGKILLed mid-run; returns its output."""
+def run_with_a_restart(args: list[str], cwd: Path, seed: str, launcher: list[str] | None = None,
+                       pids: dict | None = None) -> str:
+    """A torchrun job allowed one restart, one worker SIGKILLed mid-run; returns its output
+    (and the launcher's pid in `pids`)."""
     launcher = launcher or (TORCHRUN + ["--max-restarts=1"])
     step = interrupt_step(seed, 2)
     victim = random.Random(seed + "-rank").choice([0, 1])
     with Job(args, launcher=launcher, cwd=cwd) as job:
+        if pids is not None:
+            pids["launcher"] = job.proc.pid
         first = job.wait_for_step(step, rank=victim)
         os.kill(first, signal.SIGKILL)
         # The restarted workers must train on to the end, not hang (they once did, in a futex wait).
@@ -416,9 +420,12 @@ def _static_rendezvous() -> list[str]:
 @pytest.mark.parametrize("rendezvous", ["standalone", pytest.param("static", marks=pytest.mark.slow)])
 def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(tmp_path, reference, rendezvous):
     launcher = _static_rendezvous() if rendezvous == "static" else None
-    run_with_a_restart(DDP, tmp_path, "restart-no-dir", launcher=launcher)
+    job_pids: dict = {}
+    run_with_a_restart(DDP, tmp_path, "restart-no-dir", launcher=launcher, pids=job_pids)
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, f"the restart started another run directory: {runs}"
+    agent = job_pids["launcher"]
+    assert not list(Path(tempfile.gettempdir()).glob(f"ringtrain-torchrun-{agent}-*")), "the restart note was left"
     assert_identical(runs[0], reference(2))
 
 

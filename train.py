@@ -7,7 +7,25 @@
     python train.py --config-dir my_conf model=my_net # your own components (README)
 """
 import os
+import signal
 import sys
+
+
+def _interrupted_outside_training(signum, frame):
+    """Ctrl-C while starting up (imports, composing, building) or while finishing: nothing is
+    being trained, so there is nothing to save; one line instead of a KeyboardInterrupt
+    traceback from whatever was being imported. Training itself handles SIGINT in
+    trainer/signals.py (finish the step, save last.pt, exit 143) and restores this after."""
+    print("interrupted by SIGINT outside training (nothing to save); exiting with status 130", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
+
+
+if __name__ in ("__main__", "__mp_main__") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Before the heavy imports below (torch takes seconds). Also in the workers of a
+    # self-launched DDP job, which import this file as __mp_main__. Not where SIGINT is
+    # ignored (a shell's background job): that stays so.
+    signal.signal(signal.SIGINT, _interrupted_outside_training)
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -17,6 +35,7 @@ from omegaconf import DictConfig
 from trainer.cli import (
     check_overrides,
     hydra_overrides_for_this_rank,
+    overrides_implied_by_resume,
     refuse_multirun_under_torchrun,
     strip_legacy_local_rank_arg,
 )
@@ -29,9 +48,14 @@ from trainer.resolvers import register_resolvers
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
+    # What the user typed: the options implied by trainer.resume=<checkpoint> only shaped the
+    # composition (trainer/cli.py overrides_implied_by_resume) and change nothing stored.
+    overrides = [o for o in hydra_cfg.overrides.task if o not in _IMPLIED_BY_RESUME]
     with exit_on_user_error():
-        return run(cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task,
-                   in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+        return run(cfg, hydra_cfg.runtime.output_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+_IMPLIED_BY_RESUME: list[str] = []
 
 
 if __name__ == "__main__":
@@ -41,8 +65,9 @@ if __name__ == "__main__":
     with exit_on_user_error():
         argv = strip_legacy_local_rank_arg(sys.argv)
         refuse_multirun_under_torchrun(argv)
-        check_overrides(argv[1:])
-    sys.argv = argv + hydra_overrides_for_this_rank(argv)
+        _IMPLIED_BY_RESUME = overrides_implied_by_resume(argv[1:])
+        check_overrides(argv[1:] + _IMPLIED_BY_RESUME)
+    sys.argv = argv + _IMPLIED_BY_RESUME + hydra_overrides_for_this_rank(argv)
     register_resolvers()
     try:
         main()

@@ -341,17 +341,26 @@ def _first_sentence(err: Exception) -> str:
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    if code := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
+    # torch < 2.6 says "Unsupported global: GLOBAL x.y"; torch 2.13 says "Trying to load
+    # unsupported GLOBAL x.y whose module x is blocked" (the first form only matched the old one,
+    # so the refusal read "cannot be read (Weights only load failed)").
+    if code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text):
         return f"loading it would run {code.group(1)}, which ringtrain refuses"
     if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
         text = cause.group(1)
+    elif text.startswith("Weights only load failed"):
+        # The cause is the paragraph after torch's advice, before its pointer to the docs.
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+        causes = [p for p in paragraphs[1:] if not p.startswith("Check the documentation")]
+        text = causes[0] if causes else paragraphs[0]
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
 
 
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu") -> dict[str, Any]:
-    """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise."""
+def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise.
+    `mmap`: map the tensors instead of reading them (cheap when only the config is wanted)."""
     try:
-        return _load_verified(path, map_location)
+        return _load_verified(path, map_location, mmap=mmap)
     except _Unusable as err:
         if err.kind == "missing":
             message = f"checkpoint '{path}' does not exist; check trainer.resume"

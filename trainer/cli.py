@@ -108,6 +108,61 @@ def hydra_overrides_for_this_rank(argv: list[str]) -> list[str]:
     return []
 
 
+# Sections whose conf/ option a continued run's checkpoint implies (overrides_implied_by_resume).
+_RESUMED_GROUPS = ("model", "data", "task", "optimizer", "scheduler", "strategy")
+# What a preset replaces in a continued run (trainer/resume.py); its own choices win there.
+_PRESET_SECTIONS = ("optimizer", "scheduler", "strategy")
+
+
+def overrides_implied_by_resume(args: list[str]) -> list[str]:
+    """`group=option` for the run that trainer.resume=<checkpoint> continues, where the command
+    line chooses no option for that group itself.
+
+    The command line is composed on conf/'s defaults (ahead by check_overrides, then by Hydra)
+    before trainer/resume.py swaps in the checkpoint's stored config. Composed on the default
+    linear model and regression data, an override of a key only the stored run's options have
+    (`model.n_layers=3`, `data.path=...`, `strategy.nproc_per_node=2`) failed to compose, and
+    the message advised choosing another option. Composed on the stored run's own options, such
+    an override reaches config_to_continue, which applies it or refuses a changed model in one
+    line. train.py appends these to what Hydra composes and leaves them out of the overrides
+    it hands to config_to_continue: only what the user typed changes the stored config.
+    An option is implied only when exactly one conf/<group>/*.yaml has the stored section's
+    `_target_` (strategy: `name`); a checkpoint that cannot be read implies nothing (loading it
+    later reports why, in one line).
+    """
+    from omegaconf import OmegaConf
+
+    from trainer.checkpoint import CheckpointError, load_checkpoint
+
+    if any(a in ("-m", "--multirun") for a in args):
+        return []
+    resume = [a.split("=", 1)[1] for a in args if a.startswith("trainer.resume=")]
+    if not resume or resume[-1] in ("auto", "null") or not Path(resume[-1]).is_file():
+        return []
+    try:
+        stored = load_checkpoint(resume[-1], mmap=True)["config"]
+    except CheckpointError:
+        return []
+    chosen = {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}
+    implied = []
+    for group in _RESUMED_GROUPS:
+        if group in chosen or (group in _PRESET_SECTIONS and chosen & set(PRESET_GROUPS)):
+            continue
+        key = "name" if group == "strategy" else "_target_"
+        section = stored.get(group)
+        wanted = section.get(key) if isinstance(section, dict) else None
+        matches = []
+        for path in sorted((CONF_DIR / group).glob("*.yaml")):
+            node = OmegaConf.load(path)
+            if "@package _global_" in path.read_text().split("\n", 1)[0]:
+                node = node.get(group) or {}
+            if wanted is not None and node.get(key) == wanted:
+                matches.append(path.stem)
+        if len(matches) == 1:
+            implied.append(f"{group}={matches[0]}")
+    return implied
+
+
 # --- composing ahead ------------------------------------------------------------------------
 
 

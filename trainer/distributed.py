@@ -12,8 +12,10 @@ import logging
 import os
 import pickle
 import re
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, NoReturn
@@ -99,15 +101,36 @@ def setup_distributed(strategy: str, backend: str, accelerator: str, timeout_min
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = resolve_device(accelerator, local_rank)
     backend = resolve_backend(backend, device)
+    timeout = timedelta(minutes=timeout_minutes)
+    restarted = _store_for_restarted_workers(rank, world_size, timeout)
     dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(minutes=timeout_minutes),
+        backend=backend, **({"store": restarted} if restarted else {"init_method": "env://"}),
+        rank=rank, world_size=world_size, timeout=timeout,
     )
     health = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes)) if world_size > 1 else None
     return DistInfo(rank, local_rank, world_size, device, backend, health)
+
+
+def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """For workers torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0): the env:// store with
+    this attempt's keys kept apart from the earlier attempts'. None otherwise (env:// as usual).
+
+    torchrun's agent hosts one TCPStore for the whole job (MASTER_PORT) and restarted workers
+    meet in it again, but every process group writes the same key names in every attempt
+    (default_pg/..., the groups new_group() numbers in the same order). A restarted rank read
+    the killed attempt's keys: gloo's connectFullMesh dialled the dead rank's old address
+    ("timed out connecting: Connection refused") or the ranks waited on each other in a futex
+    until the collective timeout, and the restarted job failed or hung. A prefix per attempt
+    gives each attempt fresh keys. (Elastic membership changes restart workers without
+    counting a restart; this does not cover those.)
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # "default_pg" inside, as init_process_group itself does when it makes the store.
+    return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -122,7 +145,10 @@ def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
     which names on rank 0 the ranks that did not; the others learn at least whether rank 0
     itself is the one missing.
     """
-    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60)))
+    # The ranks still alive timed out on the same collective, entered within about a step of
+    # each other, so they reach this barrier about as close together: a third of the timeout
+    # (5 to 30 s) is plenty, and every second of it delays the end of the job.
+    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60 / 3)))
     fix = (f"no reply within strategy.timeout_minutes={timeout_minutes:g}; every rank stops. Look at that rank's "
            f"machine (stopped, swapping, hung in I/O), or raise strategy.timeout_minutes for slow steps")
     if info.health_group is None:
@@ -130,9 +156,13 @@ def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
     try:
         dist.monitored_barrier(group=info.health_group, timeout=wait, wait_all_ranks=True)
     except RuntimeError as err:
-        missing = sorted({int(r) for r in re.findall(r"\d+", str(err).split("failed to pass")[0])}) if "failed to pass" in str(err) else []
+        # Rank 0's error in torch 2.13: "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in
+        # 5000 ms" ("Rank 1 failed ..." for one). Only the numbers after "Rank(s)" are missing
+        # ranks; reading every number before "failed to pass" counted rank 0 itself as well.
+        named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(err))
+        missing = sorted({int(r) for r in re.findall(r"\d+", named.group(1))}) if named else []
         if info.rank == 0 and missing:
-            return f"rank {', '.join(map(str, missing))} stopped answering: {fix}"
+            return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering: {fix}"
         if info.rank != 0:
             return f"rank 0 stopped answering, or gave up on another rank: {fix}"
     return f"a collective timed out though every rank answers now (rank {info.rank}): {fix}"
@@ -229,16 +259,26 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, pi
     exit_rank(0)  # a run that stopped early reports it through its result, on rank 0
 
 
-def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
+def spawn_workers(nprocs: int, fn: Callable, args: tuple,
+                  forward_signals: tuple[str, ...] | list[str] = ("SIGTERM", "SIGINT", "SIGUSR1")) -> Any:
     """Run `fn(*args)` in `nprocs` fresh processes on this node, as torchrun would; return rank 0's result.
 
-    If any worker fails, torch.multiprocessing terminates the others and raises here, so a
+    If any worker fails, the others are terminated and WorkerFailedError is raised here, so a
     failing rank ends the job instead of leaving the rest waiting in a collective.
 
     `args` reach every worker by value, as their own copy (plain pickle, as bytes). Handed to
     torch.multiprocessing as they are, tensors in them (the Python API's model and data sets)
     would be moved into shared memory, one storage for all ranks: each rank's optimizer would
     then update the same weights, every step applied N times.
+
+    Stop signals sent to this process (`forward_signals`: `kill <pid>`, a scheduler, Ctrl-C)
+    are forwarded to the live workers, as torchrun forwards them, and the workers stop the
+    way trainer/signals.py describes (finish the step, save last.pt); rank 0's result then
+    says `stopped`. Without forwarding, a SIGTERM here killed only this process and left the
+    workers training with no one to report to. This process's own handlers are restored
+    afterwards. If this process is SIGKILLed instead, torch.multiprocessing has the kernel
+    send each worker SIGINT (PR_SET_PDEATHSIG), which stops them the same way: no orphans
+    are left training.
     """
     try:
         pickled_args = pickle.dumps(args)
@@ -254,29 +294,107 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple) -> Any:
     # os._exit never release, and Python's resource tracker then warns of a leak at exit.
     parent_end, results = ctx.Pipe(duplex=False)
     port = _free_port()
-    result = None
-    try:
-        context = mp.start_processes(
-            _spawned_entry,
-            args=(nprocs, port, fn, pickled_args, results),
-            nprocs=nprocs,
-            join=False,
-            start_method="spawn",
-        )
-        # Read rank 0's result while waiting: a large one (the Python API's trained weights)
-        # fills the pipe, and rank 0 would block in send() while this process waits in join().
-        while not context.join(timeout=0.2):
-            if result is None and parent_end.poll():
-                result = pickle.loads(parent_end.recv_bytes())
-    except mp.ProcessExitedException as err:
-        raise WorkerFailedError(
-            f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
-            exit_code=err.exit_code if err.exit_code and err.exit_code > 0 else 1,
-        ) from None
-    except mp.ProcessRaisedException as err:
-        # An unexpected exception: its traceback is what a developer needs, so show it whole.
-        print(str(err).rstrip(), file=sys.stderr)
-        last_line = str(err).strip().splitlines()[-1]
-        raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
-    results.close()
-    return result if result is not None else pickle.loads(parent_end.recv_bytes())
+    result, have_result = None, False
+    with _ForwardedSignals(forward_signals) as forwarded:
+        try:
+            context = mp.start_processes(
+                _spawned_entry,
+                args=(nprocs, port, fn, pickled_args, results),
+                nprocs=nprocs,
+                join=False,
+                start_method="spawn",
+            )
+            forwarded.attach(context.processes)
+            while True:
+                # Read rank 0's result while the workers run: a result bigger than the pipe's
+                # buffer (the Python API's trained weights) would block rank 0 in send() while
+                # this process waited for it to exit.
+                if not have_result and parent_end.poll():
+                    result, have_result = pickle.loads(parent_end.recv_bytes()), True
+                if context.join(timeout=0.2):  # raises when a worker failed (others terminated)
+                    break
+        except mp.ProcessExitedException as err:
+            code = err.exit_code if err.exit_code and err.exit_code > 0 else 1
+            if forwarded.received and (-(err.exit_code or 0) in forwarded.signums or code - 128 in forwarded.signums):
+                # Killed by the forwarded signal before it could handle it (still starting up),
+                # or a repeated signal made it exit at once: nothing was saved by this stop.
+                raise WorkerFailedError(
+                    f"stopped by {forwarded.received}: worker rank {err.error_index} exited at once "
+                    f"(status {err.exit_code}); nothing was saved by this stop",
+                    exit_code=code if code > 128 else 128 + forwarded.received_signum,
+                ) from None
+            raise WorkerFailedError(
+                f"worker rank {err.error_index} exited with code {err.exit_code}; its error is printed above",
+                exit_code=code,
+            ) from None
+        except mp.ProcessRaisedException as err:
+            # An unexpected exception: its traceback is what a developer needs, so show it whole.
+            print(str(err).rstrip(), file=sys.stderr)
+            last_line = str(err).strip().splitlines()[-1]
+            raise WorkerFailedError(f"worker rank {err.error_index} failed: {last_line}", exit_code=1) from None
+        results.close()
+        if not have_result and parent_end.poll():
+            result, have_result = pickle.loads(parent_end.recv_bytes()), True
+    if not have_result:
+        # torch.multiprocessing ends a worker that a KeyboardInterrupt reached before training
+        # (a forwarded SIGINT while it was still starting) with status 0 and no result.
+        if forwarded.received:
+            raise WorkerFailedError(
+                f"stopped by {forwarded.received} while the workers were starting; nothing to save",
+                exit_code=128 + forwarded.received_signum,
+            )
+        raise WorkerFailedError("worker rank 0 ended without a result; its output is above", exit_code=1)
+    return result
+
+
+class _ForwardedSignals:
+    """While active (main thread only), stop signals to this process go to the workers too.
+
+    The handlers are Python-level: they run on the main thread, which waits in `join` with a
+    timeout, so they run within a fraction of a second and may log. A signal that arrives
+    before the workers exist is forwarded to them as soon as they do.
+    """
+
+    def __init__(self, names: tuple[str, ...] | list[str]):
+        self.signums = [int(getattr(signal, name)) for name in names]
+        self.received: str | None = None  # the first signal's name
+        self._pending: list[int] = []
+        self._processes: list = []
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def received_signum(self) -> int:
+        return int(getattr(signal, self.received)) if self.received else 0
+
+    def __enter__(self) -> "_ForwardedSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signums:
+                self._previous[signum] = signal.signal(signum, self._forward)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def attach(self, processes: list) -> None:
+        self._processes = list(processes)
+        for signum in self._pending:
+            self._send(signum)
+        self._pending.clear()
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.received = self.received or name
+        if not self._processes:
+            self._pending.append(signum)
+            return
+        logging.getLogger("ringtrain").warning(f"received {name}: forwarding it to the {len(self._processes)} workers")
+        self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:
+                    pass

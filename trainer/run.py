@@ -42,7 +42,7 @@ from trainer.distributed import (
 from trainer.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
 from trainer.loop import FitResult, TrainingLoop
 from trainer.resume import checkpoint_to_resume, config_to_continue
-from trainer.rundir import leave_restart_note
+from trainer.rundir import forget_restart_note, leave_restart_note
 from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
 
 log = logging.getLogger("ringtrain")
@@ -83,7 +83,9 @@ def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -
     """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp/fsdp, no torchrun)."""
     strategy = run.strategy
     if strategy.name in MULTI_PROCESS and not under_torchrun() and strategy.nproc_per_node > 1:
-        return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built))
+        # The trainer's stop signals reach the workers through this process too (Ctrl-C, `kill`).
+        return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built),
+                             forward_signals=tuple(run.trainer.stop_signals))
     return train_worker(run, run_dir, built)
 
 
@@ -141,6 +143,8 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
         result = TrainingLoop(run, dist, shared_dir, stop).fit(model, data, task, resume_from)
         if dist.is_main:
             _report(result, model, shared_dir)
+            if not result.stopped:
+                forget_restart_note()
         clean_exit = True
         return result
     except Exception as err:

@@ -57,6 +57,18 @@ def leave_restart_note(run_dir: Path) -> None:
         pass
 
 
+def forget_restart_note() -> None:
+    """Rank 0 under torchrun, after the run completed: no restart will read the note again.
+    (Kept after a failure or a stop: torchrun may restart the workers then.) Without this every
+    torchrun job left a note in the temp directory for good."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    try:
+        restart_note().unlink()
+    except OSError:
+        pass
+
+
 def directory_before_restart() -> str | None:
     """The run directory of this torchrun job's earlier attempt, when this is a restart."""
     if restart_count() == 0:

@@ -1,0 +1,81 @@
+"""train.py with every optimizer step announced and slowed down, for tests that interrupt jobs.
+
+    python tests/interruptible_train.py <train.py's arguments>
+
+Run it exactly like train.py (also under torchrun, also self-launched DDP: spawned workers
+re-import this file as their main module, so they are patched too). After each optimizer step
+every rank prints
+
+    interruptible: rank=<rank> pid=<pid> step=<step>
+
+and sleeps RINGTRAIN_TEST_STEP_SECONDS (default 0.05): a test can watch the output, pick the
+step it interrupts at and the process to signal, and the job stays long enough to be
+interrupted without burning the CPU. Sleeping changes no number: the weights are those of
+plain train.py.
+
+RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES=N makes checkpoint writes fail with ENOSPC as on a file
+system of N bytes (for machines where a test cannot mount a small tmpfs).
+"""
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train.py")
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def _announce_and_slow_down_every_step() -> None:
+    import trainer.loop as loop
+
+    original = loop.TrainingLoop._optimizer_step
+    if getattr(original, "_interruptible", False):
+        return
+    delay = float(os.environ.get("RINGTRAIN_TEST_STEP_SECONDS", "0.05"))
+
+    def step_then_announce(self, micro_batches, meter, nonfinite, progress, step, **kwargs):
+        result = original(self, micro_batches, meter, nonfinite, progress, step, **kwargs)
+        print(f"interruptible: rank={self.dist.rank} pid={os.getpid()} step={step}", flush=True)
+        time.sleep(delay)
+        return result
+
+    step_then_announce._interruptible = True
+    loop.TrainingLoop._optimizer_step = step_then_announce
+
+
+def _fill_the_disk_after(limit: int) -> None:
+    """Checkpoint writes fail with ENOSPC once they add up to `limit` bytes, minus what the
+    deleted checkpoints freed: a full file system, where a test cannot mount a small one."""
+    import errno
+
+    import trainer.checkpoint as checkpoint
+
+    written = {"bytes": 0}
+    original_write, original_remove = checkpoint._ErrorRecordingWriter.write, checkpoint._remove_if_present
+
+    def write(self, data):
+        if written["bytes"] + len(data) > limit:
+            self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise self.error
+        written["bytes"] += len(data)
+        return original_write(self, data)
+
+    def remove(path):
+        if os.path.exists(path) and os.stat(path).st_nlink == 1:
+            written["bytes"] -= os.path.getsize(path)
+        original_remove(path)
+
+    checkpoint._ErrorRecordingWriter.write = write
+    checkpoint._remove_if_present = remove
+
+
+_announce_and_slow_down_every_step()
+if os.environ.get("RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES"):
+    _fill_the_disk_after(int(os.environ["RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES"]))
+
+if __name__ == "__main__":
+    sys.argv[0] = TRAIN
+    with open(TRAIN) as file:
+        code = compile(file.read(), TRAIN, "exec")  # Hydra finds conf/ next to this file name
+    exec(code, {"__name__": "__main__", "__file__": TRAIN})

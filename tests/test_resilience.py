@@ -1,0 +1,686 @@
+"""Jobs that are killed, stopped, stalled or starved, for real: subprocesses on CPU.
+
+Every job runs tests/interruptible_train.py, which is train.py with each optimizer step
+announced on stdout (`interruptible: rank=R pid=P step=S`) and slowed down by a sleep, so a
+test can interrupt it at a chosen step and signal the right process. The sleep costs no CPU
+and changes no number: results are compared bit for bit (torch.equal) with uninterrupted runs.
+
+The default suite keeps to the cases a user meets most; `-m slow` adds the longer variants
+(a stalled rank waits out a collective timeout, self-launched DDP spawns slowly).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUIET, REPO
+
+WRAPPER = REPO / "tests" / "interruptible_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+PROGRESS = re.compile(r"^interruptible: rank=(\d+) pid=(\d+) step=(\d+)$")
+
+# A small MLP with dropout (so the RNG state must be restored exactly) and Adam (so must the
+# optimizer's). 512 samples of batch 16: 32 steps per epoch on one process, 16 per epoch on each
+# of two ranks; last.pt every 7 steps and at every epoch's end.
+MLP = [
+    "model=mlp", "data.num_features=24", "data.num_samples=512", "data.num_val_samples=129",
+    "model.hidden_sizes=[16]", "model.dropout=0.1", "optimizer=adam", "optimizer.lr=0.01",
+    "trainer.batch_size=16", "trainer.seed=3", "trainer.checkpoint_every_n_steps=7",
+    "trainer.log_every_n_steps=5",
+]
+STEPS = 40
+SINGLE = MLP + [f"trainer.max_steps={STEPS}"]
+DDP = MLP + [f"trainer.max_steps={STEPS}", "strategy=ddp"]
+SELF_LAUNCHED = DDP + ["strategy.nproc_per_node=2"]
+STEPS_PER_EPOCH = {1: 32, 2: 16}
+EVERY = 7  # trainer.checkpoint_every_n_steps
+# Steps of jobs that get a stop signal: long enough that the launcher's forwarding (torchrun
+# polls its workers every 0.1 s) and the ranks' one-step agreement land a step or two later,
+# not on the next periodic save.
+SIGNAL_STEP_SECONDS = 0.2
+
+
+# --- running and interrupting jobs ------------------------------------------------------------
+
+
+class Job:
+    """A training job in a subprocess (its own session), whose output is watched as it runs.
+
+    Leaving the `with` block SIGCONTs and SIGKILLs whatever is left of it: the launcher's
+    process group and every worker that announced itself (torchrun puts each worker in a
+    session of its own).
+    """
+
+    def __init__(self, args: list[str], launcher: list[str] | None = None, cwd: Path | None = None,
+                 step_seconds: float = 0.05, env: dict[str, str] | None = None):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "RINGTRAIN_TEST_STEP_SECONDS": str(step_seconds), **(env or {})}
+        env.pop("PYTHONPATH", None)  # the worktree comes first through the wrapper itself
+        self.command = (launcher or [sys.executable]) + [str(WRAPPER), *args, *QUIET]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command, cwd=cwd or REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.steps: dict[int, int] = {}  # rank -> last step announced
+        self.pids: dict[int, int] = {}  # rank -> pid of the worker that announced it
+        self.all_pids: set[int] = set()
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            with self._changed:
+                self.lines.append(line)
+                if match := PROGRESS.match(line):
+                    rank, pid, step = map(int, match.groups())
+                    self.steps[rank], self.pids[rank] = step, pid
+                    self.all_pids.add(pid)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def wait_until(self, condition, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not condition():
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{what} did not happen; output:\n{self.output[-6000:]}")
+                self._changed.wait(min(left, 0.5))
+
+    def wait_for_step(self, step: int, rank: int = 0, timeout: float = 120) -> int:
+        """Wait until `rank` announced `step` (or a later one); returns that rank's pid."""
+        self.wait_until(lambda: self.steps.get(rank, 0) >= step, f"rank {rank} reaching step {step}", timeout)
+        return self.pids[rank]
+
+    def wait_for_line(self, pattern: str, timeout: float = 120) -> str:
+        found: list[str] = []
+
+        def seen() -> bool:
+            found[:] = [line for line in self.lines if re.search(pattern, line)]
+            return bool(found)
+
+        self.wait_until(seen, f"a line matching {pattern!r}", timeout)
+        return found[0]
+
+    def finish(self, timeout: float = 240) -> tuple[int, str]:
+        """The launcher's exit status and the whole output."""
+        try:
+            status = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not end within {timeout} s; output:\n{self.output[-6000:]}") from None
+        self._reader.join(timeout=30)
+        return status, self.output
+
+    def signal_launcher(self, signum: int) -> None:
+        os.kill(self.proc.pid, signum)
+
+    def newest_step(self) -> int:
+        """The newest step any rank announced so far (the job may be a step or two further)."""
+        with self._changed:
+            return max(self.steps.values(), default=0)
+
+    def kill_leftovers(self) -> list[int]:
+        """SIGCONT + SIGKILL every process of the job still alive; returns their pids."""
+        left = [pid for pid in sorted(self.all_pids | {self.proc.pid}) if _alive(pid)]
+        for pid in left:
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        return left
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill_leftovers()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie or a reaped one is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def run_job(args: list[str], launcher: list[str] | None = None, cwd: Path | None = None,
+            timeout: float = 240, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a job to its end, uninterrupted (no sleeping between steps)."""
+    with Job(args, launcher, cwd, step_seconds=0, env=env) as job:
+        return job.finish(timeout)
+
+
+def ok(result: tuple[int, str]) -> str:
+    status, output = result
+    assert status == 0, output[-6000:]
+    return output
+
+
+def checkpoint(run_dir: Path, name: str = "last.pt") -> dict:
+    return torch.load(run_dir / "checkpoints" / name, weights_only=True)
+
+
+def assert_identical(run_dir: Path, reference: dict) -> None:
+    """Weights, optimizer and schedule state, progress: bit for bit those of `reference`."""
+    state = checkpoint(run_dir)
+    assert state["progress"] == reference["progress"]
+    _assert_equal(state["model"], reference["model"], "model")
+    _assert_equal(state["optimizer"], reference["optimizer"], "optimizer")
+    _assert_equal(state["scheduler"], reference["scheduler"], "scheduler")
+
+
+def _assert_equal(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            _assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} differs in length"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def periodic_save_steps(world_size: int) -> set[int]:
+    """Steps at which last.pt is written anyway: every EVERY steps and at each epoch's end."""
+    per_epoch = STEPS_PER_EPOCH[world_size]
+    return {s for s in range(1, STEPS + 1) if s % EVERY == 0 or s % per_epoch == 0 or s == STEPS}
+
+
+def interrupt_step(seed: str, world_size: int, lo: int = 8, hi: int = STEPS - 8) -> int:
+    """A seeded random step, mid-epoch, after a periodic save and with three more steps before
+    the next one (so a stop there, a step or two later, is not mistaken for a periodic save)."""
+    saves = periodic_save_steps(world_size)
+    candidates = [s for s in range(lo, hi) if not (set(range(s, s + 4)) & saves)]
+    return random.Random(seed).choice(candidates)
+
+
+def resumed_from_step(output: str) -> int:
+    match = re.search(r"resuming from \S+ \(step (\d+)\)", output)
+    assert match, "the job did not resume:\n" + output[-4000:]
+    return int(match.group(1))
+
+
+class References:
+    """Uninterrupted runs, one process (1) or two ranks (2), each made when first needed."""
+
+    def __init__(self, tmp_path_factory):
+        self._factory = tmp_path_factory
+        self._dirs: dict[int, Path] = {}
+        self._states: dict[int, dict] = {}
+
+    def run_dir(self, world_size: int) -> Path:
+        if world_size not in self._dirs:
+            run_dir = self._factory.mktemp(f"reference-{world_size}")
+            args = (SINGLE if world_size == 1 else DDP) + [f"hydra.run.dir={run_dir}"]
+            ok(run_job(args, launcher=TORCHRUN if world_size == 2 else None))
+            self._states[world_size] = checkpoint(run_dir)
+            assert self._states[world_size]["progress"]["step"] == STEPS
+            self._dirs[world_size] = run_dir
+        return self._dirs[world_size]
+
+    def __call__(self, world_size: int) -> dict:
+        """last.pt of the uninterrupted run."""
+        self.run_dir(world_size)
+        return self._states[world_size]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> References:
+    return References(tmp_path_factory)
+
+
+# --- 1. SIGKILL, then the same command ---------------------------------------------------------
+
+
+def test_sigkill_mid_epoch_then_the_same_command_ends_bit_identical(tmp_path, reference):
+    args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("single-sigkill", 1)
+    with Job(args) as job:
+        job.wait_for_step(step)
+        os.kill(job.proc.pid, signal.SIGKILL)
+        seen = job.newest_step()
+        status, _ = job.finish()
+    assert status == -signal.SIGKILL
+    saved = checkpoint(tmp_path / "run")["progress"]["step"]
+    assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
+
+    output = ok(run_job(args))  # the same command: trainer.resume=auto is the default
+    assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(1))
+
+
+# --- 2. SIGTERM and Ctrl-C: save at the current step, exit 143 ---------------------------------
+
+
+def assert_stopped_at_current_step(run_dir: Path, output: str, signalled_after: int, seen: int, world_size: int,
+                                   name: str = "SIGTERM", off_the_periodic_saves: bool = True) -> int:
+    """last.pt holds the step the stop finished (not the last periodic save); returns it."""
+    stopped = re.search(rf"stopped by {name} after step (\d+); last.pt saved", output)
+    assert stopped, output[-4000:]
+    step = checkpoint(run_dir)["progress"]["step"]
+    assert step == int(stopped.group(1))
+    # `seen`: the newest step announced when the signal went out. Then the step in flight, one
+    # more for the ranks' agreement, and one for output not yet read.
+    assert signalled_after <= step <= seen + 3, (signalled_after, seen, step)
+    if off_the_periodic_saves:  # the step was chosen so: the stop itself must have saved
+        last_periodic = max(s for s in periodic_save_steps(world_size) | {0} if s <= step)
+        assert step > last_periodic, f"last.pt is the periodic save of step {last_periodic}"
+    return step
+
+
+def test_sigterm_saves_the_current_step_exits_143_and_the_same_command_continues(tmp_path, reference):
+    args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("single-sigterm", 1)
+    with Job(args, step_seconds=SIGNAL_STEP_SECONDS) as job:
+        job.wait_for_step(step)
+        os.kill(job.proc.pid, signal.SIGTERM)
+        seen = job.newest_step()
+        status, output = job.finish()
+    assert status == 143, output[-4000:]
+    saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 1)
+
+    output = ok(run_job(args))
+    assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(1))
+
+
+def test_ctrl_c_five_seconds_in_stops_cleanly_with_143(tmp_path):
+    args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
+    with Job(args, step_seconds=0.1) as job:
+        job.wait_for_step(1)  # at least started training, whatever the machine's load
+        time.sleep(max(0.0, job.started + 5 - time.monotonic()))
+        step = job.newest_step()
+        os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        status, output = job.finish()
+    assert status == 143, output[-4000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]
+    assert re.search(r"stopped by SIGINT after step \d+", output)
+    # Sent at whatever step 5 s reached: that step may be a periodic save itself.
+    stopped = assert_stopped_at_current_step(tmp_path / "run", output, step, step, 1, name="SIGINT",
+                                             off_the_periodic_saves=False)
+    assert stopped < STEPS
+
+
+# --- two ranks under torchrun ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchrun_worker_sigkilled_then_the_same_command_ends_bit_identical(tmp_path, reference):
+    args = DDP + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("torchrun-sigkill", 2)
+    victim = random.Random("torchrun-sigkill-rank").choice([0, 1])
+    with Job(args, launcher=TORCHRUN) as job:
+        pid = job.wait_for_step(step, rank=victim)
+        os.kill(pid, signal.SIGKILL)  # what the OOM killer does
+        seen = job.newest_step()
+        status, output = job.finish(timeout=120)
+        assert status != 0, output[-4000:]
+        assert not job.kill_leftovers(), "torchrun left workers behind"
+    saved = checkpoint(tmp_path / "run")["progress"]["step"]
+    assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
+
+    output = ok(run_job(args, launcher=TORCHRUN))
+    assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(2))
+
+
+def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(tmp_path, reference):
+    args = DDP + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("torchrun-sigterm", 2)
+    with Job(args, launcher=TORCHRUN, step_seconds=SIGNAL_STEP_SECONDS) as job:
+        job.wait_for_step(step)
+        job.signal_launcher(signal.SIGTERM)  # torchrun forwards it to both workers
+        seen = job.newest_step()
+        status, output = job.finish(timeout=120)
+        assert not job.kill_leftovers(), "torchrun left workers behind"
+    assert status != 0, output[-4000:]  # torchrun's own status after a signal (1)
+    saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
+
+    output = ok(run_job(args, launcher=TORCHRUN))
+    assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(2))
+
+
+# --- 3. torchrun --max-restarts: the job heals itself ------------------------------------------
+
+
+def run_with_a_restart(args: list[str], cwd: Path, seed: str, launcher: list[str] | None = None,
+                       pids: dict | None = None) -> str:
+    """A torchrun job allowed one restart, one worker SIGKILLed mid-run; returns its output
+    (and the launcher's pid in `pids`)."""
+    launcher = launcher or (TORCHRUN + ["--max-restarts=1"])
+    step = interrupt_step(seed, 2)
+    victim = random.Random(seed + "-rank").choice([0, 1])
+    with Job(args, launcher=launcher, cwd=cwd) as job:
+        if pids is not None:
+            pids["launcher"] = job.proc.pid
+        first = job.wait_for_step(step, rank=victim)
+        os.kill(first, signal.SIGKILL)
+        # The restarted workers must train on to the end, not hang (they once did, in a futex wait).
+        status, output = job.finish(timeout=180)
+        assert status == 0, output[-6000:]
+        assert job.pids[victim] != first, "the workers were not restarted"
+        assert not job.kill_leftovers(), "torchrun left workers behind"
+    resumed_from_step(output)
+    return output
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, reference):
+    run_with_a_restart(DDP + [f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, "restart")
+    assert_identical(tmp_path / "run", reference(2))
+
+
+def _static_rendezvous() -> list[str]:
+    """torchrun without --standalone or --rdzv-id: the run id is "none", so the run directory is
+    named by the clock and a restart finds it through rank 0's note (trainer/rundir.py)."""
+    from trainer.distributed import _free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
+            "--max-restarts=1"]
+
+
+@pytest.mark.parametrize("rendezvous", ["standalone", pytest.param("static", marks=pytest.mark.slow)])
+def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(tmp_path, reference, rendezvous):
+    launcher = _static_rendezvous() if rendezvous == "static" else None
+    job_pids: dict = {}
+    run_with_a_restart(DDP, tmp_path, "restart-no-dir", launcher=launcher, pids=job_pids)
+    runs = list((tmp_path / "outputs" / "runs").iterdir())
+    assert len(runs) == 1, f"the restart started another run directory: {runs}"
+    agent = job_pids["launcher"]
+    assert not list(Path(tempfile.gettempdir()).glob(f"ringtrain-torchrun-{agent}-*")), "the restart note was left"
+    assert_identical(runs[0], reference(2))
+
+
+# --- two ranks, self-launched (strategy.nproc_per_node=2): the parent spawns the workers --------
+
+
+def test_sigterm_to_the_self_launched_parent_is_forwarded_saves_and_exits_143(tmp_path, reference):
+    args = SELF_LAUNCHED + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("self-launched-sigterm", 2)
+    with Job(args, step_seconds=SIGNAL_STEP_SECONDS) as job:
+        job.wait_for_step(step)
+        job.signal_launcher(signal.SIGTERM)  # only the parent: `kill <pid>`, a scheduler
+        seen = job.newest_step()
+        status, output = job.finish(timeout=120)
+        assert not job.kill_leftovers(), "workers were left behind"
+    assert status == 143, output[-4000:]
+    assert "forwarding it to the 2 workers" in output
+    saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
+
+    output = ok(run_job(args))
+    assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker", "parent"])
+def test_self_launched_job_sigkilled_then_the_same_command_ends_bit_identical(tmp_path, reference, victim):
+    """The OOM killer picks a worker (the biggest process); `kill -9` or a dying node, the parent."""
+    args = SELF_LAUNCHED + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step(f"self-launched-sigkill-{victim}", 2)
+    with Job(args, step_seconds=SIGNAL_STEP_SECONDS) as job:
+        worker = job.wait_for_step(step, rank=random.Random(victim).choice([0, 1]))
+        os.kill(worker if victim == "worker" else job.proc.pid, signal.SIGKILL)
+        seen = job.newest_step()
+        status, output = job.finish(timeout=120)
+        assert status != 0, output[-4000:]
+        # The other worker (a worker whose parent died: both) must not go on training alone.
+        job.wait_until(lambda: not any(_alive(pid) for pid in job.all_pids), "the workers ending", timeout=60)
+    saved = checkpoint(tmp_path / "run")["progress"]["step"]
+    if victim == "parent":  # the kernel sends the orphans SIGINT: they stop, saving the current step
+        assert_stopped_at_current_step(tmp_path / "run", job.output, step, seen, 2, name="SIGINT")
+    else:
+        assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
+
+    output = ok(run_job(args))
+    assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(2))
+
+
+# --- 4. broken and hostile checkpoints ------------------------------------------------------------
+
+
+def copy_run_dir(source: Path, target: Path) -> None:
+    """A copy of a run directory whose checkpoint names are hard links where the source's are."""
+    import shutil
+
+    shutil.copytree(source, target)
+    names = sorted((source / "checkpoints").iterdir())
+    for path in names:
+        first = next(other for other in names if os.path.samefile(other, path))
+        if first != path:
+            (target / "checkpoints" / path.name).unlink()
+            os.link(target / "checkpoints" / first.name, target / "checkpoints" / path.name)
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_step_file(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    copy_run_dir(reference.run_dir(1), run_dir)  # a finished run: step-35.pt, step-40.pt = last.pt
+    newest = run_dir / "checkpoints" / f"step-{STEPS:08d}.pt"
+    for path in (run_dir / "checkpoints" / "last.pt", newest):  # hard links: one file, two names
+        with open(path, "r+b") as file:
+            file.truncate(os.path.getsize(path) // 2)
+
+    output = ok(run_job(SINGLE + [f"hydra.run.dir={run_dir}"]))  # the same command again
+    warnings = [line for line in output.splitlines() if "truncated or corrupt" in line]
+    assert len(warnings) == 1, output[-4000:]
+    assert "last.pt" in warnings[0] and f"falling back to {run_dir / 'checkpoints' / 'step-00000035.pt'}" in warnings[0]
+    assert resumed_from_step(output) == 35
+    assert_identical(run_dir, reference(1))
+
+
+class RunsCode:
+    """Unpickling this runs `touch <marker>`: what a hostile "checkpoint" would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(tmp_path):
+    marker = tmp_path / "the-code-ran"
+    hostile = tmp_path / "downloaded" / "checkpoints" / "last.pt"
+    hostile.parent.mkdir(parents=True)
+    torch.save({"format": 1, "model": {"w": torch.zeros(2)}, "payload": RunsCode(marker)}, hostile)
+
+    status, output = run_job([f"trainer.resume={hostile}"])
+    assert status == 2, output[-4000:]
+    assert not marker.exists(), "loading the checkpoint ran its code"
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
+    assert f"checkpoint '{hostile}' cannot be read (loading it would run" in errors[0]
+    assert "which ringtrain refuses" in errors[0]
+
+
+# --- resuming from a checkpoint path alone ------------------------------------------------------
+
+TINY_LM = [
+    "model=transformer", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.block_size=16",
+    "data.num_train_tokens=20000", "data.num_val_tokens=4000", "trainer.batch_size=8",
+]
+
+
+def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_path):
+    run_dir = tmp_path / "lm"
+    ok(run_job(TINY_LM + ["trainer.max_steps=6", f"hydra.run.dir={run_dir}"]))
+    last = run_dir / "checkpoints" / "last.pt"
+
+    # No model=..., no hydra.run.dir: the checkpoint says what the run is and where it lives.
+    output = ok(run_job([f"trainer.resume={last}", "trainer.max_steps=10"], cwd=tmp_path))
+    assert resumed_from_step(output) if "(step" in output else "resuming from" in output
+    state = checkpoint(run_dir)
+    assert state["progress"]["step"] == 10
+    assert state["config"]["model"]["_target_"] == "models.transformer.Transformer"
+    assert not (tmp_path / "outputs").exists(), "the continued run started a directory of its own"
+    assert "done: 10 steps" in (run_dir / "train.log").read_text()
+
+    # The command line composes on the stored run's options, so a key only they have is an
+    # override like any other (it used to fail: "not a setting of this data").
+    from trainer.cli import check_overrides, overrides_implied_by_resume
+
+    args = [f"trainer.resume={last}", "data.num_val_tokens=2000"]
+    implied = overrides_implied_by_resume(args)
+    assert implied == ["model=transformer", "data=tokens", "task=language_model", "optimizer=sgd",
+                       "scheduler=constant", "strategy=single"]
+    check_overrides(args + implied)
+
+    status, output = run_job([f"trainer.resume={last}", "model.n_layers=3"], cwd=tmp_path)
+    assert status == 2, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
+    assert "model.n_layers (1 -> 3) differs from the checkpoint's" in errors[0]
+    assert checkpoint(run_dir)["progress"]["step"] == 10  # untouched
+
+
+# --- 6. trainer.on_nonfinite with a learning rate that blows up ----------------------------------
+
+
+def _all_finite(state: dict) -> bool:
+    return all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+def _tensorboard_tags(run_dir: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip", "ignore"])
+def test_on_nonfinite_policies_behave_as_documented(tmp_path, policy):
+    run_dir = tmp_path / "run"
+    # Evaluated every step: best.pt is written before the first non-finite step, whatever follows.
+    status, output = run_job(TINY_LM + [
+        "optimizer.lr=1e6", "trainer.max_steps=12", "trainer.eval_every_n_steps=1", "trainer.log_every_n_steps=2",
+        f"trainer.on_nonfinite={policy}", f"hydra.run.dir={run_dir}",
+    ])
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    if policy == "stop":
+        assert status == 3, output[-4000:]
+        line = re.search(r"non-finite loss or gradient norm \(\S+\) at step (\d+); stopped at step (\d+)", output)
+        assert line, output[-4000:]
+        assert metrics["stopped"] == "non-finite" and metrics["steps"] < 12
+        assert checkpoint(run_dir)["progress"]["step"] < int(line.group(1))  # last.pt is from before it
+    else:
+        assert status == 0, output[-4000:]
+        assert metrics["steps"] == 12 and metrics["stopped"] is None
+    if policy == "skip":
+        assert metrics["skipped_steps"] > 0
+        assert "train/skipped_steps" in _tensorboard_tags(run_dir)
+        assert _all_finite(checkpoint(run_dir)["model"])  # no non-finite update was applied
+    if policy == "ignore":
+        assert not all(map(lambda v: v == v and abs(v) != float("inf"), metrics["final"].values()))
+    best = run_dir / "checkpoints" / "best.pt"
+    assert best.exists(), output[-4000:]
+    assert _all_finite(checkpoint(run_dir, "best.pt")["model"])
+
+
+# --- 7. a full file system --------------------------------------------------------------------------
+
+FULL_AFTER_BYTES = 2 * 1024 * 1024  # the file system's size: 2 MiB
+
+
+@pytest.fixture
+def full_file_system(tmp_path):
+    """(directory, environment) of a file system that is full after FULL_AFTER_BYTES.
+
+    A real tmpfs where mounting is allowed (root); elsewhere the job's checkpoint writes fail
+    with ENOSPC once they add up to as much (tests/interruptible_train.py).
+    """
+    mount_point = Path(tempfile.mkdtemp(prefix="ringtrain-full-"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_AFTER_BYTES}", "tmpfs", str(mount_point)],
+                             capture_output=True).returncode == 0
+    if not mounted:
+        mount_point.rmdir()
+        yield tmp_path, {"RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES": str(FULL_AFTER_BYTES)}
+        return
+    try:
+        yield mount_point, {}
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+        mount_point.rmdir()
+
+
+def test_a_save_into_a_full_file_system_fails_in_one_line_and_keeps_last_pt(full_file_system):
+    directory, env = full_file_system
+    # About 0.86 MB a checkpoint (weights and Adam's two moments): the 3rd save does not fit.
+    args = MLP + ["model.hidden_sizes=[2048]", "trainer.max_steps=40", "trainer.checkpoint_every_n_steps=5",
+                  f"hydra.run.dir={directory / 'run'}"]
+    status, output = run_job(args, env=env)
+    assert status == 2, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
+    assert re.search(r"cannot save checkpoint \S+step-000000(10|15)\.pt: No space left on device; free space on", errors[0])
+    assert errors[0].endswith("the previous last.pt is intact")
+    state = torch.load(directory / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["progress"]["step"] in (5, 10)
+    assert not [p.name for p in (directory / "run" / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+
+# --- 5. a stalled rank ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_and_is_named(tmp_path):
+    timeout_minutes = 0.25
+    args = DDP + ["trainer.max_steps=400", f"strategy.timeout_minutes={timeout_minutes}",
+                  f"hydra.run.dir={tmp_path / 'run'}"]
+    with Job(args, launcher=TORCHRUN) as job:
+        stalled = job.wait_for_step(10, rank=1)
+        os.kill(stalled, signal.SIGSTOP)  # alive but silent: swapping, hung in I/O, a debugger
+        stopped_at = time.monotonic()
+        status, output = job.finish(timeout=180)
+        elapsed = time.monotonic() - stopped_at
+        job.kill_leftovers()
+    assert status != 0, output[-4000:]
+    named = [line for line in output.splitlines() if "stopped answering" in line]
+    assert len(named) == 1 and named[0].startswith("error: rank 1 stopped answering:"), output[-4000:]
+    # torchrun's summary: every rank failed (rank 0 with its error, the stalled one killed).
+    codes = re.findall(r"^\s*exitcode\s+: (-?\d+)", output, re.MULTILINE)
+    assert sorted(codes) == ["-9", "2"], output[-4000:]
+    # The collective timeout, the check-in that names the rank (5 s here), then torchrun's own
+    # 30 s between SIGTERM and SIGKILL (a stopped process cannot act on SIGTERM; torchrun 2.13
+    # waits a fixed 30 s there, --shutdown-timeout does not apply to a failed worker group).
+    print(f"stalled rank: the job ended {elapsed:.1f} s after SIGSTOP")
+    assert elapsed < timeout_minutes * 60 + 5 + 30 + 10, f"{elapsed:.0f} s"

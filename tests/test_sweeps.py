@@ -224,7 +224,16 @@ def test_submitit_launchers_compose_and_the_local_one_runs(tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         slurm = compose("config", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
     assert slurm.hydra.launcher._target_.endswith("SlurmLauncher")
-    proc = run_cli(["-m", "hydra/launcher=submitit_local", "optimizer.lr=0.01", "trainer.max_epochs=1",
-                    f"hydra.sweep.dir={tmp_path}"], timeout=300)
+    command = ["-m", "hydra/launcher=submitit_local", "optimizer.lr=0.01", "trainer.max_epochs=1",
+               f"hydra.sweep.dir={tmp_path}"]
+    proc = run_cli(command, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((tmp_path / "sweep_summary.json").read_text())["jobs"][0]["value"] < 0.1
+    first = json.loads((tmp_path / "sweep_summary.json").read_text())["jobs"][0]
+    assert first["value"] < 0.1
+    # A requeued job is the same job run again in the same job directory: it resumes there
+    # (trainer.resume=auto) instead of starting over, and reports the same metric.
+    proc = run_cli(command, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / first["dir"] / "train.log").read_text()
+    assert "resuming from" in log and "nothing to train" in log
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())["jobs"][0]["value"] == first["value"]

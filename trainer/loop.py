@@ -121,9 +121,11 @@ class TrainingLoop:
                 self.stop.lag_steps = agreement.lag_steps
                 self.stop.poll(progress.step)
             if progress.step >= total_steps:
+                # A finished run started again (a requeue, the same command): report its metrics.
+                metrics = self.evaluate()
                 logger.info(
-                    f"nothing to train: the checkpoint is at step {progress.step} of {total_steps}; raise "
-                    f"trainer.max_steps (or trainer.max_epochs) to continue"
+                    f"nothing to train: the checkpoint is at step {progress.step} of {total_steps} (raise "
+                    f"trainer.max_steps or trainer.max_epochs to continue); " + _format(metrics)
                 )
             meter = TrainMeter()
             speed = ThroughputReporter.for_run(
@@ -340,7 +342,7 @@ class TrainingLoop:
         metrics = self.evaluate()
         logger.scalars(metrics, progress.step)
         epochs = progress.epoch + progress.batches_into_epoch / batches_per_epoch
-        logger.info(f"step {progress.step} epoch {epochs:.2f}: " + " ".join(f"{k}={v:.5g}" for k, v in metrics.items()))
+        logger.info(f"step {progress.step} epoch {epochs:.2f}: " + _format(metrics))
         value = metrics.get(self.task.monitor)
         improved = value is not None and math.isfinite(value) and (
             progress.best_metric is None
@@ -429,6 +431,10 @@ class TrainMeter:
             values["throughput/tokens_per_sec"] = tokens / seconds
         self._reset()
         return values
+
+
+def _format(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.5g}" for k, v in metrics.items())
 
 
 def _groups(batches: Iterator[Batch], size: int) -> Iterator[list[Batch]]:

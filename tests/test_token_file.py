@@ -260,3 +260,22 @@ def test_a_file_cut_short_while_in_use_is_an_error_not_garbage(tmp_path):
     os.truncate(directory / "train.bin", 1000)
     with pytest.raises(DataError, match="train.bin is shorter than when it was opened; it changed while in use"):
         dataset.get_batch(torch.tensor([len(dataset) - 1]))
+
+
+def test_training_on_a_token_file_resumes_exactly_and_keeps_its_vocabulary(text_file, tmp_path):
+    """data=token_file end to end: a run stopped at step 7 and continued by the same command
+    ends bit for bit where the uninterrupted run does; the checkpoint carries the vocabulary."""
+    from conftest import train_in_process
+
+    prepare_text(text_file, tmp_path / "tokens", vocab_kind="char")
+    common = ["model=transformer", "data=token_file", f"data.path={tmp_path / 'tokens'}", "model.block_size=8",
+              "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "trainer.batch_size=4",
+              "trainer.checkpoint_every_n_steps=7", "model.dropout=0.1"]
+    train_in_process(common + ["trainer.max_steps=20"], tmp_path / "straight")
+    train_in_process(common + ["trainer.max_steps=7"], tmp_path / "resumed")
+    train_in_process(common + ["trainer.max_steps=20"], tmp_path / "resumed")  # auto-resume from step 7
+    straight = torch.load(tmp_path / "straight" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.pt", weights_only=True)
+    assert resumed["progress"]["step"] == 20
+    assert all(torch.equal(straight["model"][k], resumed["model"][k]) for k in straight["model"])
+    assert vocab_from_state(resumed["vocab"]).decode([0, 1]) == "".join(sorted(set(text_file.read_text()))[:2])

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from data.bundle import DataBundle, DataError
 from data.tasks import check_monitor
-from trainer.components import build, check, check_built, is_node
+from trainer.components import build, check, check_built
 from trainer.distributed import DistInfo, barrier
 from trainer.errors import ConfigError
 from trainer.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
@@ -47,14 +47,14 @@ def check_components(model: Mapping | None, data: Mapping | None, task: Mapping 
         check(task, "task")
         check_task(build(task, "task"))
     if model is not None:
-        known = None if dims is None else [name for name in dims]
+        known = None if dims is None else list(dims)
         source = f"the data ({data.get('_target_', 'data.train/val')}, which gives {', '.join(dims) or 'no sizes'})"
         check(model, "model", kind=nn.Module, provided=known, provided_by=source if dims is not None else "")
         if dims is not None and all(value is not None for value in dims.values()):
             _dry_build_model(model, dims)
-    if is_node(optimizer) or isinstance(optimizer, Mapping):
+    if isinstance(optimizer, Mapping):
         check(optimizer, "optimizer", kind=torch.optim.Optimizer, provided={"params"}, reserved=OPTIMIZER_KEYS)
-    if scheduler is not None and (is_node(scheduler) or isinstance(scheduler, Mapping)):
+    if isinstance(scheduler, Mapping):
         check(scheduler, "scheduler", kind=LRScheduler, provided={"optimizer", "total_steps"}, reserved=SCHEDULER_KEYS)
     if isinstance(optimizer, Mapping):
         stand_in = nn.Linear(2, 2)

@@ -219,7 +219,7 @@ def _fits(value: Any, annotation: Any) -> bool:
     if annotation is str:
         return isinstance(value, str)
     container = origin or annotation
-    if container in (list, tuple, Sequence, Iterable) or (inspect.isclass(container) and container in (set, frozenset)):
+    if container in (list, tuple, set, frozenset, Sequence, Iterable):
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             return False
         if container is tuple and args and args[-1] is not Ellipsis:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.errors import ConfigError
+from trainer.nonfinite import POLICIES
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -241,12 +243,8 @@ def _check_trainer(t: TrainerConfig) -> None:
             )
     if t.keep_last_k < 1:
         raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
-    from trainer.nonfinite import POLICIES
-
     if t.on_nonfinite not in POLICIES:
         raise ConfigError(f"trainer.on_nonfinite={t.on_nonfinite!r} is unknown; use one of {', '.join(POLICIES)}")
-    import signal
-
     for name in t.stop_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(

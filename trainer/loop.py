@@ -35,13 +35,6 @@ from trainer.compilation import compile_for_training
 from trainer.config import RunConfig
 from trainer.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects
 from trainer.errors import ConfigError
-from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loader, build_val_loader
-from trainer.logger import RunLogger
-from trainer.nonfinite import NonFiniteWatch
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.compilation import compile_for_training
-from trainer.precision import Precision, set_matmul_precision
-from trainer.signals import StopAgreement, StopSignals
 from trainer.fsdp import (
     clip_grad_norm,
     full_model_state_dict,
@@ -51,6 +44,12 @@ from trainer.fsdp import (
     inference_context,
     load_full_optimizer_state_dict,
 )
+from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loader, build_val_loader
+from trainer.logger import RunLogger
+from trainer.nonfinite import NonFiniteWatch
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.precision import Precision, set_matmul_precision
+from trainer.signals import StopAgreement, StopSignals
 from trainer.strategy import wrap_model
 from trainer.throughput import ThroughputReporter
 
@@ -138,7 +137,6 @@ class TrainingLoop:
                 for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
                     step = progress.step + 1
                     log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
-                    evaluate_now = checkpoint_now = False
                     lr_used = self.scheduler.get_last_lr()[0]
                     grad_norm = self._optimizer_step(micro_batches, meter, nonfinite, progress, step,
                                                      measure_grad_norm=log_now or nonfinite.needs_grad_norm)
@@ -173,7 +171,7 @@ class TrainingLoop:
                             self._save(progress, best=False)
                         logger.info(
                             f"stopped by {stopped} after step {step}"
-                            + (f"; last.pt saved: the same command continues the run" if cfg.checkpoint else
+                            + ("; last.pt saved: the same command continues the run" if cfg.checkpoint else
                                " (trainer.checkpoint=false: nothing saved)")
                         )
                         break
@@ -200,7 +198,6 @@ class TrainingLoop:
         Returns the training loader."""
         cfg, dist = self.cfg, self.dist
         self.model = model.to(self.device)
-        self.params = list(model.parameters())
         if resumed:
             load_model_weights(model, resumed, resume_from)
         # Under fsdp, bf16-mixed is FSDP2's own mixed precision (bf16 parameters, float32

@@ -91,7 +91,8 @@ def _decide(checkpoints: Path, resume: Any, resolved: dict) -> str | None:
             log.warning(warning)
         if found is None:
             return None
-        stored = load_checkpoint(found)["config"]
+        state = load_checkpoint(found, mmap=True)  # one cheap read: the config and the step
+        stored = state["config"]
         for section in KEPT_SECTIONS:
             if stored.get(section) != resolved.get(section):
                 changed = _first_difference(stored.get(section) or {}, resolved.get(section) or {}, section)
@@ -99,8 +100,7 @@ def _decide(checkpoints: Path, resume: Any, resolved: dict) -> str | None:
                     f"{checkpoints.parent} holds a run whose {changed} differs from this one's; continue it with the "
                     f"same model, or choose a new hydra.run.dir"
                 )
-        progress = load_checkpoint(found)["progress"]
-        log.info(f"resuming from {found} (step {progress['step']})")
+        log.info(f"resuming from {found} (step {state['progress']['step']})")
         return str(found)
     if resume is None:
         if find_resumable(checkpoints)[0] is not None:

@@ -41,18 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.bundle import DataBundle
-from data.tasks import metrics_from_sums
 from trainer.builders import build_data, check_components, check_task
 from trainer.components import build
 from trainer.config import StrategyConfig, TrainerConfig, check_options, typed_section
 from trainer.distributed import (
-    DistInfo,
-    all_reduce_sum,
     exit_rank,
     setup_distributed,
     spawn_workers,
@@ -61,7 +57,8 @@ from trainer.distributed import (
 )
 from trainer.errors import ConfigError, exit_on_user_error
 from trainer.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
-from trainer.loaders import BatchLoader, WorkerOptions, build_val_loader
+from trainer.loaders import build_val_loader, worker_options
+from trainer.loop import evaluate_model
 from trainer.precision import Precision
 from trainer.restore import model_node, read_checkpoint, rebuild_model
 
@@ -217,35 +214,13 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
         cfg = job.trainer
         loader = build_val_loader(
             dataset, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
-            limit_batches=cfg.limit_val_batches,
-            workers=WorkerOptions(
-                num_workers=cfg.num_workers,
-                pin_memory=dist.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
-                prefetch_factor=cfg.prefetch_factor, seed=cfg.seed,
-            ),
+            limit_batches=cfg.limit_val_batches, workers=worker_options(cfg, dist.device),
         )
         sums = evaluate_model(model, loader, task, Precision(cfg.precision, dist.device), dist)
         clean_exit = True
         return EvalResult({f"{job.split}/{name}": value for name, value in sums.items()}, dist.world_size)
     finally:
         teardown_distributed(clean_exit)
-
-
-@torch.inference_mode()
-def evaluate_model(model: torch.nn.Module, loader: BatchLoader, task: Any, precision: Precision,
-                   dist: DistInfo) -> dict[str, float]:
-    """The task's metrics over every batch of `loader` on every rank: the sums and counts of
-    each batch, added up in float64 and all-reduced, then divided (as the training loop does)."""
-    model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    for inputs, targets in loader.batches():
-        with precision.autocast():
-            outputs = model(inputs)
-        for key, value in task.eval_sums(outputs, targets).items():
-            sums[key] = sums.get(key, 0) + value.double()
-    keys = sorted(sums)  # the same task, so the same keys on every rank
-    totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
-    return metrics_from_sums(dict(zip(keys, totals)))
 
 
 def check_data_fits(data: DataBundle, job: EvalJob) -> None:

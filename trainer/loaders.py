@@ -87,6 +87,16 @@ class WorkerOptions:
     seed: int = 0
 
 
+def worker_options(trainer, device: torch.device) -> WorkerOptions:
+    """The DataLoader settings of the trainer section (trainer.num_workers, pin_memory...);
+    pin_memory null means: on when the batches go to a CUDA device."""
+    pin = device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
+    return WorkerOptions(
+        num_workers=trainer.num_workers, pin_memory=pin, persistent_workers=trainer.persistent_workers,
+        prefetch_factor=trainer.prefetch_factor, seed=trainer.seed,
+    )
+
+
 class _EpochOrder(Sampler[int]):
     """The indices of the epoch being read; the loader sets them before each pass."""
 

@@ -44,7 +44,7 @@ from trainer.fsdp import (
     inference_context,
     load_full_optimizer_state_dict,
 )
-from trainer.loaders import Batch, BatchLoader, WorkerOptions, build_train_loader, build_val_loader
+from trainer.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
 from trainer.logger import RunLogger
 from trainer.nonfinite import NonFiniteWatch
 from trainer.optim import build_optimizer, build_scheduler
@@ -210,11 +210,7 @@ class TrainingLoop:
 
         val_batch_size = cfg.val_batch_size or cfg.batch_size
         overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
-        workers = WorkerOptions(
-            num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda" if cfg.pin_memory is None else cfg.pin_memory,
-            persistent_workers=cfg.persistent_workers, prefetch_factor=cfg.prefetch_factor, seed=cfg.seed,
-        )
+        workers = worker_options(cfg, self.device)
         train_loader = build_train_loader(
             data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, self.device,
             shuffle=not overfit, limit_batches=overfit, workers=workers,
@@ -321,19 +317,9 @@ class TrainingLoop:
 
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over the whole validation set, identical for any number of ranks."""
-        self.model.eval()
-        sums: dict[str, torch.Tensor] = {}
-        # inference_mode where it is safe (no version counters, no view tracking); FSDP2 needs no_grad
-        with inference_context(self.model):
-            for inputs, targets in self.val_loader.batches():  # every rank has at least one (run.py)
-                with self.precision.autocast():
-                    outputs = self.model(inputs)
-                for key, value in self.task.eval_sums(outputs, targets).items():
-                    sums[key] = sums.get(key, 0) + value.double()
+        metrics = evaluate_model(self.model, self.val_loader, self.task, self.precision, self.dist)
         self.model.train()
-        keys = sorted(sums)  # the same task, so the same keys on every rank
-        totals = all_reduce_sum(self.dist, torch.stack([sums[k] for k in keys]).to(self.device)).cpu()
-        return {f"val/{k}": v for k, v in metrics_from_sums(dict(zip(keys, totals))).items()}
+        return {f"val/{k}": v for k, v in metrics.items()}
 
     def _evaluate_and_checkpoint(self, progress: Progress, batches_per_epoch: int, logger: RunLogger) -> dict[str, float]:
         metrics = self.evaluate()
@@ -393,6 +379,24 @@ class TrainingLoop:
         rng = state["rng"]
         set_rng_state(rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0], self.device)
         return Progress(**state["progress"])
+
+
+def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo) -> dict[str, float]:
+    """The task's metrics over every batch of `loader` on every rank (each rank has at least
+    one): each batch's sums and counts, added up in float64 and all-reduced, then divided, so
+    the value is the same for any number of ranks. Leaves the model in eval mode."""
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    # inference_mode where it is safe (no version counters, no view tracking); FSDP2 needs no_grad
+    with inference_context(model):
+        for inputs, targets in loader.batches():
+            with precision.autocast():
+                outputs = model(inputs)
+            for key, value in task.eval_sums(outputs, targets).items():
+                sums[key] = sums.get(key, 0) + value.double()
+    keys = sorted(sums)  # the same task, so the same keys on every rank
+    totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
+    return metrics_from_sums(dict(zip(keys, totals)))
 
 
 class TrainMeter:

@@ -130,8 +130,6 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     `_target_` (strategy: `name`); a checkpoint that cannot be read implies nothing (loading it
     later reports why, in one line).
     """
-    from omegaconf import OmegaConf
-
     from trainer.checkpoint import CheckpointError, load_checkpoint
 
     if any(a in ("-m", "--multirun") for a in args):
@@ -151,13 +149,7 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
         key = "name" if group == "strategy" else "_target_"
         section = stored.get(group)
         wanted = section.get(key) if isinstance(section, dict) else None
-        matches = []
-        for path in sorted((CONF_DIR / group).glob("*.yaml")):
-            node = OmegaConf.load(path)
-            if "@package _global_" in path.read_text().split("\n", 1)[0]:
-                node = node.get(group) or {}
-            if wanted is not None and node.get(key) == wanted:
-                matches.append(path.stem)
+        matches = [name for name, node in _option_nodes(group) if wanted is not None and node.get(key) == wanted]
         if len(matches) == 1:
             implied.append(f"{group}={matches[0]}")
     return implied
@@ -311,14 +303,18 @@ def _options_defining(group: str, dotted_key: str) -> list[str]:
     """The options of conf/<group>/ whose file sets `dotted_key`."""
     from omegaconf import OmegaConf
 
-    owners = []
+    return [name for name, node in _option_nodes(group) if OmegaConf.select(node, dotted_key, default=None) is not None]
+
+
+def _option_nodes(group: str):
+    """(option name, the node its conf/<group>/<option>.yaml gives `group`) for every option."""
+    from omegaconf import OmegaConf
+
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         node = OmegaConf.load(path)
         if "@package _global_" in path.read_text().split("\n", 1)[0]:
-            node = node.get(group, {})  # the file spells out `group:` itself
-        if OmegaConf.select(node, dotted_key, default=None) is not None:
-            owners.append(path.stem)
-    return owners
+            node = node.get(group) or OmegaConf.create()  # the file spells out `group:` itself
+        yield path.stem, node
 
 
 def _first_line(err: BaseException) -> str:

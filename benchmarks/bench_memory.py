@@ -101,7 +101,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in Transformer(**config).parameters())
     print(f"Transformer {args.layers} layers x {args.d_model} wide, vocab {args.vocab}, block {args.block_size}: "
           f"{n_params / 1e6:.1f} M parameters (tied head), fp32, AdamW; 2 steps, CPU/gloo, spawned ranks")
-    print(f"bytes per rank after backward of step 2 (MiB); fsdp ranks differ by padding, the largest shown\n")
+    print("bytes per rank after backward of step 2 (MiB); fsdp ranks differ by padding, the largest shown\n")
     header = f"{'ranks':>5} {'strategy':>8} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9} {'fsdp/ddp':>9}"
     print(header)
     print("-" * len(header))

@@ -41,8 +41,26 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, laun
     )
 
 
+def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: float = 120):
+    """`python -m <module> ARGS` (trainer.<module> for a bare name) as a user runs it, as a
+    real subprocess; this checkout's code comes first."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    module = module if "." in module else f"trainer.{module}"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+    """The model weights of a run's checkpoint; a sharded one is read into its rebuilt model."""
+    path = run_dir / "checkpoints" / name
+    state = torch.load(path, weights_only=True)
+    if "shards" not in state:
+        return state["model"]
+    from trainer.restore import model_node, read_checkpoint, rebuild_model
+
+    state = read_checkpoint(str(path))
+    return rebuild_model(model_node(state, str(path)), state["data_dims"], state, str(path)).state_dict()
 
 
 def assert_same_weights(a: dict, b: dict, atol: float) -> None:

@@ -3,16 +3,14 @@ checkpoint alone, as real subprocesses; their refusals are one line and exit 2."
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, SHAKESPEARE, run_cli, train_in_process
+from conftest import SHAKESPEARE, run_cli, run_module, train_in_process
 from trainer.sample import generate, sample
 
 # A tiny character Transformer: a few seconds on one core, and it sees a context of 16.
@@ -22,16 +20,6 @@ TINY_CHAR_MODEL = [
     "trainer.eval_every_n_steps=20",
 ]
 WORDS = "the king and queen of rome speak to romeo while juliet sleeps under a pale moon".split()
-
-
-def _tool(module: str, args: list[str], cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m <module> ARGS` (trainer.<module> for a bare name) as a user runs it; this
-    checkout's code comes first."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    module = module if "." in module else f"trainer.{module}"
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -66,7 +54,7 @@ def vocabulary(char_run) -> str:
 
 def test_sample_prints_the_prompt_and_200_characters_of_the_vocabulary(char_run, vocabulary):
     prompt = "The king"
-    proc = _ok(_tool("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"prompt={prompt}",
+    proc = _ok(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"prompt={prompt}",
                                 "max_new_tokens=200", "temperature=0.8", "top_k=200", "seed=0", "device=cpu"]))
     text = proc.stdout.removesuffix("\n")  # print's newline; the sample itself may end in one
     assert text.startswith(prompt) and len(text) == len(prompt) + 200
@@ -115,7 +103,7 @@ def test_generate_crops_the_context_to_block_size_and_works_for_any_logits_model
 
 def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):
     logged = json.loads((char_run / "metrics.json").read_text())["final"]["val/loss"]
-    proc = _ok(_tool("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}"]))
+    proc = _ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}"]))
     record = json.loads((char_run / "eval" / "metrics.json").read_text())  # the default output
     assert record["metrics"]["val/loss"] == pytest.approx(logged, abs=1e-6)
     assert record["step"] == 40 and record["split"] == "val" and record["world_size"] == 1
@@ -125,12 +113,12 @@ def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(c
 @pytest.mark.parametrize("launch", ["self-launched", "torchrun"])
 def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
-    _ok(_tool("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
+    _ok(run_module("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
     two_ranks = [checkpoint, "split=train", "trainer.val_batch_size=7", f"output={tmp_path / 'two.json'}"]
     if launch == "torchrun":  # strategy=auto is ddp under torchrun
-        _ok(_tool("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "trainer.evaluate", *two_ranks]))
+        _ok(run_module("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "trainer.evaluate", *two_ranks]))
     else:
-        _ok(_tool("trainer.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
+        _ok(run_module("trainer.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two["world_size"] == 2 and two["strategy"] == "ddp"
     assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)
@@ -140,7 +128,7 @@ def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
     """Other data of the same kind (a copy of the text under another name) gives the same loss."""
     data = Path(torch.load(char_run / "checkpoints" / "last.pt", weights_only=True)["config"]["data"]["path"])
     (tmp_path / "copy.txt").write_text(data.read_text(encoding="utf-8"), encoding="utf-8")
-    _ok(_tool("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"data.path={tmp_path / 'copy.txt'}",
+    _ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"data.path={tmp_path / 'copy.txt'}",
                            "trainer.limit_val_batches=2", f"output={tmp_path / 'm.json'}"]))
     record = json.loads((tmp_path / "m.json").read_text())
     assert record["overrides"] == [f"data.path={tmp_path / 'copy.txt'}", "trainer.limit_val_batches=2"]
@@ -158,7 +146,7 @@ def token_checkpoint(tmp_path_factory) -> Path:
 
 
 def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
-    _refused(_tool("sample", [f"checkpoint={token_checkpoint}"]),
+    _refused(run_module("sample", [f"checkpoint={token_checkpoint}"]),
              "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text or "
              "data=token_file")
 
@@ -171,7 +159,7 @@ def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
     (["seed=x"], ["seed='x' is not an integer"]),
 ])
 def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
-    _refused(_tool("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
+    _refused(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
 
 
 @pytest.mark.parametrize("args,phrases", [
@@ -184,7 +172,7 @@ def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]
-    _refused(_tool("evaluate", checkpoint + args + [f"output={tmp_path / 'm.json'}"]), *phrases)
+    _refused(run_module("evaluate", checkpoint + args + [f"output={tmp_path / 'm.json'}"]), *phrases)
     assert not (tmp_path / "m.json").exists()
 
 
@@ -196,7 +184,7 @@ def test_shakespeare_char_then_sample_200_characters(tmp_path):
     _ok(run_cli(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}", f"data.cache_dir={tmp_path / 'cache'}",
                  f"hydra.run.dir={run}"], timeout=1800))
     vocab = torch.load(run / "checkpoints" / "best.pt", weights_only=True)["vocab"]["chars"]
-    proc = _ok(_tool("sample", [f"checkpoint={run / 'checkpoints/best.pt'}", "prompt=ROMEO:", "max_new_tokens=200",
+    proc = _ok(run_module("sample", [f"checkpoint={run / 'checkpoints/best.pt'}", "prompt=ROMEO:", "max_new_tokens=200",
                                 "temperature=0.8", "top_k=200", "seed=0"]))
     text = proc.stdout.removesuffix("\n")
     assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 200 and set(text) <= set(vocab)

@@ -17,7 +17,7 @@ from data.bundle import DataError
 from data.prepare_tokens import main, prepare_random, prepare_text
 from data.tensors import windows_of
 from data.text import encode_text
-from data.token_file import VOCAB_CHECK_BYTES, TokenWindows, token_file, write_meta
+from data.token_file import VOCAB_CHECK_BYTES, token_file, write_meta
 from data.vocab import ByteVocab, CharVocab, vocab_from_state
 
 REPO = Path(__file__).resolve().parents[1]

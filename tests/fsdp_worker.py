@@ -192,18 +192,19 @@ def scenario_resume(out: Path, source: Path, rank: int, world_size: int) -> None
     optimizer = build_optimizer(model, "adamw")
     load_full_checkpoint(source / "adamw_step20.pt", model, optimizer, rank)
     sharded_dir = out / "sharded"
-    save_sharded(sharded_dir, model, optimizer, extra={"step": RESUME_STEP, "note": "first"})
-    save_sharded(sharded_dir, model, optimizer, extra={"step": RESUME_STEP, "note": "second"})  # replaces
+    stale = sharded_model()  # an older save of the same name, which the next one replaces
+    save_sharded(sharded_dir, stale, build_optimizer(stale, "adamw"))
+    save_sharded(sharded_dir, model, optimizer)
     reloaded = sharded_model()
     reloaded_optimizer = build_optimizer(reloaded, "adamw")
-    extra = load_sharded(sharded_dir, reloaded, reloaded_optimizer)
+    load_sharded(sharded_dir, reloaded, reloaded_optimizer)
     same = _same_full_state(model, optimizer, reloaded, reloaded_optimizer)
     train(reloaded, reloaded_optimizer, range(RESUME_STEP, STEPS), **common)
     weights = full_model_state_dict(reloaded)
     if rank == 0:
         torch.save(weights, out / "fsdp_resumed.pt")
         leftovers = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
-        (out / "report.json").write_text(json.dumps({"extra": extra, "sharded_same": same, "leftovers": leftovers}))
+        (out / "report.json").write_text(json.dumps({"sharded_same": same, "leftovers": leftovers}))
 
     # 2. single-process checkpoint (name-keyed state written without a process group) -> fsdp.
     model = sharded_model()

@@ -19,7 +19,9 @@ from trainer.checkpoint import (
     load_checkpoint,
     remove_stale_temp_files,
     save_checkpoint,
+    shards_name,
 )
+from trainer.fsdp import load_sharded, save_sharded
 
 
 def _state(step: int, numel: int = 4) -> dict:
@@ -323,3 +325,93 @@ def test_load_checkpoint_messages_are_unchanged(tmp_path):
     torch.save({**_state(1), "format": 99}, tmp_path / "future.pt")
     with pytest.raises(CheckpointError, match=rf"has format 99, this ringtrain reads {CHECKPOINT_FORMAT}$"):
         load_checkpoint(tmp_path / "future.pt")
+
+
+# --- sharded checkpoints (strategy.state_dict_type=sharded), in one process ------------------
+
+
+def _save_sharded_step(store: CheckpointStore, model: torch.nn.Module, step: int, best: bool) -> None:
+    """What the loop does: the shards directory first, then the step file that names it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_sharded(store.shards_path(step), model, optimizer)
+    state = {k: v for k, v in _state(step).items() if k not in ("model", "optimizer")}
+    store.save({**state, "shards": shards_name(step)}, step, best)
+
+
+def _shards(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.is_dir())
+
+
+def test_sharded_store_keeps_the_shards_a_checkpoint_file_names_and_no_others(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=1)
+    model = torch.nn.Linear(3, 2)
+    _save_sharded_step(store, model, 10, best=True)
+    _save_sharded_step(store, model, 20, best=False)
+    _save_sharded_step(store, model, 30, best=False)
+    # step-10's file is rotated away, but best.pt still names its shards.
+    assert _shards(tmp_path) == ["step-00000010.shards", "step-00000030.shards"]
+    last = load_checkpoint(tmp_path / "last.pt")
+    assert "model" not in last and last["shards"] == tmp_path / "step-00000030.shards"
+    bare = torch.nn.Linear(3, 2)
+    load_sharded(load_checkpoint(tmp_path / "best.pt")["shards"], bare)
+    assert torch.equal(bare.weight, torch.full((2, 3), 10.0))
+    _save_sharded_step(store, model, 40, best=True)  # best moves on: step-10's shards go
+    assert _shards(tmp_path) == ["step-00000040.shards"]
+
+
+def test_sharded_checkpoint_with_incomplete_shards_falls_back_with_one_warning(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=2)
+    model = torch.nn.Linear(3, 2)
+    _save_sharded_step(store, model, 10, best=False)
+    _save_sharded_step(store, model, 20, best=False)
+    (tmp_path / "step-00000020.shards" / ".metadata").unlink()
+    found, warnings = find_resumable(tmp_path)
+    assert found == tmp_path / "step-00000010.pt"
+    assert len(warnings) == 1 and "step-00000020.shards that are missing or incomplete" in warnings[0]
+    with pytest.raises(CheckpointError, match="keeps its weights in .*step-00000020.shards, which is missing"):
+        load_checkpoint(tmp_path / "last.pt")
+
+
+def test_shards_of_killed_saves_are_removed_and_named_ones_kept(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last_k=2)
+    _save_sharded_step(store, torch.nn.Linear(3, 2), 10, best=False)
+    (tmp_path / ".step-00000020.shards.partial").mkdir()  # killed while writing shards
+    (tmp_path / ".step-00000010.shards.previous").mkdir()  # killed between the two renames
+    (tmp_path / "step-00000030.shards").mkdir()  # killed after the shards, before the step file
+    removed = {p.name for p in remove_stale_temp_files(tmp_path)}
+    assert removed == {".step-00000020.shards.partial", ".step-00000010.shards.previous", "step-00000030.shards"}
+    assert _shards(tmp_path) == ["step-00000010.shards"]
+    assert find_resumable(tmp_path) == (tmp_path / "last.pt", [])
+
+
+def test_a_full_disk_during_a_sharded_save_is_one_line_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path, keep_last_k=2)
+    model = torch.nn.Linear(3, 2)
+    _save_sharded_step(store, model, 10, best=False)
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)  # DCP fsyncs each shard file it writes
+    with pytest.raises(CheckpointError) as failure:
+        save_sharded(store.shards_path(20), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.undo()
+    assert str(failure.value) == (
+        f"cannot save checkpoint {tmp_path / 'step-00000020.shards'}: No space left on device; free space on "
+        f"{tmp_path} or keep fewer checkpoints; the previous last.pt is intact"
+    )
+    assert _shards(tmp_path) == ["step-00000010.shards"]  # no partial directory left
+    assert find_resumable(tmp_path) == (tmp_path / "last.pt", [])
+    assert load_checkpoint(tmp_path / "last.pt")["progress"]["step"] == 10
+
+
+def test_a_sharded_save_where_no_directory_can_be_made_is_one_line(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match=r"^cannot save checkpoint .*not-a-directory/step-00000020.shards: "
+                                              r"Not a directory; check that .* is writable"):
+        save_sharded(blocker / shards_name(20), model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -6,12 +6,13 @@ with a hand-written loop; these hold the whole job.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 import torch
 
-from conftest import assert_same_weights, checkpoint_weights, run_cli
+from conftest import assert_same_weights, checkpoint_weights, run_cli, run_module
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
 # A Transformer without biases: a bias whose true gradient is zero gets pure rounding noise,
@@ -69,6 +70,39 @@ def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(t
     assert_same_weights(straight, ddp, atol=1e-5)
 
 
+def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_path):
+    common = FSDP_2 + ["optimizer=adamw", "trainer.batch_size=8"]
+    sharded = common + ["strategy.state_dict_type=sharded", "trainer.keep_last_k=1"]
+    straight = _train(tmp_path, "straight", common + ["trainer.max_steps=40"])  # full checkpoints
+    # 20 steps, then the same command with more steps continues from the sharded last.pt.
+    _train(tmp_path, "run", sharded + ["trainer.max_steps=20"])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    first = sorted(p.name for p in checkpoints.iterdir())
+    resumed = _train(tmp_path, "run", sharded + ["trainer.max_steps=40"])
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+    # On disk: small step files that name a directory of each rank's shards, written by DCP.
+    assert first == ["best.pt", "last.pt", "step-00000020.pt", "step-00000020.shards"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "best.pt", "last.pt", "step-00000040.pt", "step-00000040.shards"]  # keep_last_k=1
+    assert sorted(p.name for p in (checkpoints / "step-00000040.shards").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = torch.load(checkpoints / "last.pt", weights_only=True)
+    assert "model" not in state and "optimizer" not in state and state["shards"] == "step-00000040.shards"
+
+    # A sharded checkpoint resumes under ddp (each rank reads the whole model from the shards) ...
+    _train(tmp_path, "half", sharded + ["trainer.max_steps=20"])
+    half = tmp_path / "half" / "checkpoints" / "last.pt"
+    ddp = _train(tmp_path, "ddp", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
+                                   "trainer.batch_size=8", "trainer.max_steps=40", f"trainer.resume={half}"])
+    assert_same_weights(straight, ddp, atol=1e-5)
+    # ... and trainer.evaluate reads it in one process, to the run's own last validation.
+    proc = _ok(run_module("trainer.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
+    run_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert proc.stdout.strip() == f"val/loss={run_metrics['final']['val/loss']:.6g}"
+
+
 def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
     proc = _ok(run_cli(SMALL + FSDP_2 + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",
                                          "trainer.max_steps=60", f"hydra.run.dir={tmp_path}"]))
@@ -83,6 +117,10 @@ def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
      "strategy.bucket_cap_mb is not a setting of strategy=fsdp; it belongs to strategy=ddp"),
     (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.shard_classes=[Blok]"],
      "strategy=fsdp: shard class 'Blok' matches no module of Transformer"),
+    (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=shards"],
+     "strategy.state_dict_type='shards' is unknown; use full (one plain file) or sharded"),
+    (["strategy=ddp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded"],
+     "strategy.state_dict_type is not a setting of strategy=ddp; it belongs to strategy=fsdp"),
 ])
 def test_fsdp_mistakes_are_one_line_and_exit_2(tmp_path, overrides, message):
     proc = run_cli(SMALL + overrides + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"])

@@ -361,6 +361,30 @@ def test_torchrun_worker_sigkilled_then_the_same_command_ends_bit_identical(tmp_
     assert_identical(tmp_path / "run", reference(2))
 
 
+def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_path):
+    """strategy.state_dict_type=sharded: each rank's shards plus the step file that names them."""
+    from conftest import checkpoint_weights
+
+    args = MLP + [f"trainer.max_steps={STEPS}", "strategy=fsdp", "strategy.state_dict_type=sharded"]
+    ok(run_job(args + [f"hydra.run.dir={tmp_path / 'straight'}"], launcher=TORCHRUN))
+    run_args = args + [f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("fsdp-sigkill", 2)
+    with Job(run_args, launcher=TORCHRUN) as job:
+        os.kill(job.wait_for_step(step, rank=1), signal.SIGKILL)
+        status, output = job.finish(timeout=120)
+        assert status != 0, output[-4000:]
+        assert not job.kill_leftovers(), "torchrun left workers behind"
+    saved = checkpoint(tmp_path / "run")["progress"]["step"]
+    assert 0 < saved < STEPS
+
+    output = ok(run_job(run_args, launcher=TORCHRUN))
+    assert resumed_from_step(output) == saved
+    straight, resumed = checkpoint(tmp_path / "straight"), checkpoint(tmp_path / "run")
+    assert resumed["progress"] == straight["progress"]
+    _assert_equal(resumed["scheduler"], straight["scheduler"], "scheduler")
+    _assert_equal(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "straight"), "model")
+
+
 def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(tmp_path, reference):
     args = DDP + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("torchrun-sigterm", 2)

@@ -12,6 +12,12 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   data_dims, vocab   the sizes the data gave the model, and its vocabulary (sampling)
   format       CHECKPOINT_FORMAT (2: optimizer state by parameter name)
 
+Under strategy=fsdp with strategy.state_dict_type=sharded, `model` and `optimizer` are not in
+the file: `shards` names the torch.distributed.checkpoint directory beside it
+(`step-<N>.shards/`, each rank's own shards, trainer/fsdp.py's save_sharded). The file is
+written only once that directory is complete, so a step file that exists always has its
+shards; `load_checkpoint` returns `shards` as the directory's path.
+
 Why the care: a week-long run must not lose its progress to a preemption, a full disk, a
 power cut or a file broken some other way. So:
   * Every file is written to a temporary name in the same directory (`.<name>.tmp-<pid>`),
@@ -22,6 +28,7 @@ power cut or a file broken some other way. So:
   * `CheckpointStore` keeps the last `keep_last_k` checkpoints as `step-<step>.pt` files and
     points `last.pt` / `best.pt` at them with hard links (no second write), so one broken file
     still leaves an older one to resume from; `find_resumable` picks the newest that loads.
+    A shards directory is deleted once no step file, last.pt or best.pt names it.
   * Files are read with `weights_only=True`: a checkpoint is data, and a pickle that would run
     code when loaded is refused.
 Only rank 0 writes.
@@ -41,12 +48,16 @@ from torch import nn
 
 CHECKPOINT_FORMAT = 2
 _REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config", "format")
+_REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "config", "format")
 
 LAST_NAME = "last.pt"
 BEST_NAME = "best.pt"
 _STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
 # What `_temp_path` makes of ringtrain's own names; nothing else is ever removed as stale.
 _STALE_TEMP_NAME = re.compile(r"^\.(?:last|best|step-\d+)\.pt\.tmp-\d+$")
+_SHARDS_NAME = re.compile(r"^step-\d+\.shards$")
+# What trainer/fsdp.py's save_sharded leaves when killed mid-save.
+_STALE_SHARDS_NAME = re.compile(r"^\.step-\d+\.shards\.(?:partial|previous)$")
 # Directory fsync is not supported everywhere (some network and FUSE file systems): there the
 # rename is as durable as the file system makes it, and that is no reason to stop a run.
 _FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
@@ -82,6 +93,11 @@ def step_checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
+def shards_name(step: int) -> str:
+    """`step-00001200.shards`: the directory of a sharded checkpoint's weights and optimizer state."""
+    return f"step-{step:08d}.shards"
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write `state` to `path` durably: complete and in place after a crash or power cut, or
     not at all (CheckpointError, with the previous file at `path` untouched)."""
@@ -110,8 +126,8 @@ def link_checkpoint(source: Path, target: Path) -> None:
         os.replace(tmp, target)
     except OSError as err:
         _remove_if_present(tmp)
-        raise CheckpointError(_write_failure_message(target, err, intact=target)) from None
-    _fsync_directory(target.parent)
+        raise CheckpointError(write_failure_message(target, err, intact=target)) from None
+    fsync_directory(target.parent)
 
 
 def _write_durably(path: Path, state: dict[str, Any], intact: Path) -> None:
@@ -121,7 +137,7 @@ def _write_durably(path: Path, state: dict[str, Any], intact: Path) -> None:
     try:
         if not path.parent.is_dir():
             path.parent.mkdir(parents=True, exist_ok=True)
-            _fsync_directory(path.parent.parent)  # the new directory itself survives a power cut
+            fsync_directory(path.parent.parent)  # the new directory itself survives a power cut
         with open(tmp, "wb") as file:
             writer = _ErrorRecordingWriter(file)
             try:
@@ -137,11 +153,11 @@ def _write_durably(path: Path, state: dict[str, Any], intact: Path) -> None:
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
     except OSError as err:
         _remove_if_present(tmp)
-        raise CheckpointError(_write_failure_message(path, err, intact)) from None
+        raise CheckpointError(write_failure_message(path, err, intact)) from None
     except BaseException:  # a state torch cannot save, Ctrl-C mid-write: no debris either
         _remove_if_present(tmp)
         raise
-    _fsync_directory(path.parent)  # the rename itself survives a power cut
+    fsync_directory(path.parent)  # the rename itself survives a power cut
 
 
 class _ErrorRecordingWriter:
@@ -168,7 +184,7 @@ def _copy_durably(source: Path, target: Path) -> None:
         os.fsync(file.fileno())
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Make the renames and links in `directory` durable (a file's own fsync does not cover its
     directory entry)."""
     consequence = "a power cut may undo the last checkpoint rename"
@@ -187,7 +203,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_failure_message(path: Path, err: OSError, intact: Path) -> str:
+def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
     reason = err.strerror or str(err) or type(err).__name__
     if err.errno in _DISK_FULL:
         fix = f"free space on {path.parent} or keep fewer checkpoints"
@@ -239,15 +255,21 @@ class CheckpointStore:
     def best(self) -> Path:
         return self.directory / BEST_NAME
 
+    def shards_path(self, step: int) -> Path:
+        """Where a sharded checkpoint of `step` keeps its shards (written before `save`)."""
+        return self.directory / shards_name(step)
+
     def save(self, state: dict[str, Any], step: int, best: bool) -> Path:
         """Write `step-<step>.pt` durably, point last.pt (and best.pt when `best`) at it, then
-        delete the step files beyond the newest `keep_last_k`. Returns the step file."""
+        delete the step files beyond the newest `keep_last_k` (and the shards directories no
+        file names any more). Returns the step file."""
         step_path = self.directory / step_checkpoint_name(step)
         _write_durably(step_path, state, intact=self.last)
         link_checkpoint(step_path, self.last)
         if best:
             link_checkpoint(step_path, self.best)
         self._remove_old_step_files(step)
+        remove_unnamed_shards(self.directory)
         return step_path
 
     def step_files(self) -> list[tuple[int, Path]]:
@@ -289,11 +311,14 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Delete the temporary files of saves that were killed mid-write; returns them.
+    """Delete what saves killed mid-write left behind; returns it.
 
-    Only ringtrain's own names (`.last.pt.tmp-<pid>`, `.best.pt.tmp-<pid>`,
-    `.step-<step>.pt.tmp-<pid>`) are touched. Call it before the first save, while no other
-    process writes checkpoints to this directory (run.py refuses a directory another run uses).
+    Only ringtrain's own names are touched: temporary files (`.last.pt.tmp-<pid>`,
+    `.best.pt.tmp-<pid>`, `.step-<step>.pt.tmp-<pid>`), partial shards directories
+    (`.step-<step>.shards.partial`), and shards directories that no checkpoint file names (a
+    save killed after its shards were complete, before its step file was written). Call it
+    before the first save, while no other process writes checkpoints to this directory
+    (run.py refuses a directory another run uses).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -303,6 +328,33 @@ def remove_stale_temp_files(directory: Path) -> list[Path]:
         if _STALE_TEMP_NAME.match(entry.name) and entry.is_file():
             _remove_if_present(entry)
             removed.append(entry)
+        elif _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return sorted(removed + remove_unnamed_shards(directory))
+
+
+def remove_unnamed_shards(directory: Path) -> list[Path]:
+    """Delete the `step-<N>.shards` directories that no step file, last.pt or best.pt names;
+    returns them. A shards directory lives exactly as long as some checkpoint file uses it
+    (best.pt may keep one whose step file was rotated away). When last.pt or best.pt cannot
+    be read, which directory it names is unknown, and nothing is deleted."""
+    directory = Path(directory)
+    shards = [entry for entry in directory.iterdir() if _SHARDS_NAME.match(entry.name) and entry.is_dir()]
+    if not shards:
+        return []
+    named = {shards_name(step) for step, _ in step_checkpoints(directory)}
+    for pointer in (directory / LAST_NAME, directory / BEST_NAME):
+        if pointer.is_file():
+            try:
+                state = torch.load(pointer, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:
+                return []
+            if isinstance(state, dict) and "shards" in state:
+                named.add(str(state["shards"]))
+    removed = [entry for entry in shards if entry.name not in named]
+    for entry in removed:
+        shutil.rmtree(entry, ignore_errors=True)
     return sorted(removed)
 
 
@@ -324,11 +376,18 @@ def _load_verified(path: str | Path, map_location: torch.device | str, mmap: boo
         raise _Unusable("missing") from None
     except Exception as err:  # truncated file, pickle with code in it, not a torch file at all
         raise _Unusable("unreadable", _first_sentence(err)) from None
-    missing = [k for k in _REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    required = _REQUIRED_KEYS_SHARDED if isinstance(state, dict) and "shards" in state else _REQUIRED_KEYS
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise _Unusable("foreign", ", ".join(missing))
     if state["format"] != CHECKPOINT_FORMAT:
         raise _Unusable("format", str(state["format"]))
+    if "shards" in state:
+        # DCP writes .metadata last, and save_sharded renames the directory only when complete.
+        shards = Path(path).parent / str(state["shards"])
+        if not (shards / ".metadata").is_file():
+            raise _Unusable("shards", str(shards))
+        state["shards"] = shards
     return state
 
 
@@ -373,6 +432,11 @@ def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
             message = (
                 f"checkpoint '{path}' is not a ringtrain checkpoint (missing {err.detail}); "
                 f"pass a last.pt/best.pt written by ringtrain"
+            )
+        elif err.kind == "shards":
+            message = (
+                f"checkpoint '{path}' keeps its weights in {err.detail}, which is missing or incomplete; "
+                f"resume from another checkpoint of that run (trainer.resume=auto picks the newest that loads)"
             )
         else:
             message = f"checkpoint '{path}' has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
@@ -421,6 +485,8 @@ def _short_reason(err: _Unusable) -> str:
         return f"is not a ringtrain checkpoint (missing {err.detail})"
     if err.kind == "format":
         return f"has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
+    if err.kind == "shards":
+        return f"names shards {err.detail} that are missing or incomplete"
     return "disappeared while being read"
 
 

@@ -27,6 +27,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
 STRATEGIES = ("single", "dp", "ddp", "fsdp")
 MULTI_PROCESS = ("ddp", "fsdp")  # strategies with one process per device
+STATE_DICT_TYPES = ("full", "sharded")  # how fsdp checkpoints its model (trainer/fsdp.py)
 BACKENDS = ("auto", "gloo", "nccl")
 # torch.compile's modes (trainer.compile_mode); "default" passes none.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -84,6 +85,7 @@ class StrategyConfig:
     shard_classes: list[str] = field(default_factory=list)  # []: the repeated layers
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    state_dict_type: str = "full"  # full: one plain file (rank 0 gathers); sharded: each rank its shards
 
 
 @dataclass
@@ -270,6 +272,16 @@ def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
         raise ConfigError(
             "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
             "for one process use strategy=single or ddp"
+        )
+    if s.state_dict_type not in STATE_DICT_TYPES:
+        raise ConfigError(
+            f"strategy.state_dict_type={s.state_dict_type!r} is unknown; use full (one plain file) or sharded "
+            f"(each rank writes its own shards, for models too large to gather on one rank)"
+        )
+    if s.state_dict_type == "sharded" and s.name != "fsdp":
+        raise ConfigError(
+            f"strategy.state_dict_type=sharded needs strategy=fsdp (under {s.name} every rank holds the whole "
+            f"model, and rank 0 writes it in one file); drop the option or use strategy=fsdp"
         )
     if s.name in ("dp", "fsdp") and t.compile:
         why = {"dp": "DataParallel copies the model in every forward",

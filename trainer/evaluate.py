@@ -209,7 +209,7 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
             )
         task = check_task(build(job.task, "task"))
         state = read_checkpoint(job.checkpoint)
-        model = rebuild_model(job.model, job.data_dims, state["model"], job.checkpoint).to(dist.device)
+        model = rebuild_model(job.model, job.data_dims, state, job.checkpoint).to(dist.device)
         del state
         cfg = job.trainer
         loader = build_val_loader(

@@ -43,6 +43,8 @@ from trainer.fsdp import (
     gradient_sync,
     inference_context,
     load_full_optimizer_state_dict,
+    load_sharded,
+    save_sharded,
 )
 from trainer.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
 from trainer.logger import RunLogger
@@ -198,7 +200,7 @@ class TrainingLoop:
         Returns the training loader."""
         cfg, dist = self.cfg, self.dist
         self.model = model.to(self.device)
-        if resumed:
+        if resumed and "shards" not in resumed:  # sharded weights load once the model is set up (_restore)
             load_model_weights(model, resumed, resume_from)
         # Under fsdp, bf16-mixed is FSDP2's own mixed precision (bf16 parameters, float32
         # gradient reduction) instead of autocast.
@@ -340,17 +342,23 @@ class TrainingLoop:
     def _save(self, progress: Progress, best: bool) -> None:
         """Rank 0 writes step-<N>.pt, last.pt (and best.pt); every rank learns whether it worked."""
         rng = gather_objects(self.dist, rng_state(self.device))  # every rank's, for exact resume
-        # Full, plain-tensor state on rank 0 whatever the strategy (FSDP gathers its shards:
-        # every rank takes part); the optimizer's keyed by parameter name, so a checkpoint
-        # resumes under another strategy.
-        model_state = full_model_state_dict(self.model)
-        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
+        if self.run.strategy.state_dict_type == "sharded":
+            # Each rank writes its own shards (nothing gathered); the step file names them and
+            # is written after them. A failed write raises on every rank alike.
+            shards = self.checkpoints.shards_path(progress.step)
+            save_sharded(shards, self.model, self.optimizer)
+            weights = {"shards": shards.name}
+        else:
+            # Full, plain-tensor state on rank 0 whatever the strategy (FSDP gathers its
+            # shards: every rank takes part); the optimizer's keyed by parameter name, so a
+            # checkpoint resumes under another strategy.
+            weights = {"model": full_model_state_dict(self.model),
+                       "optimizer": full_optimizer_state_dict(self.model, self.optimizer)}
         failure = None
         if self.dist.is_main:
             state = {
                 "format": CHECKPOINT_FORMAT,
-                "model": model_state,
-                "optimizer": optimizer_state,
+                **weights,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict(),
                 "progress": asdict(progress),
@@ -373,7 +381,10 @@ class TrainingLoop:
             raise CheckpointError(failure)
 
     def _restore(self, state: dict) -> Progress:
-        load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if "shards" in state:  # into the set-up model: each rank reads what its shards need
+            load_sharded(state["shards"], self.model, self.optimizer)
+        else:
+            load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler") or {})
         rng = state["rng"]

@@ -2,7 +2,8 @@
 
 A ringtrain checkpoint holds what rebuilds the model without the run's command line: the
 resolved model node (`config["model"]`, a `_target_` plus its arguments), the sizes the data
-gave the model (`data_dims`) and the weights (`model`). `rebuild_model` checks the node
+gave the model (`data_dims`) and the weights (`model`, or the `shards` directory of a sharded
+fsdp checkpoint, read whole into this process's model). `rebuild_model` checks the node
 against its target's signature first (trainer/components.py), so a user's model whose
 package is not importable from here is one line naming the fix, not a traceback.
 """
@@ -19,6 +20,7 @@ from trainer.builders import build_model
 from trainer.checkpoint import CheckpointError, load_checkpoint
 from trainer.components import check
 from trainer.errors import ConfigError
+from trainer.fsdp import load_sharded
 from trainer.precision import Precision
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -47,13 +49,17 @@ def model_node(state: Mapping[str, Any], path: str) -> dict[str, Any]:
     return dict(node)
 
 
-def rebuild_model(node: Mapping[str, Any], data_dims: Mapping[str, Any], weights: Mapping[str, torch.Tensor],
+def rebuild_model(node: Mapping[str, Any], data_dims: Mapping[str, Any], state: Mapping[str, Any],
                   path: str) -> nn.Module:
-    """Build the model `node` describes, with the data's sizes filled in, and load `weights`."""
+    """Build the model `node` describes, with the data's sizes filled in, and load the weights
+    of the checkpoint `state` (read from `path`). With a process group every rank calls it."""
     check(node, "model", kind=nn.Module, provided=list(data_dims), provided_by="the checkpoint's data_dims")
     model = build_model(node, data_dims)
     try:
-        model.load_state_dict(weights)
+        if "shards" in state:
+            load_sharded(state["shards"], model)
+        else:
+            model.load_state_dict(state["model"])
     except RuntimeError as err:
         detail = " ".join(str(err).split())[:300]
         raise CheckpointError(

@@ -142,7 +142,7 @@ def sample(
         raise ConfigError(f"checkpoint {checkpoint!r} has an unusable vocabulary ({err})") from None
     ids = encode_prompt(vocab, read_prompt(prompt))
     target = choose_device(device)
-    model = rebuild_model(model_node(state, checkpoint), state.get("data_dims") or {}, state["model"], checkpoint)
+    model = rebuild_model(model_node(state, checkpoint), state.get("data_dims") or {}, state, checkpoint)
     model.to(target)
     precision = inference_precision((state["config"].get("trainer") or {}).get("precision"), target)
 

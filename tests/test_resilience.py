@@ -15,6 +15,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, REPO
+from conftest import QUIET, REPO, run_cli
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -708,3 +709,23 @@ def test_a_stalled_rank_ends_the_job_and_is_named(tmp_path):
     # waits a fixed 30 s there, --shutdown-timeout does not apply to a failed worker group).
     print(f"stalled rank: the job ended {elapsed:.1f} s after SIGSTOP")
     assert elapsed < timeout_minutes * 60 + 5 + 30 + 10, f"{elapsed:.0f} s"
+
+
+# --- one job per run directory ------------------------------------------------------------------
+
+
+def test_a_second_job_in_a_running_jobs_directory_is_refused_and_the_first_is_unharmed(tmp_path, reference):
+    args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
+    with Job(args, step_seconds=0.1) as job:
+        job.wait_for_step(5)
+        second = run_cli(args)  # the same command again, while the first still trains
+        status, output = job.finish()
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+    assert lines[0] == (
+        f"error: {tmp_path / 'run'} is in use by another training job (pid {job.proc.pid} on "
+        f"{socket.gethostname()}); wait for it to end, stop it, or give this run its own hydra.run.dir"
+    )
+    assert status == 0, output[-4000:]
+    assert_identical(tmp_path / "run", reference(1))  # the refused job wrote nothing
+    ok(run_job(args))  # once the first has ended, the directory is free again (nothing to train)

@@ -26,6 +26,7 @@ from torch import nn
 
 from data.bundle import DataBundle
 from trainer.builders import build_data, build_model, check_task
+from trainer.checkpoint import RunDirError
 from trainer.components import build
 from trainer.config import MULTI_PROCESS, RunConfig, validate
 from trainer.distributed import (
@@ -42,7 +43,7 @@ from trainer.distributed import (
 from trainer.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
 from trainer.loop import FitResult, TrainingLoop
 from trainer.resume import checkpoint_to_resume, config_to_continue
-from trainer.rundir import forget_restart_note, leave_restart_note
+from trainer.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
 from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
 
 log = logging.getLogger("ringtrain")
@@ -117,10 +118,15 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
         run.strategy.name, run.strategy.backend, run.trainer.accelerator, run.strategy.timeout_minutes
     )
     clean_exit = False
+    directory_lock = RunDirectoryLock(run_dir)  # taken by rank 0, whose run_dir everyone shares
     try:
         # Rank 0's directory for everyone: under torchrun each rank's Hydra picked its own.
         shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
         _configure_rank_logging(dist, shared_dir)
+        # Rank 0 claims the directory for the whole job; a second job there ends on every rank.
+        refusal = broadcast_object(dist, directory_lock.acquire() if dist.is_main else None)
+        if refusal:
+            raise RunDirError(refusal)
         if dist.is_main:
             log.info(f"run directory: {shared_dir}")
             leave_restart_note(shared_dir)
@@ -152,6 +158,7 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
             raise DistributedSetupError(name_unresponsive_ranks(dist, run.strategy.timeout_minutes)) from None
         raise
     finally:
+        directory_lock.release()
         teardown_distributed(clean_exit)
 
 

@@ -13,13 +13,27 @@ torchrun without an id restarts its workers with the same command but a new cloc
 leaves a note (`restart_note`) naming its directory, keyed by the torchrun agent's pid (the
 workers' parent, alive across restarts), and a restarted rank 0 reads it
 (`directory_before_restart`).
+
+While a job runs, its rank 0 holds `RunDirectoryLock` on the directory, so that a second job
+(the same command started twice, two runs given one hydra.run.dir) is refused in one line
+instead of writing the same checkpoints at the same time.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; runs there are not protected from a second job
+    fcntl = None
+
+log = logging.getLogger("ringtrain")
 
 
 def run_name() -> str:
@@ -77,3 +91,54 @@ def directory_before_restart() -> str | None:
         return restart_note().read_text().strip() or None
     except OSError:
         return None
+
+
+class RunDirectoryLock:
+    """An exclusive claim on a run directory for the life of one job.
+
+    An advisory `flock` on `<run dir>/.lock`. The kernel drops it when the holding process
+    ends, however it ends (SIGKILL, the OOM killer, torchrun stopping its workers before a
+    restart), so a lock left behind never blocks the resume that follows. The file holds the
+    holder's pid and host, for the refusal message; it is left in place (deleting it would let
+    a third job lock a new file while the second still holds the old one).
+    Where the file system has no locks (some network file systems) the run goes on unprotected,
+    with a warning.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / self.NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; return None, or the one-line refusal when another job holds it."""
+        if fcntl is None:
+            return None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # an unwritable directory: the first checkpoint save says so
+            log.warning(f"cannot create {self.path} ({err.strerror}): nothing stops a second job from using this directory")
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return (
+                    f"{self.path.parent} is in use by another training job ({holder}); wait for it to end, "
+                    f"stop it, or give this run its own hydra.run.dir"
+                )
+            log.warning(f"cannot lock {self.path} ({err.strerror}): nothing stops a second job from using this directory")
+            return None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None

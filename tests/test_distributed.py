@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_same_weights, checkpoint_weights, run_cli, train_in_process
+from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli, train_in_process
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # An MLP without dropout, SGD: one process with batch 2B must equal 2 ranks with batch B each.
@@ -252,3 +252,35 @@ def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_
     assert info.value.exit_code == 1  # a crash, not a configuration mistake (2)
     assert time.monotonic() - started < 60, "the surviving rank waited for the collective timeout"
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+PEER_DIES = """
+import os, sys, torch, torch.distributed as dist
+from trainer.distributed import peer_lost
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    os._exit(9)  # as a SIGKILLed or crashed worker leaves: no goodbye to its peers
+try:
+    dist.all_reduce(torch.ones(1))
+except RuntimeError as err:
+    print(peer_lost(err, dist.get_rank()), flush=True)
+os._exit(0)  # a gloo group whose peer is gone aborts at interpreter exit; that is not under test
+"""
+
+
+def test_a_rank_whose_peer_died_gets_one_line_instead_of_gloos_traceback():
+    from trainer.distributed import _free_port
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": str(REPO)}
+    ranks = [subprocess.Popen([sys.executable, "-c", PEER_DIES], env={**env, "RANK": str(r)}, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    out, err = ranks[0].communicate(timeout=120)
+    ranks[1].wait(timeout=30)
+    assert ranks[0].returncode == 0, err[-2000:]
+    assert out.startswith("rank 0: another rank ended while this one was waiting for it ("), out + err
+    assert "by peer" in out  # gloo's words vary: "Connection closed by peer", "... reset by peer"
+    assert out.rstrip().endswith("its own output says why. The checkpoints are intact: the same command continues "
+                                 "from the last one")
+    assert "\n" not in out.strip() and "pair.cc" not in out  # one line, without gloo's source location

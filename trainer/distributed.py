@@ -133,6 +133,31 @@ def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta)
     return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
 
 
+class PeerLostError(RuntimeError):
+    """Another rank ended (crashed, killed, its machine lost) while this one was talking to it.
+    That rank's own output says why; this one reports it in one line and exits 1."""
+
+    exit_code = 1
+
+
+# What gloo and NCCL say when the other end of a collective went away.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote process exited", "communicator was aborted")
+
+
+def peer_lost(err: BaseException, rank: int) -> PeerLostError | None:
+    """The one-line error for a collective that failed because another rank ended, else None."""
+    text = str(err).strip()
+    if not isinstance(err, RuntimeError) or not any(marker in text.lower() for marker in _PEER_LOST):
+        return None
+    # "[/path/to/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:21635. This is ..."
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0][:200]
+    return PeerLostError(
+        f"rank {rank}: another rank ended while this one was waiting for it ({cause}); its own output says "
+        f"why. The checkpoints are intact: the same command continues from the last one"
+    )
+
+
 def is_timeout(err: BaseException) -> bool:
     """Whether `err` is a collective that gave up waiting (strategy.timeout_minutes)."""
     return isinstance(err, RuntimeError) and "timed out" in str(err).lower()

@@ -2,7 +2,7 @@
 
 Exit statuses of `python train.py` (and of each rank):
   0    the run is complete
-  1    a crash (a traceback says where)
+  1    a crash (a traceback says where), or another rank's crash (one line on this rank)
   2    a mistake in the configuration or inputs, reported in one line before work starts
        where it can be
   3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
@@ -47,14 +47,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 @contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
-    from trainer.distributed import WorkerFailedError
+    from trainer.distributed import PeerLostError, WorkerFailedError
 
     try:
         yield
     except user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    except WorkerFailedError as err:  # a spawned worker's own error is already printed above
+    # A spawned worker's own error is already printed above; a lost peer's is in its output.
+    except (WorkerFailedError, PeerLostError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except TrainingStopped as err:

@@ -35,6 +35,7 @@ from trainer.distributed import (
     broadcast_object,
     is_timeout,
     name_unresponsive_ranks,
+    peer_lost,
     setup_distributed,
     spawn_workers,
     teardown_distributed,
@@ -156,6 +157,8 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
     except Exception as err:
         if dist.is_distributed and is_timeout(err):
             raise DistributedSetupError(name_unresponsive_ranks(dist, run.strategy.timeout_minutes)) from None
+        if dist.is_distributed and (lost := peer_lost(err, dist.rank)):
+            raise lost from None
         raise
     finally:
         directory_lock.release()

@@ -138,7 +138,6 @@ def test_compile_mode_reaches_torch_compile(monkeypatch, tmp_path):
     (["trainer.compile=true", "trainer.compile_mode=fastest"], "trainer.compile_mode='fastest' is not a torch.compile mode"),
     (["trainer.compile_mode=max-autotune"], "has no effect without compiling; add trainer.compile=true"),
     (["trainer.compile=true", "strategy=dp"], "trainer.compile=true does not work with strategy=dp"),
-    (["trainer.compile=true", "strategy=fsdp", "strategy.nproc_per_node=2"], "does not work with strategy=fsdp"),
     (["trainer.compile=true", "strategy=ddp", "strategy.bucket_cap_mb=0.5"], "strategy.bucket_cap_mb=0.5 is below DDP's first bucket"),
     (["trainer.peak_tflops=-1"], "trainer.peak_tflops=-1.0 must be >= 0"),
     (["trainer.peak_tflops=nan"], "trainer.peak_tflops=nan must be >= 0"),

@@ -9,6 +9,11 @@ default; `TORCH_LOGS=ddp_graphs` shows the split, and a 2-rank gloo run with acc
 matches one eager process, tests/test_speed_features.py). That splitting refuses buckets
 smaller than DDP's 1 MiB first bucket, so `strategy.bucket_cap_mb` < 1 is refused with
 compiling, as is DataParallel, which copies the model in every forward (trainer/config.py).
+Under fsdp the order is the other way round: FSDP2 shards the model in place first, then the
+sharded model is compiled; dynamo runs FSDP2's hooks eagerly (torch's default), breaking the
+graph at each shard unit, and the loop sets gradient sync on the sharded model itself. There
+the backward probe below reaches no parameter (FSDP2 gathers them outside autograd), so it
+costs one forward and touches no gradient; a backward that fails to compile raises.
 
 Why a wrapper rather than `torch.compile(model)` alone:
   * Compile errors surface lazily. The forward graph is compiled at the first call and the

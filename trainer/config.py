@@ -283,11 +283,10 @@ def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
             f"strategy.state_dict_type=sharded needs strategy=fsdp (under {s.name} every rank holds the whole "
             f"model, and rank 0 writes it in one file); drop the option or use strategy=fsdp"
         )
-    if s.name in ("dp", "fsdp") and t.compile:
-        why = {"dp": "DataParallel copies the model in every forward",
-               "fsdp": "compiling FSDP2-sharded models (per block, before sharding) is not wired up yet"}[s.name]
+    if s.name == "dp" and t.compile:
         raise ConfigError(
-            f"trainer.compile=true does not work with strategy={s.name} ({why}); use strategy=ddp or strategy=single"
+            "trainer.compile=true does not work with strategy=dp (DataParallel copies the model in every "
+            "forward); use strategy=ddp or strategy=single"
         )
     if s.name == "ddp" and t.compile and s.bucket_cap_mb < 1:
         # DDP's first bucket is 1 MiB; torch.compile's DDP optimizer (which splits the graph

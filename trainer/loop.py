@@ -204,10 +204,20 @@ class TrainingLoop:
             load_model_weights(model, resumed, resume_from)
         # Under fsdp, bf16-mixed is FSDP2's own mixed precision (bf16 parameters, float32
         # gradient reduction) instead of autocast.
-        sharded_bf16 = self.run.strategy.name == "fsdp" and cfg.precision == "bf16-mixed"
-        # Compiled (trainer.compile) inside DDP, as torch.compile + DDP expects (trainer/compilation.py).
-        self.wrapped = wrap_model(compile_for_training(model, cfg.compile, cfg.compile_mode), self.run.strategy, dist,
-                                  torch.bfloat16 if sharded_bf16 else None)
+        fsdp = self.run.strategy.name == "fsdp"
+        sharded_bf16 = fsdp and cfg.precision == "bf16-mixed"
+        param_dtype = torch.bfloat16 if sharded_bf16 else None
+        if fsdp:
+            # FSDP2 shards the model in place; trainer.compile then compiles the sharded model,
+            # and gradient sync is set on the model itself (trainer/compilation.py).
+            self.wrapped = compile_for_training(wrap_model(model, self.run.strategy, dist, param_dtype),
+                                                cfg.compile, cfg.compile_mode)
+            self.synced = model
+        else:
+            # Compiled inside DDP, as torch.compile + DDP expects (trainer/compilation.py).
+            self.wrapped = wrap_model(compile_for_training(model, cfg.compile, cfg.compile_mode),
+                                      self.run.strategy, dist, param_dtype)
+            self.synced = self.wrapped
         self.params = list(model.parameters())  # after sharding: FSDP2 makes them DTensors
 
         val_batch_size = cfg.val_batch_size or cfg.batch_size
@@ -269,7 +279,7 @@ class TrainingLoop:
         step_loss = None
         for i, (inputs, targets) in enumerate(micro_batches):
             # DDP decides in forward whether backward all-reduces: both go inside no_sync.
-            with gradient_sync(self.wrapped, enabled=i == last):
+            with gradient_sync(self.synced, enabled=i == last):
                 with self.precision.autocast():
                     loss = self.task.loss(self.wrapped(inputs), targets)
                 # Weight each micro-batch by its share of samples, so K micro-batches of B give

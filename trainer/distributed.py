@@ -23,6 +23,7 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 class DistributedSetupError(RuntimeError):
     """The process group or device cannot be set up as configured; message says the fix."""
@@ -266,6 +267,11 @@ def _spawned_entry(local_rank: int, world_size: int, port: int, fn: Callable, pi
         # (2.5x slower measured with 2 workers on 2 cores). OMP_NUM_THREADS overrides this.
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    # tqdm (ringtrain's progress bar, and torch.compile's own) guards its output with a
+    # multiprocessing lock, a semaphore that a worker leaving through os._exit never releases:
+    # Python's resource tracker then warns of leaked semaphores at exit. A worker is one
+    # process with its own output, so a thread lock is all it needs.
+    tqdm.set_lock(threading.RLock())
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,9 +60,11 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     }
 
 
-def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]]:
-    """One rank (run by spawn_workers): 2 AdamW steps; every rank's byte counts, in rank order."""
-    info = setup_distributed("ddp", "gloo", "cpu", timeout_minutes=10)
+def train_steps(strategy: str, config: dict, batch: int, info, steps: int = 2,
+                after_backward: Callable | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The Transformer under ddp or fsdp, `steps` AdamW steps on random tokens; returns the
+    (bare, or sharded in place) model and its optimizer. `after_backward(step, model,
+    optimizer)` runs before each optimizer step, when the gradients exist."""
     torch.manual_seed(0)
     model = Transformer(**config)
     if strategy == "ddp":
@@ -72,15 +75,27 @@ def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]
     # After sharding: the optimizer must see (and keep state for) the sharded parameters.
     optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-4)
     generator = torch.Generator().manual_seed(info.rank)
-    counts: dict[str, int] = {}
-    for step in range(2):
+    for step in range(steps):
         tokens = torch.randint(0, config["vocab_size"], (batch, config["block_size"] + 1), generator=generator)
         logits = wrapped(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        if step == 1:  # gradients present and the AdamW moments made by step 0: the peak
-            counts = state_bytes(model, optimizer)
+        if after_backward is not None:
+            after_backward(step, model, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]]:
+    """One rank (run by spawn_workers): 2 AdamW steps; every rank's byte counts, in rank order."""
+    info = setup_distributed("ddp", "gloo", "cpu", timeout_minutes=10)
+    counts: dict[str, int] = {}
+
+    def count(step, model, optimizer):
+        if step == 1:  # gradients present and the AdamW moments made by step 0: the peak
+            counts.update(state_bytes(model, optimizer))
+
+    train_steps(strategy, config, batch, info, after_backward=count)
     everyone = gather_objects(info, counts)
     teardown_distributed()
     return everyone

@@ -265,3 +265,28 @@ def test_shard_class_names_resolve_or_list_what_exists():
     assert "\n" not in message and "'TransformerBlock'" in message and "Block, CausalSelfAttention" in message
     with pytest.raises(ValueError, match="no submodule of Transformer is a shard class"):
         shard_model(model, torch.device("cpu"), shard_classes=(nn.Conv2d,))
+
+
+TINY_BENCH = ["--world-sizes", "2", "--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "64",
+              "--block-size", "16"]
+
+
+def _bench(script: str) -> list[list[str]]:
+    """The rows of a benchmark's table (lines that start with a world size), split in words."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *TINY_BENCH], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+
+
+def test_the_memory_benchmark_shows_fsdp_holding_half_of_ddp_at_2_ranks():
+    rows = _bench("bench_memory.py")
+    assert [row[:2] for row in rows] == [["2", "ddp"], ["2", "fsdp"]]
+    assert float(rows[1][-1]) == pytest.approx(0.5, abs=0.02)  # fsdp/ddp, up to padding
+
+
+def test_the_checkpoint_benchmark_round_trips_both_ways_and_sharded_gathers_nothing():
+    rows = _bench("bench_checkpoint.py")
+    assert [row[:2] for row in rows] == [["2", "full"], ["2", "sharded"]]
+    assert float(rows[0][2]) > 0 and float(rows[1][2]) == 0  # MiB gathered on rank 0
+    assert [row[-1] for row in rows] == ["exact", "exact"]

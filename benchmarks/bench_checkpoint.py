@@ -19,7 +19,6 @@ a freshly sharded model and optimizer, and the round trip is checked exact.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_memory import MIB, train_steps  # noqa: E402
+from bench_memory import MIB, parse_arguments, train_steps  # noqa: E402
+from models.transformer import Transformer  # noqa: E402
 from trainer.checkpoint import save_checkpoint  # noqa: E402
-from trainer.distributed import barrier, gather_objects, setup_distributed, teardown_distributed  # noqa: E402
+from trainer.distributed import (  # noqa: E402
+    barrier,
+    gather_objects,
+    setup_distributed,
+    spawn_workers,
+    teardown_distributed,
+)
 from trainer.fsdp import (  # noqa: E402
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -114,21 +120,7 @@ def _equal(a, b) -> bool:
 
 
 def main() -> None:
-    from trainer.distributed import spawn_workers
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
-    args = parser.parse_args()
-    config = dict(vocab_size=args.vocab, block_size=args.block_size, n_layers=args.layers,
-                  n_heads=args.heads, d_model=args.d_model, dropout=0.0)
-    from models.transformer import Transformer
-
+    args, config = parse_arguments(__doc__.splitlines()[0])
     n_params = sum(p.numel() for p in Transformer(**config).parameters())
     print(f"Transformer {args.layers} layers x {args.d_model} wide, vocab {args.vocab}: {n_params / 1e6:.1f} M "
           f"parameters, fp32, AdamW, strategy=fsdp; CPU/gloo, spawned ranks; median of {REPEATS} saves\n")

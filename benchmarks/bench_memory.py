@@ -101,8 +101,10 @@ def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]
     return everyone
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_arguments(description: str) -> tuple[argparse.Namespace, dict]:
+    """The world sizes, the batch and the Transformer's shape from the command line, and the
+    Transformer's arguments (this script's and bench_checkpoint.py's)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=512)
@@ -113,6 +115,11 @@ def main() -> None:
     args = parser.parse_args()
     config = dict(vocab_size=args.vocab, block_size=args.block_size, n_layers=args.layers,
                   n_heads=args.heads, d_model=args.d_model, dropout=0.0)
+    return args, config
+
+
+def main() -> None:
+    args, config = parse_arguments(__doc__.splitlines()[0])
     n_params = sum(p.numel() for p in Transformer(**config).parameters())
     print(f"Transformer {args.layers} layers x {args.d_model} wide, vocab {args.vocab}, block {args.block_size}: "
           f"{n_params / 1e6:.1f} M parameters (tied head), fp32, AdamW; 2 steps, CPU/gloo, spawned ranks")

@@ -13,6 +13,11 @@ step it interrupts at and the process to signal, and the job stays long enough t
 interrupted without burning the CPU. Sleeping changes no number: the weights are those of
 plain train.py.
 
+RINGTRAIN_TEST_HOLD_AT_STEP=N makes every rank sleep RINGTRAIN_TEST_HOLD_SECONDS (default 3)
+after announcing step N instead: a test that signals the job when it sees step N then hits it
+at step N even when the test itself was kept off the CPU for a while (a loaded CI machine
+delivered the announcements of five steps at once).
+
 RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES=N makes checkpoint writes fail with ENOSPC as on a file
 system of N bytes (for machines where a test cannot mount a small tmpfs).
 """
@@ -33,11 +38,17 @@ def _announce_and_slow_down_every_step() -> None:
     if getattr(original, "_interruptible", False):
         return
     delay = float(os.environ.get("RINGTRAIN_TEST_STEP_SECONDS", "0.05"))
+    hold_step = int(os.environ.get("RINGTRAIN_TEST_HOLD_AT_STEP", "0"))
+    hold = float(os.environ.get("RINGTRAIN_TEST_HOLD_SECONDS", "3"))
 
     def step_then_announce(self, micro_batches, meter, nonfinite, progress, step, **kwargs):
         result = original(self, micro_batches, meter, nonfinite, progress, step, **kwargs)
-        print(f"interruptible: rank={self.dist.rank} pid={os.getpid()} step={step}", flush=True)
-        time.sleep(delay)
+        # One write of the whole line: the ranks share the pipe, and print() writes the text and
+        # its newline separately, so two ranks' announcements ran into one line that matched
+        # neither (seen on 2 ranks for every other step), and the test missed the step it waited for.
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"interruptible: rank={self.dist.rank} pid={os.getpid()} step={step}\n".encode())
+        time.sleep(hold if step == hold_step else delay)
         return result
 
     step_then_announce._interruptible = True

@@ -65,9 +65,11 @@ class Job:
     """
 
     def __init__(self, args: list[str], launcher: list[str] | None = None, cwd: Path | None = None,
-                 step_seconds: float = 0.05, env: dict[str, str] | None = None):
+                 step_seconds: float = 0.05, env: dict[str, str] | None = None, hold_at_step: int = 0):
+        """`hold_at_step`: every rank pauses a few seconds after that step (the test signals it then)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-               "RINGTRAIN_TEST_STEP_SECONDS": str(step_seconds), **(env or {})}
+               "RINGTRAIN_TEST_STEP_SECONDS": str(step_seconds), "RINGTRAIN_TEST_HOLD_AT_STEP": str(hold_at_step),
+               **(env or {})}
         env.pop("PYTHONPATH", None)  # the worktree comes first through the wrapper itself
         self.command = (launcher or [sys.executable]) + [str(WRAPPER), *args, *QUIET]
         self.started = time.monotonic()
@@ -309,7 +311,7 @@ def assert_stopped_at_current_step(run_dir: Path, output: str, signalled_after: 
 def test_sigterm_saves_the_current_step_exits_143_and_the_same_command_continues(tmp_path, reference):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("single-sigterm", 1)
-    with Job(args, step_seconds=SIGNAL_STEP_SECONDS) as job:
+    with Job(args, step_seconds=SIGNAL_STEP_SECONDS, hold_at_step=step) as job:
         job.wait_for_step(step)
         os.kill(job.proc.pid, signal.SIGTERM)
         seen = job.newest_step()
@@ -389,7 +391,7 @@ def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_p
 def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(tmp_path, reference):
     args = DDP + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("torchrun-sigterm", 2)
-    with Job(args, launcher=TORCHRUN, step_seconds=SIGNAL_STEP_SECONDS) as job:
+    with Job(args, launcher=TORCHRUN, step_seconds=SIGNAL_STEP_SECONDS, hold_at_step=step) as job:
         job.wait_for_step(step)
         job.signal_launcher(signal.SIGTERM)  # torchrun forwards it to both workers
         seen = job.newest_step()
@@ -460,7 +462,7 @@ def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(t
 def test_sigterm_to_the_self_launched_parent_is_forwarded_saves_and_exits_143(tmp_path, reference):
     args = SELF_LAUNCHED + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("self-launched-sigterm", 2)
-    with Job(args, step_seconds=SIGNAL_STEP_SECONDS) as job:
+    with Job(args, step_seconds=SIGNAL_STEP_SECONDS, hold_at_step=step) as job:
         job.wait_for_step(step)
         job.signal_launcher(signal.SIGTERM)  # only the parent: `kill <pid>`, a scheduler
         seen = job.newest_step()
@@ -481,7 +483,7 @@ def test_self_launched_job_sigkilled_then_the_same_command_ends_bit_identical(tm
     """The OOM killer picks a worker (the biggest process); `kill -9` or a dying node, the parent."""
     args = SELF_LAUNCHED + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step(f"self-launched-sigkill-{victim}", 2)
-    with Job(args, step_seconds=SIGNAL_STEP_SECONDS) as job:
+    with Job(args, step_seconds=SIGNAL_STEP_SECONDS, hold_at_step=step) as job:
         worker = job.wait_for_step(step, rank=random.Random(victim).choice([0, 1]))
         os.kill(worker if victim == "worker" else job.proc.pid, signal.SIGKILL)
         seen = job.newest_step()

@@ -64,3 +64,42 @@ def test_the_readme_shows_the_example_verbatim():
     if "python_api_example.py" not in readme:
         pytest.skip("README.md does not include docs/python_api_example.py yet")
     assert EXAMPLE.read_text().strip() in readme
+
+
+FSDP_SCRIPT = '''
+import sys
+
+import torch
+from torch.utils.data import TensorDataset
+
+sys.path.insert(0, {docs!r})
+from data.tasks import RegressionTask
+from python_api_example import Line
+from trainer import Trainer
+
+if __name__ == "__main__":
+    torch.manual_seed(0)  # the example's data, its settings for 2 ranks, strategy=fsdp
+    x = torch.randn(2048, 1)
+    y = 2 * x + 3 + 0.1 * torch.randn(2048, 1)
+    trainer = Trainer(max_epochs=4, batch_size=16, optimizer={{"_target_": "torch.optim.SGD", "lr": 0.1}},
+                      strategy={{"name": "fsdp", "nproc_per_node": 2, "state_dict_type": sys.argv[1]}},
+                      progress_bar=False)
+    model = Line()
+    trainer.fit(model, TensorDataset(x[:1792], y[:1792]), TensorDataset(x[1792:], y[1792:]), task=RegressionTask())
+    print(f"learned w={{model.linear.weight.item():.6f}} b={{model.linear.bias.item():.6f}}")
+'''
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_fsdp_on_spawned_ranks_hands_the_trained_weights_back_to_the_callers_model(runs, tmp_path, state_dict_type):
+    """Under fsdp each rank holds only its shards: the weights are gathered before the ranks end."""
+    script = tmp_path / "fsdp_api.py"
+    script.write_text(FSDP_SCRIPT.format(docs=str(REPO / "docs")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), state_dict_type], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (w, b), = LEARNED.findall(proc.stdout)
+    w1, b1, _ = runs["single"]
+    assert abs(float(w) - w1) <= 1e-5 and abs(float(b) - b1) <= 1e-5

@@ -42,6 +42,7 @@ from trainer.distributed import (
     under_torchrun,
 )
 from trainer.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
+from trainer.fsdp import full_model_state_dict
 from trainer.loop import FitResult, TrainingLoop
 from trainer.resume import checkpoint_to_resume, config_to_continue
 from trainer.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
@@ -101,20 +102,22 @@ def sweep_value(result: FitResult) -> float:
 
 def _spawned_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None) -> FitResult:
     with exit_on_user_error():  # one clear line from the failing rank, as under torchrun
-        result = train_worker(run, run_dir, built)
-    if built is not None:  # the Python caller's model lives in the parent: send the weights back
-        result = dataclasses.replace(result, model_state={k: v.cpu() for k, v in built.model.state_dict().items()})
-    return result
+        # The Python caller's model lives in the parent: rank 0 sends the trained weights back.
+        return train_worker(run, run_dir, built, return_weights=built is not None)
 
 
-def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
+def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = None,
+                 return_weights: bool = False) -> FitResult:
     """Everything one rank does, with stop signals watched from the start. The process group
-    is torn down on every exit path."""
+    is torn down on every exit path. `return_weights`: rank 0's result carries the model's
+    full weights (`model_state`), gathered from every rank while the process group lives
+    (under fsdp each rank holds only its shards)."""
     with StopSignals(run.trainer.stop_signals) as stop:
-        return _train_rank(run, run_dir, built, stop)
+        return _train_rank(run, run_dir, built, stop, return_weights)
 
 
-def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, stop: StopSignals) -> FitResult:
+def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, stop: StopSignals,
+                return_weights: bool) -> FitResult:
     dist = setup_distributed(
         run.strategy.name, run.strategy.backend, run.trainer.accelerator, run.strategy.timeout_minutes
     )
@@ -148,6 +151,9 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
         torch.manual_seed(run.trainer.seed + dist.rank)
 
         result = TrainingLoop(run, dist, shared_dir, stop).fit(model, data, task, resume_from)
+        if return_weights:
+            weights = full_model_state_dict(model)  # every rank takes part; rank 0 gets them
+            result = dataclasses.replace(result, model_state=weights if dist.is_main else None)
         if dist.is_main:
             _report(result, model, shared_dir)
             if not result.stopped:

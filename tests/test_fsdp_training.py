@@ -50,14 +50,21 @@ def test_fsdp_with_accumulation_under_torchrun_matches_one_big_batch(tmp_path):
     assert_same_weights(single, fsdp, atol=1e-5)
 
 
-def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(tmp_path):
+# The resume tests' common settings, and their uninterrupted run (40 steps, full checkpoints).
+RESUMED = FSDP_2 + ["optimizer=adamw", "trainer.batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
+    return _train(tmp_path_factory.mktemp("fsdp"), "straight", RESUMED + ["trainer.max_steps=40"])
+
+
+def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(tmp_path, straight):
     from models.transformer import Transformer
 
-    common = FSDP_2 + ["optimizer=adamw", "trainer.batch_size=8"]
-    straight = _train(tmp_path, "straight", common + ["trainer.max_steps=40"])
-    _train(tmp_path, "first", common + ["trainer.max_steps=20"])
+    _train(tmp_path, "first", RESUMED + ["trainer.max_steps=20"])
     first_last = tmp_path / "first" / "checkpoints" / "last.pt"
-    resumed = _train(tmp_path, "second", common + ["trainer.max_steps=40", f"trainer.resume={first_last}"])
+    resumed = _train(tmp_path, "second", RESUMED + ["trainer.max_steps=40", f"trainer.resume={first_last}"])
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
     # The fsdp checkpoint is plain: a bare model loads it, strictly, without torch.distributed.
@@ -70,14 +77,17 @@ def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(t
     assert_same_weights(straight, ddp, atol=1e-5)
 
 
-def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_path):
-    common = FSDP_2 + ["optimizer=adamw", "trainer.batch_size=8"]
-    sharded = common + ["strategy.state_dict_type=sharded", "trainer.keep_last_k=1"]
-    straight = _train(tmp_path, "straight", common + ["trainer.max_steps=40"])  # full checkpoints
-    # 20 steps, then the same command with more steps continues from the sharded last.pt.
+def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_path, straight):
+    sharded = RESUMED + ["strategy.state_dict_type=sharded", "trainer.keep_last_k=1"]
     _train(tmp_path, "run", sharded + ["trainer.max_steps=20"])
     checkpoints = tmp_path / "run" / "checkpoints"
     first = sorted(p.name for p in checkpoints.iterdir())
+    # A sharded checkpoint resumes under ddp (each rank reads the whole model from the shards) ...
+    ddp = _train(tmp_path, "ddp", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
+                                   "trainer.batch_size=8", "trainer.max_steps=40",
+                                   f"trainer.resume={checkpoints / 'last.pt'}"])
+    assert_same_weights(straight, ddp, atol=1e-5)
+    # ... and the same command with more steps continues from it, bit for bit.
     resumed = _train(tmp_path, "run", sharded + ["trainer.max_steps=40"])
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
@@ -91,13 +101,7 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
     state = torch.load(checkpoints / "last.pt", weights_only=True)
     assert "model" not in state and "optimizer" not in state and state["shards"] == "step-00000040.shards"
 
-    # A sharded checkpoint resumes under ddp (each rank reads the whole model from the shards) ...
-    _train(tmp_path, "half", sharded + ["trainer.max_steps=20"])
-    half = tmp_path / "half" / "checkpoints" / "last.pt"
-    ddp = _train(tmp_path, "ddp", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
-                                   "trainer.batch_size=8", "trainer.max_steps=40", f"trainer.resume={half}"])
-    assert_same_weights(straight, ddp, atol=1e-5)
-    # ... and trainer.evaluate reads it in one process, to the run's own last validation.
+    # trainer.evaluate reads a sharded checkpoint in one process, to the run's own last validation.
     proc = _ok(run_module("trainer.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
     run_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert proc.stdout.strip() == f"val/loss={run_metrics['final']['val/loss']:.6g}"

@@ -87,6 +87,17 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
                                    "trainer.batch_size=8", "trainer.max_steps=40",
                                    f"trainer.resume={checkpoints / 'last.pt'}"])
     assert_same_weights(straight, ddp, atol=1e-5)
+    # trainer.consolidate makes one plain file of it, from which ddp continues identically.
+    consolidated = tmp_path / "consolidated.pt"
+    _ok(run_module("trainer.consolidate", [f"checkpoint={checkpoints / 'last.pt'}", f"output={consolidated}"]))
+    assert "shards" not in torch.load(consolidated, weights_only=True)
+    from_file = _train(tmp_path, "ddp-from-file", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
+                                                   "trainer.batch_size=8", "trainer.max_steps=40",
+                                                   f"trainer.resume={consolidated}"])
+    for key in ddp:
+        assert torch.equal(ddp[key], from_file[key]), key
+    refused = run_module("trainer.consolidate", [f"checkpoint={consolidated}"])
+    assert refused.returncode == 2 and "is already one plain file" in refused.stderr
     # ... and the same command with more steps continues from it, bit for bit.
     resumed = _train(tmp_path, "run", sharded + ["trainer.max_steps=40"])
     for key in straight:

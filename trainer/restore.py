@@ -49,12 +49,17 @@ def model_node(state: Mapping[str, Any], path: str) -> dict[str, Any]:
     return dict(node)
 
 
+def build_checked_model(node: Mapping[str, Any], data_dims: Mapping[str, Any]) -> nn.Module:
+    """The model `node` describes, with the data's sizes filled in, its node checked first."""
+    check(node, "model", kind=nn.Module, provided=list(data_dims), provided_by="the checkpoint's data_dims")
+    return build_model(node, data_dims)
+
+
 def rebuild_model(node: Mapping[str, Any], data_dims: Mapping[str, Any], state: Mapping[str, Any],
                   path: str) -> nn.Module:
     """Build the model `node` describes, with the data's sizes filled in, and load the weights
     of the checkpoint `state` (read from `path`). With a process group every rank calls it."""
-    check(node, "model", kind=nn.Module, provided=list(data_dims), provided_by="the checkpoint's data_dims")
-    model = build_model(node, data_dims)
+    model = build_checked_model(node, data_dims)
     try:
         if "shards" in state:
             load_sharded(state["shards"], model)

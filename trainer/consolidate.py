@@ -1,0 +1,81 @@
+"""One plain checkpoint file from a sharded one: `python -m trainer.consolidate checkpoint=...`.
+
+    python -m trainer.consolidate checkpoint=outputs/runs/<run>/checkpoints/last.pt [output=FILE]
+
+A run with `strategy=fsdp strategy.state_dict_type=sharded` keeps its weights and optimizer
+state in `step-<N>.shards/`, each rank's part in its own file. This reads them whole into
+one process (CPU memory, not GPU memory, must hold the full model and optimizer state) and
+writes the same checkpoint in ringtrain's plain format: the file `state_dict_type=full`
+would have written, loadable with `torch.load(path, weights_only=True)` into a bare model,
+resumable under any strategy with `trainer.resume=FILE`. The model and its optimizer are
+rebuilt from the checkpoint's own config (trainer/restore.py). Without `output` the file is
+`consolidated-step-<N>.pt` in the run directory, beside `checkpoints/`, where rotation and
+auto-resume never touch it. The write is as durable as every checkpoint's.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import save_checkpoint
+from trainer.errors import ConfigError, exit_on_user_error
+from trainer.fsdp import full_model_state_dict, full_optimizer_state_dict, load_sharded
+from trainer.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
+from trainer.optim import build_optimizer
+from trainer.restore import build_checked_model, model_node, read_checkpoint
+
+PROGRAM = "trainer.consolidate"
+KEYS = (
+    Key("checkpoint", str, REQUIRED, "a sharded checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/last.pt"),
+    Key("output", str, "", "the file to write (default: <checkpoint dir>/../consolidated-step-<N>.pt)"),
+)
+
+
+def consolidate(checkpoint: str, output: str | None = None) -> Path:
+    """Write the sharded `checkpoint` as one plain checkpoint file; returns its path."""
+    state = read_checkpoint(checkpoint)
+    if "shards" not in state:
+        raise ConfigError(
+            f"checkpoint {checkpoint!r} is already one plain file (strategy.state_dict_type=full); "
+            f"use it as it is"
+        )
+    node = model_node(state, checkpoint)
+    data_dims = state.get("data_dims") or {}
+    optimizer_node = (state["config"] or {}).get("optimizer")
+    if not isinstance(optimizer_node, dict) or "_target_" not in optimizer_node:
+        raise ConfigError(
+            f"checkpoint {checkpoint!r} holds no optimizer config (built in Python?), so its optimizer "
+            f"state cannot be rebuilt; load the shards in Python with trainer.fsdp.load_sharded"
+        )
+    model = build_checked_model(node, data_dims)
+    optimizer = build_optimizer(optimizer_node, model, torch.device("cpu"))
+    for group in optimizer.param_groups:
+        # The run's lr schedule added this key to every group, and DCP fills only the keys the
+        # template has: with it, the shards' value comes back as the run saved it.
+        group.setdefault("initial_lr", group["lr"])
+    load_sharded(state["shards"], model, optimizer)
+
+    target = Path(output) if output else Path(checkpoint).absolute().parent.parent / (
+        f"consolidated-step-{state['progress']['step']:08d}.pt")
+    plain = {key: value for key, value in state.items() if key != "shards"}
+    plain.update(model=full_model_state_dict(model), optimizer=full_optimizer_state_dict(model, optimizer))
+    save_checkpoint(target, plain)
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(usage(PROGRAM, KEYS))
+        return
+    with exit_on_user_error():
+        options, _ = parse_key_values(argv, KEYS, PROGRAM)
+        target = consolidate(options["checkpoint"], options["output"] or None)
+    print(target)
+
+
+if __name__ == "__main__":
+    main()

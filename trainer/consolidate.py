@@ -14,16 +14,15 @@ auto-resume never touch it. The write is as durable as every checkpoint's.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from trainer.checkpoint import save_checkpoint
-from trainer.errors import ConfigError, exit_on_user_error
+from trainer.errors import ConfigError
 from trainer.fsdp import full_model_state_dict, full_optimizer_state_dict, load_sharded
-from trainer.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
+from trainer.keyvalue import REQUIRED, Key, run_tool
 from trainer.optim import build_optimizer
 from trainer.restore import build_checked_model, model_node, read_checkpoint
 
@@ -34,7 +33,7 @@ KEYS = (
 )
 
 
-def consolidate(checkpoint: str, output: str | None = None) -> Path:
+def consolidate(checkpoint: str, output: str = "") -> Path:
     """Write the sharded `checkpoint` as one plain checkpoint file; returns its path."""
     state = read_checkpoint(checkpoint)
     if "shards" not in state:
@@ -67,14 +66,9 @@ def consolidate(checkpoint: str, output: str | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(usage(PROGRAM, KEYS))
-        return
-    with exit_on_user_error():
-        options, _ = parse_key_values(argv, KEYS, PROGRAM)
-        target = consolidate(options["checkpoint"], options["output"] or None)
-    print(target)
+    target = run_tool(PROGRAM, KEYS, consolidate, argv)
+    if target is not None:
+        print(target)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ A tool that also takes config overrides (evaluate's `data.path=...`) names them 
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, exit_on_user_error
 
 REQUIRED = object()  # the default of a key the user must give
 
@@ -97,3 +98,16 @@ def parse_key_values(
 
 def wants_help(argv: Sequence[str]) -> bool:
     return any(argument in ("-h", "--help", "help") for argument in argv)
+
+
+def run_tool(program: str, keys: Sequence[Key], action: Callable[..., Any], argv: Sequence[str] | None = None) -> Any:
+    """A tool's whole command line: the usage for --help (returns None), else
+    `action(**options)`'s result, with any mistake in the options or found by the action as
+    one `error:` line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(usage(program, keys))
+        return None
+    with exit_on_user_error():
+        options, _ = parse_key_values(argv, keys, program)
+        return action(**options)

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from data.vocab import ByteVocab, CharVocab, vocab_from_state
-from trainer.errors import ConfigError, exit_on_user_error
-from trainer.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
+from trainer.errors import ConfigError
+from trainer.keyvalue import REQUIRED, Key, run_tool
 from trainer.restore import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
 
 PROGRAM = "trainer.sample"
@@ -157,13 +157,9 @@ def sample(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(usage(PROGRAM, KEYS))
+    texts = run_tool(PROGRAM, KEYS, sample, argv)
+    if texts is None:  # --help
         return
-    with exit_on_user_error():
-        options, _ = parse_key_values(argv, KEYS, PROGRAM)
-        texts = sample(**options)
     # A vocabulary may hold characters the console's encoding lacks: replace those, never crash.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli
+from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli, run_module
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -184,6 +184,22 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(single_run, user
     ddp, single = _final(tmp_path / "ddp"), _final(single_run)
     for key, value in single.items():  # validation sharded over the ranks, summed exactly
         assert ddp[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_fsdp_with_sharded_checkpoints_trains_the_users_cnn_and_consolidates_into_its_class(
+        single_run, user_dir, tmp_path):
+    run_dir = tmp_path / "fsdp"
+    _train(user_dir, ["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded",
+                      "trainer.batch_size=16", f"hydra.run.dir={run_dir}"])
+    assert (run_dir / "checkpoints" / "step-00000048.shards" / ".metadata").is_file()
+    proc = run_module("trainer.consolidate", [f"checkpoint={run_dir / 'checkpoints/last.pt'}",
+                                              f"output={tmp_path / 'cnn.pt'}"], cwd=user_dir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from my_pkg.nets import SmallCNN
+
+    model = SmallCNN(in_channels=1, num_classes=3)
+    model.load_state_dict(torch.load(tmp_path / "cnn.pt", weights_only=True)["model"])  # strict
+    assert_same_weights(model.state_dict(), checkpoint_weights(single_run), atol=1e-5)
 
 
 def test_a_component_given_on_the_command_line_alone(user_dir, tmp_path):

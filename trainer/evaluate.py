@@ -98,7 +98,7 @@ def prepare(argv: Sequence[str]) -> tuple[EvalJob, dict[str, Any]]:
     """Parse and check the command line; return the job and what metrics.json records of it."""
     options, overrides = parse_key_values(argv, KEYS, PROGRAM, passthrough=is_override, passthrough_hint=OVERRIDE_HINT)
     path = options["checkpoint"]
-    state = read_checkpoint(path)
+    state = read_checkpoint(path, mmap=True)  # the config and sizes; each rank reads the weights
     stored = state["config"]
     model_node(state, path)  # refuses a model built in Python: its config cannot rebuild it
     for section in ("data", "task"):

@@ -323,12 +323,17 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     (Adam(W): step=1, zero moments). That is taken back from `optimizer`, so saving never
     changes training, but the returned state holds it: save after the first step.
     """
-    model = _without_data_parallel(model)
+    return _optimizer_state_dict(_without_data_parallel(model), optimizer, _GATHER_TO_RANK0)
+
+
+def _optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          options: StateDictOptions | None = None) -> dict[str, Any]:
+    """DCP's name-keyed optimizer state, leaving `optimizer` as it was. DCP creates missing
+    state with a zero-lr step; for Adam(W) that sets step=1, which would change the bias
+    correction of the real first step, so state made that way is forgotten again."""
     fresh = not optimizer.state
-    state = get_optimizer_state_dict(model, optimizer, options=_GATHER_TO_RANK0)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
     if fresh:
-        # DCP creates missing state with a zero-lr step; for Adam(W) that sets step=1, which
-        # would change the bias correction of the real first step. Forget it again.
         optimizer.state.clear()
     return state
 
@@ -398,10 +403,7 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     failure = _on_rank0(lambda: _fresh_directory(partial), directory)
     if failure is None:
         model = _without_data_parallel(model)
-        fresh = not optimizer.state
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-        if fresh:  # DCP made state with a zero-lr step; see full_optimizer_state_dict
-            optimizer.state.clear()
+        state = {"model": get_model_state_dict(model), "optimizer": _optimizer_state_dict(model, optimizer)}
         try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
             with _single_process_is_intended():
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))

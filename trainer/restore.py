@@ -26,14 +26,15 @@ from trainer.precision import Precision
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """The checkpoint at `path` (weights_only, on the CPU), or a CheckpointError naming the fix."""
+def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint at `path` (weights_only, on the CPU), or a CheckpointError naming the fix.
+    `mmap`: map the tensors instead of reading them (cheap when only the config is wanted)."""
     if not Path(path).is_file():
         raise CheckpointError(
             f"checkpoint={path!r} is not a file; pass one a run wrote, e.g. "
             f"checkpoint=outputs/runs/<run>/checkpoints/last.pt"
         )
-    return load_checkpoint(path, "cpu")
+    return load_checkpoint(path, "cpu", mmap=mmap)
 
 
 def model_node(state: Mapping[str, Any], path: str) -> dict[str, Any]:

@@ -126,11 +126,12 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
     try:
         # Rank 0's directory for everyone: under torchrun each rank's Hydra picked its own.
         shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
-        _configure_rank_logging(dist, shared_dir)
-        # Rank 0 claims the directory for the whole job; a second job there ends on every rank.
+        # Rank 0 claims the directory for the whole job, before writing anything there (its
+        # train.log included); a second job there ends on every rank.
         refusal = broadcast_object(dist, directory_lock.acquire() if dist.is_main else None)
         if refusal:
             raise RunDirError(refusal)
+        _configure_rank_logging(dist, shared_dir)
         if dist.is_main:
             log.info(f"run directory: {shared_dir}")
             leave_restart_note(shared_dir)

@@ -32,16 +32,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_memory import MIB, parse_arguments, train_steps  # noqa: E402
-from models.transformer import Transformer  # noqa: E402
-from trainer.checkpoint import save_checkpoint  # noqa: E402
-from trainer.distributed import (  # noqa: E402
+from ringtrain.models.transformer import Transformer  # noqa: E402
+from ringtrain.checkpoints.files import save_checkpoint  # noqa: E402
+from ringtrain.strategies.distributed import (  # noqa: E402
     barrier,
     gather_objects,
     setup_distributed,
     spawn_workers,
     teardown_distributed,
 )
-from trainer.fsdp import (  # noqa: E402
+from ringtrain.strategies.fsdp import (  # noqa: E402
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data.tokens import MarkovTokens  # noqa: E402
-from models.transformer import Transformer  # noqa: E402
-from trainer.optim import parameter_groups  # noqa: E402
-from trainer.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
+from ringtrain.data.tokens import MarkovTokens  # noqa: E402
+from ringtrain.models.transformer import Transformer  # noqa: E402
+from ringtrain.loop.optim import parameter_groups  # noqa: E402
+from ringtrain.loop.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 TINY = dict(vocab_size=256, block_size=64, n_layers=2, n_heads=2, d_model=64)
@@ -125,9 +125,9 @@ class StepClock:
 def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
     from hydra import compose, initialize_config_dir
 
-    import trainer.loop as loop
-    from trainer.config import validate
-    from trainer.run import train_worker
+    import ringtrain.loop.fit as loop
+    from ringtrain.config.schema import validate
+    from ringtrain.run import train_worker
 
     shape, total = setup.shape, setup.total_steps
     overrides = [
@@ -141,7 +141,7 @@ def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
         f"optimizer.lr={LR}", f"trainer.grad_clip_norm={CLIP}",
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        run = validate(compose(config_name="config", overrides=overrides))
+        run = validate(compose(config_name="train", overrides=overrides))
     clock = StepClock(setup)
     original_step = loop.TrainingLoop._optimizer_step
 

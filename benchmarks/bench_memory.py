@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.transformer import Transformer  # noqa: E402
-from trainer.distributed import gather_objects, setup_distributed, spawn_workers, teardown_distributed  # noqa: E402
-from trainer.fsdp import shard_model  # noqa: E402
-from trainer.optim import parameter_groups  # noqa: E402
+from ringtrain.models.transformer import Transformer  # noqa: E402
+from ringtrain.strategies.distributed import gather_objects, setup_distributed, spawn_workers, teardown_distributed  # noqa: E402
+from ringtrain.strategies.fsdp import shard_model  # noqa: E402
+from ringtrain.loop.optim import parameter_groups  # noqa: E402
 
 MIB = 2**20
 

@@ -101,12 +101,12 @@ def hand_written_loop() -> tuple[float, float, float]:
 def ringtrain_default_job() -> tuple[float, float, float]:
     from hydra import compose, initialize_config_dir
 
-    from trainer.config import validate
-    from trainer.run import train_worker
+    from ringtrain.config.schema import validate
+    from ringtrain.run import train_worker
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["trainer.progress_bar=false"])
+        cfg = compose(config_name="train", overrides=["trainer.progress_bar=false"])
     with tempfile.TemporaryDirectory() as run_dir:
         result = train_worker(validate(cfg), run_dir)
         weights = torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)["model"]

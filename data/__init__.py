@@ -4,6 +4,6 @@ Each option in conf/data/ is a `_target_` pointing at one of these classes, buil
 a user's data component is (data/bundle.py says what a data component is); conf/task/ points
 at the tasks in data/tasks.py.
 """
-from data.bundle import DataBundle, DataError, DataModule
+from ringtrain.data.bundle import DataBundle, DataError, DataModule
 
 __all__ = ["DataBundle", "DataError", "DataModule"]

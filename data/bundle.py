@@ -14,8 +14,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from ringtrain.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data set that cannot be built as configured; the message names the key and the fix."""
 
 

@@ -1,7 +1,7 @@
 """Write a token directory (train.bin, val.bin, meta.json; see data/token_file.py).
 
-    python -m data.prepare_tokens INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction 0.1]
-    python -m data.prepare_tokens --random-tokens N --vocab-size V OUT_DIR [--seed 0]
+    python -m ringtrain.data.prepare_tokens INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction 0.1]
+    python -m ringtrain.data.prepare_tokens --random-tokens N --vocab-size V OUT_DIR [--seed 0]
 
 From a UTF-8 text: the first (1 - val_fraction) of the tokens train, the rest validate, the
 split data/text.py makes. `--vocab char` gives one id per distinct character (sorted by code
@@ -27,8 +27,8 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from data.token_file import SPLITS, token_dtype_for, write_meta
-from data.vocab import ByteVocab, CharVocab
+from ringtrain.data.token_file import SPLITS, token_dtype_for, write_meta
+from ringtrain.data.vocab import ByteVocab, CharVocab
 
 # Text read per step: big enough that per-chunk overhead vanishes, small enough that the
 # encoded chunk (int64 ids, 8 bytes per character) stays well under a gigabyte.
@@ -165,7 +165,7 @@ def _decoded_chunks(source: Path, chunk_bytes: int) -> Iterator[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m data.prepare_tokens",
+        prog="python -m ringtrain.data.prepare_tokens",
         usage="%(prog)s INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction F]\n"
               "       %(prog)s --random-tokens N --vocab-size V OUT_DIR [--seed S]",
         description="Write train.bin, val.bin and meta.json for data=token_file.",

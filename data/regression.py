@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from data.bundle import DataModule, check_positive_ints
-from data.tensors import PairDataset
+from ringtrain.data.bundle import DataModule, check_positive_ints
+from ringtrain.data.tensors import PairDataset
 
 
 class RegressionData(DataModule):

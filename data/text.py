@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from data.bundle import DataError, DataModule, check_positive_ints
-from data.tensors import SequenceDataset, windows_of
+from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
+from ringtrain.data.tensors import SequenceDataset, windows_of
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Language modelling over binary token files, the format nanoGPT and llm.c write.
 
-    python -m data.prepare_tokens input.txt ~/datasets/mytext --vocab char
+    python -m ringtrain.data.prepare_tokens input.txt ~/datasets/mytext --vocab char
     python train.py model=transformer data=token_file data.path=~/datasets/mytext
 
 conf/data/token_file.yaml builds `TokenFile`, a data component (data/bundle.py): its
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.bundle import DataError, DataModule
-from data.vocab import vocab_from_state
+from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data.vocab import vocab_from_state
 
 TOKEN_DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
@@ -53,7 +53,7 @@ META_FILE = "meta.json"
 # large corpus would take minutes, and a tokenizer mismatch shows in the first megabytes.
 VOCAB_CHECK_BYTES = 4 << 20
 
-_HOW_TO_MAKE = "python -m data.prepare_tokens INPUT.txt OUT_DIR makes one from a text file"
+_HOW_TO_MAKE = "python -m ringtrain.data.prepare_tokens INPUT.txt OUT_DIR makes one from a text file"
 
 
 class TokenWindows(Dataset):

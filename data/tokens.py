@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from data.bundle import DataModule, check_positive_ints
-from data.tensors import SequenceDataset
+from ringtrain.data.bundle import DataModule, check_positive_ints
+from ringtrain.data.tensors import SequenceDataset
 
 
 def markov_sequences(

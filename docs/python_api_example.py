@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from data.tasks import RegressionTask
+from ringtrain.data.tasks import RegressionTask
 from trainer import Trainer
 
 

@@ -20,13 +20,13 @@ QUIET = ["trainer.progress_bar=false"]
 
 def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=QUIET + list(overrides))
+        return compose(config_name="train", overrides=QUIET + list(overrides))
 
 
 def train_in_process(overrides: list[str], run_dir: Path):
     """Validate and train on this process, as one rank; returns the Trainer's FitResult."""
-    from trainer.config import validate
-    from trainer.run import train_worker
+    from ringtrain.config.schema import validate
+    from ringtrain.run import train_worker
 
     return train_worker(validate(compose_config(overrides)), str(run_dir))
 
@@ -46,7 +46,7 @@ def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: f
     real subprocess; this checkout's code comes first."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    module = module if "." in module else f"trainer.{module}"
+    module = module if "." in module else f"ringtrain.tools.{module}"
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -57,7 +57,7 @@ def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.
     state = torch.load(path, weights_only=True)
     if "shards" not in state:
         return state["model"]
-    from trainer.restore import model_node, read_checkpoint, rebuild_model
+    from ringtrain.checkpoints.restore import model_node, read_checkpoint, rebuild_model
 
     state = read_checkpoint(str(path))
     return rebuild_model(model_node(state, str(path)), state["data_dims"], state, str(path)).state_dict()

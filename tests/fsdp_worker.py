@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.transformer import Transformer
-from trainer.fsdp import (
+from ringtrain.models.transformer import Transformer
+from ringtrain.strategies.fsdp import (
     clip_grad_norm,
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -37,7 +37,7 @@ from trainer.fsdp import (
     save_sharded,
     shard_model,
 )
-from trainer.optim import parameter_groups
+from ringtrain.loop.optim import parameter_groups
 
 CONFIG = dict(vocab_size=16, block_size=16, n_layers=2, n_heads=2, d_model=32, dropout=0.0)
 GLOBAL_BATCH = 8  # 2B: each of 2 ranks trains on B = 4 sequences per step
@@ -248,7 +248,7 @@ def _equal(a, b) -> bool:
 
 
 def main() -> None:
-    from trainer.distributed import exit_rank, teardown_distributed
+    from ringtrain.strategies.distributed import exit_rank, teardown_distributed
 
     scenario, out = sys.argv[1], Path(sys.argv[2])
     source = Path(sys.argv[3]) if len(sys.argv) > 3 else None

@@ -32,7 +32,7 @@ if REPO not in sys.path:
 
 
 def _announce_and_slow_down_every_step() -> None:
-    import trainer.loop as loop
+    import ringtrain.loop.fit as loop
 
     original = loop.TrainingLoop._optimizer_step
     if getattr(original, "_interruptible", False):
@@ -60,7 +60,7 @@ def _fill_the_disk_after(limit: int) -> None:
     deleted checkpoints freed: a full file system, where a test cannot mount a small one."""
     import errno
 
-    import trainer.checkpoint as checkpoint
+    import ringtrain.checkpoints.files as checkpoint
 
     written = {"bytes": 0}
     original_write, original_remove = checkpoint._ErrorRecordingWriter.write, checkpoint._remove_if_present

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import Dataset
 
 from conftest import compose_config, train_in_process
-from trainer.config import validate
-from trainer.errors import ConfigError
+from ringtrain.config.schema import validate
+from ringtrain.errors import ConfigError
 
 
 class Squares(Dataset):
@@ -27,7 +27,7 @@ class Squares(Dataset):
 
 
 def test_loader_options_reach_the_training_and_validation_loaders(tmp_path, monkeypatch):
-    import trainer.loop as loop
+    import ringtrain.loop.fit as loop
 
     seen = []
 
@@ -44,7 +44,7 @@ def test_loader_options_reach_the_training_and_validation_loaders(tmp_path, monk
 
 
 def test_persistent_workers_live_across_epochs_with_their_prefetch(tmp_path):
-    from trainer.loaders import WorkerOptions, build_train_loader
+    from ringtrain.loop.loaders import WorkerOptions, build_train_loader
 
     options = WorkerOptions(num_workers=1, persistent_workers=True, prefetch_factor=3, seed=0)
     loader = build_train_loader(Squares(), 16, 0, 1, 0, False, torch.device("cpu"), workers=options)
@@ -65,7 +65,7 @@ def test_keep_last_k_keeps_that_many_step_files(tmp_path):
 
 @pytest.mark.parametrize("names", [["SIGUSR2"], []])
 def test_stop_signals_reach_the_handler(tmp_path, monkeypatch, names):
-    import trainer.run as run
+    import ringtrain.run as run
 
     seen = []
 
@@ -89,8 +89,8 @@ def test_bad_stop_signals_are_one_line(value, message):
 
 
 def test_decay_matrices_only_false_decays_every_parameter():
-    from models.linear import LinearRegression
-    from trainer.optim import build_optimizer
+    from ringtrain.models.linear import LinearRegression
+    from ringtrain.loop.optim import build_optimizer
 
     run = validate(compose_config(["optimizer=adamw", "optimizer.decay_matrices_only=false", "optimizer.weight_decay=0.3"]))
     adamw = build_optimizer(run.optimizer, LinearRegression(1, 1), torch.device("cpu"))
@@ -107,11 +107,11 @@ def test_task_monitor_and_mode_choose_what_best_pt_and_a_sweep_follow(tmp_path):
 
 
 def test_fsdp_options_reach_fully_shard(monkeypatch):
-    import trainer.fsdp as fsdp
-    from models.transformer import Block, Transformer
-    from trainer.config import StrategyConfig
-    from trainer.distributed import DistInfo
-    from trainer.strategy import wrap_model
+    import ringtrain.strategies.fsdp as fsdp
+    from ringtrain.models.transformer import Block, Transformer
+    from ringtrain.config.schema import StrategyConfig
+    from ringtrain.strategies.distributed import DistInfo
+    from ringtrain.strategies.wrap import wrap_model
 
     seen = {}
     monkeypatch.setattr(fsdp, "shard_model", lambda model, device, **options: seen.update(options) or model)

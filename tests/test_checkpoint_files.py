@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (
+from ringtrain.checkpoints.files import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     CheckpointStore,
@@ -21,7 +21,7 @@ from trainer.checkpoint import (
     save_checkpoint,
     shards_name,
 )
-from trainer.fsdp import load_sharded, save_sharded
+from ringtrain.strategies.fsdp import load_sharded, save_sharded
 
 
 def _state(step: int, numel: int = 4) -> dict:

@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from conftest import CONF_DIR, compose_config, run_cli
-from trainer.builders import build_data, build_model
-from trainer.config import validate
-from trainer.errors import ConfigError
+from ringtrain.config.builders import build_data, build_model
+from ringtrain.config.schema import validate
+from ringtrain.errors import ConfigError
 
 # Sizes that keep building every data set fast; they do not change what is being checked.
 SMALL_DATA = {
@@ -55,7 +55,7 @@ def test_every_model_data_pair_composes_validates_and_builds(model, data):
 def test_a_model_the_data_does_not_fit_is_refused_naming_the_missing_size(model, data):
     with pytest.raises(ConfigError) as info:
         validate(compose_config([f"model={model}", f"data={data}"]))
-    assert "is required by models." in str(info.value) and "pick data that gives it" in str(info.value)
+    assert "is required by ringtrain.models." in str(info.value) and "pick data that gives it" in str(info.value)
 
 
 def test_text_data_composes_and_builds(tmp_path):
@@ -94,7 +94,7 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["model=transformer", "data=regression"], "model.vocab_size is required by models.transformer.Transformer"),
+        (["model=transformer", "data=regression"], "model.vocab_size is required by ringtrain.models.transformer.Transformer"),
         (["trainer.batch_size=0"], "trainer.batch_size=0 must be positive"),
         (["trainer.batch_size=abc"], "trainer.batch_size"),
         (["+trainer.bach_size=4"], "trainer.bach_size: unknown key"),
@@ -146,7 +146,7 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):
         (["trainer.fast_dev_run=true"], "use debug=fast_dev_run"),
         (["ckpt_path=x.pt"], "use trainer.resume=<path to last.pt>"),
         (["seed=42"], "seed is not a setting here; use trainer.seed"),
-        (["model.widht=3"], "model.widht is not set by this model (models.linear.LinearRegression)"),
+        (["model.widht=3"], "model.widht is not set by this model (ringtrain.models.linear.LinearRegression)"),
         (["+trainer.seed=3"], "trainer.seed already exists, so +trainer.seed=... cannot add it"),
         (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' is a sweep; add -m"),
         (["optimizer.lr=["], "cannot read the override 'optimizer.lr=['"),
@@ -157,7 +157,7 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):
     ],
 )
 def test_command_line_mistakes_are_explained_before_hydra_runs(args, message):
-    from trainer.cli import check_overrides
+    from ringtrain.config.command_line import check_overrides
 
     with pytest.raises(ConfigError) as info:
         check_overrides(args)
@@ -165,7 +165,7 @@ def test_command_line_mistakes_are_explained_before_hydra_runs(args, message):
 
 
 def test_command_line_checks_accept_valid_runs_and_sweeps():
-    from trainer.cli import check_overrides
+    from ringtrain.config.command_line import check_overrides
 
     check_overrides(["model=transformer", "model.d_model=64", "trainer.max_steps=5"])
     check_overrides(["-m", "optimizer.lr=1e-3,3e-3", "model=transformer", "model.d_model=64,128"])

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from data import DataError
-from data.classification import ClassificationData
-from data.regression import RegressionData
-from data.tasks import ClassificationTask, LanguageModelTask, LossTask, RegressionTask
-from data.text import CharText, check_text_file
-from data.tokens import MarkovTokens
-from trainer.loaders import ShuffledShards, build_train_loader, build_val_loader
+from ringtrain.data import DataError
+from ringtrain.data.classification import ClassificationData
+from ringtrain.data.regression import RegressionData
+from ringtrain.data.tasks import ClassificationTask, LanguageModelTask, LossTask, RegressionTask
+from ringtrain.data.text import CharText, check_text_file
+from ringtrain.data.tokens import MarkovTokens
+from ringtrain.loop.loaders import ShuffledShards, build_train_loader, build_val_loader
 
 CPU = torch.device("cpu")
 
@@ -114,12 +114,12 @@ def test_text_encoding_is_cached_by_path_size_and_mtime(text_file, tmp_path, mon
 
 
 def test_an_empty_cache_dir_turns_the_cache_off(text_file, tmp_path, monkeypatch):
-    import data.text
+    import ringtrain.data.text as text_module
 
     def no_writing(*args):
         raise AssertionError("the cache was written")
 
-    monkeypatch.setattr(data.text, "_write_cache", no_writing)
+    monkeypatch.setattr(text_module, "_write_cache", no_writing)
     made(CharText, path=str(text_file), seq_len=16, cache_dir="")
     with pytest.raises(AssertionError, match="the cache was written"):  # the control: a cache_dir writes
         made(CharText, path=str(text_file), seq_len=16, cache_dir=str(tmp_path / "cache"))
@@ -233,7 +233,7 @@ def test_every_validation_sum_lives_on_the_models_device(task, outputs, targets)
 
 
 def test_a_loss_task_weights_batch_means_so_any_split_gives_the_whole_sets_mean():
-    from data.tasks import metrics_from_sums
+    from ringtrain.data.tasks import metrics_from_sums
 
     task = LossTask(loss=torch.nn.MSELoss(), metrics={"mae": torch.nn.L1Loss()})
     outputs, targets = torch.randn(10, 1), torch.randn(10, 1)

@@ -113,7 +113,7 @@ def test_dp_on_cpu_warns_and_trains(tmp_path):
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """Launcher variables for a 1-rank job in this process: strategy=ddp really wraps in DDP."""
-    from trainer.distributed import _free_port
+    from ringtrain.strategies.distributed import _free_port
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(_free_port())).items():
@@ -122,9 +122,9 @@ def one_rank_group(monkeypatch):
 
 def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group):
     import torch.distributed as dist
-    from trainer.config import validate
-    from trainer.distributed import setup_distributed, teardown_distributed
-    from trainer.strategy import wrap_model
+    from ringtrain.config.schema import validate
+    from ringtrain.strategies.distributed import setup_distributed, teardown_distributed
+    from ringtrain.strategies.wrap import wrap_model
     from conftest import compose_config
 
     run = validate(compose_config([
@@ -149,7 +149,7 @@ def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group)
 
 
 def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, tmp_path, monkeypatch):
-    import trainer.loop as loop
+    import ringtrain.loop.fit as loop
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     all_reduces = []
@@ -189,8 +189,8 @@ def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
 
 def make_rank_1_fail_at_step_3() -> None:
     """Patch the Trainer in this process so that rank 1 raises at its fourth optimizer step."""
-    import trainer.loop as loop
-    from trainer.distributed import env_rank
+    import ringtrain.loop.fit as loop
+    from ringtrain.strategies.distributed import env_rank
 
     original_step = loop.TrainingLoop._optimizer_step
 
@@ -232,7 +232,7 @@ def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_pat
 
 def train_but_fail_on_rank_1(run, run_dir):
     """A spawned worker (importable by the child processes): rank 1 raises at step 3."""
-    from trainer.run import train_worker
+    from ringtrain.run import train_worker
 
     make_rank_1_fail_at_step_3()
     return train_worker(run, run_dir)
@@ -240,8 +240,8 @@ def train_but_fail_on_rank_1(run, run_dir):
 
 def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_path):
     from conftest import compose_config
-    from trainer.config import validate
-    from trainer.distributed import WorkerFailedError, spawn_workers
+    from ringtrain.config.schema import validate
+    from ringtrain.strategies.distributed import WorkerFailedError, spawn_workers
 
     run = validate(compose_config(MLP + ["strategy=ddp", "trainer.max_steps=50", "strategy.timeout_minutes=10"]))
     started = time.monotonic()
@@ -256,7 +256,7 @@ def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_
 
 PEER_DIES = """
 import os, sys, torch, torch.distributed as dist
-from trainer.distributed import peer_lost
+from ringtrain.strategies.distributed import peer_lost
 dist.init_process_group("gloo")
 dist.barrier()
 if dist.get_rank() == 1:
@@ -270,7 +270,7 @@ os._exit(0)  # a gloo group whose peer is gone aborts at interpreter exit; that 
 
 
 def test_a_rank_whose_peer_died_gets_one_line_instead_of_gloos_traceback():
-    from trainer.distributed import _free_port
+    from ringtrain.strategies.distributed import _free_port
 
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": str(REPO)}

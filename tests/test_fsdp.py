@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import fsdp_worker as worker
-from trainer.fsdp import (
+from ringtrain.strategies.fsdp import (
     NO_PROCESS_GROUP_MESSAGE,
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -255,10 +255,10 @@ def test_model_without_parameters_is_refused():
 
 def test_shard_class_names_resolve_or_list_what_exists():
     model = worker.build_model()
-    from models.transformer import MLP, Block
+    from ringtrain.models.transformer import MLP, Block
 
     assert resolve_shard_classes(model, ["Block"]) == (Block,)
-    assert resolve_shard_classes(model, ["models.transformer.Block", "MLP"]) == (Block, MLP)
+    assert resolve_shard_classes(model, ["ringtrain.models.transformer.Block", "MLP"]) == (Block, MLP)
     with pytest.raises(ValueError) as error:
         resolve_shard_classes(model, ["TransformerBlock"])
     message = str(error.value)

@@ -60,7 +60,7 @@ def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(tmp_path, straight):
-    from models.transformer import Transformer
+    from ringtrain.models.transformer import Transformer
 
     _train(tmp_path, "first", RESUMED + ["trainer.max_steps=20"])
     first_last = tmp_path / "first" / "checkpoints" / "last.pt"
@@ -89,14 +89,14 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
     assert_same_weights(straight, ddp, atol=1e-5)
     # trainer.consolidate makes one plain file of it, from which ddp continues identically.
     consolidated = tmp_path / "consolidated.pt"
-    _ok(run_module("trainer.consolidate", [f"checkpoint={checkpoints / 'last.pt'}", f"output={consolidated}"]))
+    _ok(run_module("ringtrain.tools.consolidate", [f"checkpoint={checkpoints / 'last.pt'}", f"output={consolidated}"]))
     assert "shards" not in torch.load(consolidated, weights_only=True)
     from_file = _train(tmp_path, "ddp-from-file", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
                                                    "trainer.batch_size=8", "trainer.max_steps=40",
                                                    f"trainer.resume={consolidated}"])
     for key in ddp:
         assert torch.equal(ddp[key], from_file[key]), key
-    refused = run_module("trainer.consolidate", [f"checkpoint={consolidated}"])
+    refused = run_module("ringtrain.tools.consolidate", [f"checkpoint={consolidated}"])
     assert refused.returncode == 2 and "is already one plain file" in refused.stderr
     # ... and the same command with more steps continues from it, bit for bit.
     resumed = _train(tmp_path, "run", sharded + ["trainer.max_steps=40"])
@@ -113,7 +113,7 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
     assert "model" not in state and "optimizer" not in state and state["shards"] == "step-00000040.shards"
 
     # trainer.evaluate reads a sharded checkpoint in one process, to the run's own last validation.
-    proc = _ok(run_module("trainer.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
+    proc = _ok(run_module("ringtrain.tools.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
     run_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert proc.stdout.strip() == f"val/loss={run_metrics['final']['val/loss']:.6g}"
 

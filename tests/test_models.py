@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.linear import LinearRegression
-from models.mlp import MLPClassifier
-from models.transformer import Transformer
+from ringtrain.models.linear import LinearRegression
+from ringtrain.models.mlp import MLPClassifier
+from ringtrain.models.transformer import Transformer
 
 
 def tiny_transformer(**overrides) -> Transformer:
@@ -19,7 +19,7 @@ def tiny_transformer(**overrides) -> Transformer:
 
 def test_each_model_option_builds_its_class_from_its_target_node():
     from conftest import compose_config
-    from trainer.builders import build_model
+    from ringtrain.config.builders import build_model
 
     for option, cls, dims in [("linear", LinearRegression, {"in_features": 1, "out_features": 1}),
                               ("mlp", MLPClassifier, {"in_features": 4, "num_classes": 2}),

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import checkpoint_weights, compose_config, train_in_process
-from trainer.config import validate
-from trainer.errors import ConfigError
+from ringtrain.config.schema import validate
+from ringtrain.errors import ConfigError
 
 
 def _optimizer(overrides: list[str]) -> torch.optim.Optimizer:
-    from models.linear import LinearRegression
-    from trainer.optim import build_optimizer
+    from ringtrain.models.linear import LinearRegression
+    from ringtrain.loop.optim import build_optimizer
 
     run = validate(compose_config(overrides))
     return build_optimizer(run.optimizer, LinearRegression(1, 1), torch.device("cpu"))
@@ -41,7 +41,7 @@ def test_val_batch_size_and_limit_val_batches(tmp_path):
     assert odd == pytest.approx(default, rel=1e-6)  # float32 rounding of other batch groupings
     # limit_val_batches=2 with batches of 10: the metric of exactly the first 20 samples.
     limited = train_in_process(base + ["trainer.val_batch_size=10", "trainer.limit_val_batches=2"], tmp_path / "c")
-    from data.regression import RegressionData
+    from ringtrain.data.regression import RegressionData
 
     data = RegressionData(num_val_samples=100)
     data.setup()
@@ -66,7 +66,7 @@ def test_progress_bar_shows_steps_and_the_train_loss(tmp_path, capsys):
 
 
 def test_strategy_timeout_reaches_the_process_group(monkeypatch):
-    import trainer.distributed as distributed
+    import ringtrain.strategies.distributed as distributed
 
     seen = {}
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
@@ -79,8 +79,8 @@ def test_strategy_timeout_reaches_the_process_group(monkeypatch):
 
 
 def test_regression_line_and_class_separation_are_the_data_sets_knobs():
-    from data.classification import ClassificationData
-    from data.regression import RegressionData
+    from ringtrain.data.classification import ClassificationData
+    from ringtrain.data.regression import RegressionData
 
     data = RegressionData(weight=-1.5, bias=0.25, noise_std=0.0, num_samples=50)
     data.setup()

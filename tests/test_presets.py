@@ -48,7 +48,7 @@ def test_experiment_presets_keep_their_shapes():
     assert (gpt2.model.n_layers, gpt2.model.n_heads, gpt2.model.d_model, gpt2.model.block_size) == (12, 12, 768, 1024)
     assert gpt2.data.vocab_size == 50304 and gpt2.data.seq_len == 1024 and gpt2.trainer.precision == "bf16-mixed"
     shakespeare = compose_config(["experiment=shakespeare_char"])
-    assert shakespeare.data._target_ == "data.text.CharText" and shakespeare.optimizer._target_ == "torch.optim.AdamW"
+    assert shakespeare.data._target_ == "ringtrain.data.text.CharText" and shakespeare.optimizer._target_ == "torch.optim.AdamW"
     assert compose_config(["experiment=linear_regression"]).optimizer.lr == 0.01
 
 
@@ -68,8 +68,8 @@ def test_debug_overfit_drives_the_loss_on_its_own_batches_far_down(tmp_path):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_overfit_batches_validates_on_exactly_the_samples_trained_on(world_size):
-    from data.regression import RegressionData
-    from trainer.loaders import build_train_loader, build_val_loader
+    from ringtrain.data.regression import RegressionData
+    from ringtrain.loop.loaders import build_train_loader, build_val_loader
 
     data = RegressionData(num_samples=500)
     data.setup()
@@ -103,8 +103,8 @@ def test_debug_profiler_writes_a_trace_tensorboard_can_open(tmp_path):
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not here")
 def test_shakespeare_preset_builds_the_real_text(tmp_path):
-    from trainer.builders import build_data
-    from trainer.config import validate
+    from ringtrain.config.builders import build_data
+    from ringtrain.config.schema import validate
 
     run = validate(compose_config(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}",
                                    f"data.cache_dir={tmp_path}"]))

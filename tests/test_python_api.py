@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_same_weights, checkpoint_weights
-from trainer.errors import ConfigError
+from ringtrain.errors import ConfigError
 
 EXAMPLE = REPO / "docs" / "python_api_example.py"
 LEARNED = re.compile(r"^learned w=(\S+) b=(\S+)$", re.MULTILINE)
@@ -73,7 +73,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, {docs!r})
-from data.tasks import RegressionTask
+from ringtrain.data.tasks import RegressionTask
 from python_api_example import Line
 from trainer import Trainer
 

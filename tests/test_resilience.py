@@ -438,7 +438,7 @@ def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, 
 def _static_rendezvous() -> list[str]:
     """torchrun without --standalone or --rdzv-id: the run id is "none", so the run directory is
     named by the clock and a restart finds it through rank 0's note (trainer/rundir.py)."""
-    from trainer.distributed import _free_port
+    from ringtrain.strategies.distributed import _free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={_free_port()}",
             "--max-restarts=1"]
@@ -577,13 +577,13 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
     assert resumed_from_step(output) if "(step" in output else "resuming from" in output
     state = checkpoint(run_dir)
     assert state["progress"]["step"] == 10
-    assert state["config"]["model"]["_target_"] == "models.transformer.Transformer"
+    assert state["config"]["model"]["_target_"] == "ringtrain.models.transformer.Transformer"
     assert not (tmp_path / "outputs").exists(), "the continued run started a directory of its own"
     assert "done: 10 steps" in (run_dir / "train.log").read_text()
 
     # The command line composes on the stored run's options, so a key only they have is an
     # override like any other (it used to fail: "not a setting of this data").
-    from trainer.cli import check_overrides, overrides_implied_by_resume
+    from ringtrain.config.command_line import check_overrides, overrides_implied_by_resume
 
     args = [f"trainer.resume={last}", "data.num_val_tokens=2000"]
     implied = overrides_implied_by_resume(args)

@@ -1,4 +1,4 @@
-"""Using what was trained: `python -m trainer.sample` and `python -m trainer.evaluate` on a
+"""Using what was trained: `python -m ringtrain.tools.sample` and `python -m ringtrain.tools.evaluate` on a
 checkpoint alone, as real subprocesses; their refusals are one line and exit 2."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import SHAKESPEARE, run_cli, run_module, train_in_process
-from trainer.sample import generate, sample
+from ringtrain.tools.sample import generate, sample
 
 # A tiny character Transformer: a few seconds on one core, and it sees a context of 16.
 TINY_CHAR_MODEL = [
@@ -116,9 +116,9 @@ def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     _ok(run_module("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
     two_ranks = [checkpoint, "split=train", "trainer.val_batch_size=7", f"output={tmp_path / 'two.json'}"]
     if launch == "torchrun":  # strategy=auto is ddp under torchrun
-        _ok(run_module("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "trainer.evaluate", *two_ranks]))
+        _ok(run_module("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "ringtrain.tools.evaluate", *two_ranks]))
     else:
-        _ok(run_module("trainer.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
+        _ok(run_module("ringtrain.tools.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two["world_size"] == 2 and two["strategy"] == "ddp"
     assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)
@@ -155,7 +155,7 @@ def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
     (["prompt=Zebra#"], ["prompt has characters", "'#'", "'Z'", "'b'"]),
     (["top_k=0"], ["top_k=0 must be at least 1"]),
     (["temperature=-0.5"], ["temperature=-0.5 must be >= 0"]),
-    (["max_tokens=5"], ["max_tokens is not a setting of trainer.sample", "max_new_tokens"]),
+    (["max_tokens=5"], ["max_tokens is not a setting of ringtrain.tools.sample", "max_new_tokens"]),
     (["seed=x"], ["seed='x' is not an integer"]),
 ])
 def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
+from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOOP = r"""
 import logging, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
+from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
 step_seconds, grace = float(sys.argv[1]), float(sys.argv[2])
 with StopSignals(repeat_grace_s=grace) as signals:
     signals.poll(0)
@@ -40,8 +40,8 @@ RANK = r"""
 import logging, os, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 import torch.distributed as dist
-from trainer.distributed import exit_rank, teardown_distributed
-from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
+from ringtrain.strategies.distributed import exit_rank, teardown_distributed
+from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 with StopSignals() as signals:

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, compose_config, train_in_process
-from models.transformer import Transformer
-from trainer.config import validate
-from trainer.errors import ConfigError
+from ringtrain.models.transformer import Transformer
+from ringtrain.config.schema import validate
+from ringtrain.errors import ConfigError
 
 SMALL_TRANSFORMER = [
     "model=transformer", "model.block_size=16", "model.d_model=32", "model.n_layers=1",
@@ -116,7 +116,7 @@ def test_a_compile_that_fails_falls_back_to_eager_with_one_warning(backend, monk
 
 
 def test_a_models_own_error_is_raised_as_is_and_not_taken_for_a_compile_failure(monkeypatch, caplog):
-    from trainer.compilation import CompiledModel
+    from ringtrain.loop.compilation import CompiledModel
 
     _compile_with(monkeypatch, "eager")
     model = CompiledModel(Transformer(vocab_size=8, block_size=4, d_model=8, n_layers=1, n_heads=2))
@@ -166,7 +166,7 @@ def _syncs_per_step(overrides: list[str], run_dir: Path, monkeypatch) -> dict[in
     ringtrain's to change; on CUDA, test_cuda_steps_between_log_steps_do_not_sync checks
     everything, torch included, with torch.cuda.set_sync_debug_mode.
     """
-    import trainer.loop as loop
+    import ringtrain.loop.fit as loop
 
     reads: list[str] = []
 
@@ -209,7 +209,7 @@ def test_steps_between_log_steps_read_nothing_from_the_device(precision, monkeyp
 
 
 def test_the_sync_check_catches_an_item_call_inserted_in_the_step(monkeypatch, tmp_path):
-    import trainer.loop as loop
+    import ringtrain.loop.fit as loop
 
     original_add = loop.TrainMeter.add
 
@@ -225,7 +225,7 @@ def test_the_sync_check_catches_an_item_call_inserted_in_the_step(monkeypatch, t
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_steps_between_log_steps_do_not_sync(monkeypatch, tmp_path):
-    import trainer.loop as loop
+    import ringtrain.loop.fit as loop
 
     original_step = loop.TrainingLoop._optimizer_step
 
@@ -287,7 +287,7 @@ def test_a_model_without_flops_per_token_gets_no_mfu_and_one_info_line(tmp_path,
     ("NVIDIA GeForce RTX 4090", 165.2, 82.6), ("Tesla V100-SXM2-16GB", None, None),
 ])
 def test_gpu_peaks_are_found_by_device_name(name, bf16, tf32):
-    from trainer.throughput import gpu_peaks, peak_tflops_for
+    from ringtrain.loop.throughput import gpu_peaks, peak_tflops_for
 
     peaks = gpu_peaks(name)
     assert (peaks.bf16, peaks.tf32) == (bf16, tf32)
@@ -298,7 +298,7 @@ def test_gpu_peaks_are_found_by_device_name(name, bf16, tf32):
 
 
 def test_an_unknown_gpu_gets_no_mfu_and_one_info_line(monkeypatch):
-    from trainer.throughput import ThroughputReporter
+    from ringtrain.loop.throughput import ThroughputReporter
 
     model = Transformer(vocab_size=16, block_size=16, d_model=32, n_layers=1, n_heads=2)
     cuda = torch.device("cuda", 0)
@@ -320,7 +320,7 @@ def test_an_unknown_gpu_gets_no_mfu_and_one_info_line(monkeypatch):
 
 
 def test_tf32_sets_the_cuda_matmul_precision_and_leaves_the_cpu_alone():
-    from trainer.precision import set_matmul_precision
+    from ringtrain.loop.precision import set_matmul_precision
 
     before = torch.get_float32_matmul_precision()
     try:
@@ -336,7 +336,7 @@ def test_tf32_sets_the_cuda_matmul_precision_and_leaves_the_cpu_alone():
 
 
 def test_the_lm_loss_copies_no_float32_logits_and_matches_the_plain_cross_entropy(monkeypatch):
-    from data.tasks import LanguageModelTask
+    from ringtrain.data.tasks import LanguageModelTask
 
     task = LanguageModelTask()
     head = torch.nn.Linear(8, 50)
@@ -356,8 +356,8 @@ def test_the_lm_loss_copies_no_float32_logits_and_matches_the_plain_cross_entrop
 
 
 def test_batches_are_pinned_before_their_non_blocking_copy_on_cuda(monkeypatch):
-    from data.tensors import PairDataset
-    from trainer.loaders import WorkerOptions, build_train_loader
+    from ringtrain.data.tensors import PairDataset
+    from ringtrain.loop.loaders import WorkerOptions, build_train_loader
 
     events: list[str] = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: events.append("pin") or t)

@@ -158,8 +158,8 @@ def test_ddp_inside_a_sweep_runs_each_job_as_its_own_two_process_job(tmp_path):
 
 
 def test_a_diverged_job_is_the_worst_value_never_nan():
-    from trainer.run import sweep_value
-    from trainer.loop import FitResult
+    from ringtrain.run import sweep_value
+    from ringtrain.loop.fit import FitResult
 
     def result(value, mode):
         return FitResult({"val/x": value}, "val/x", mode, None, 1, 0.0)
@@ -197,12 +197,12 @@ def test_optuna_direction_follows_the_task_metric():
     from omegaconf import OmegaConf
 
     from conftest import CONF_DIR
-    from trainer.resolvers import register_resolvers
+    from ringtrain.config.resolvers import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for model, direction in (("linear", "minimize"), ("mlp", "maximize"), ("transformer", "minimize")):
-            cfg = compose("config", overrides=["hparams_search=optuna", f"model={model}"], return_hydra_config=True)
+            cfg = compose("train", overrides=["hparams_search=optuna", f"model={model}"], return_hydra_config=True)
             assert OmegaConf.select(cfg, "hydra.sweeper.direction") == direction
 
 
@@ -222,7 +222,7 @@ def test_submitit_launchers_compose_and_the_local_one_runs(tmp_path):
     from conftest import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        slurm = compose("config", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
+        slurm = compose("train", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
     assert slurm.hydra.launcher._target_.endswith("SlurmLauncher")
     command = ["-m", "hydra/launcher=submitit_local", "optimizer.lr=0.01", "trainer.max_epochs=1",
                f"hydra.sweep.dir={tmp_path}"]

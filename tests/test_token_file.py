@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from data.bundle import DataError
-from data.prepare_tokens import main, prepare_random, prepare_text
-from data.tensors import windows_of
-from data.text import encode_text
-from data.token_file import VOCAB_CHECK_BYTES, token_file, write_meta
-from data.vocab import ByteVocab, CharVocab, vocab_from_state
+from ringtrain.data.bundle import DataError
+from ringtrain.data.prepare_tokens import main, prepare_random, prepare_text
+from ringtrain.data.tensors import windows_of
+from ringtrain.data.text import encode_text
+from ringtrain.data.token_file import VOCAB_CHECK_BYTES, token_file, write_meta
+from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_unusable_inputs_end_the_command_with_one_line_and_exit_2(tmp_path, caps
     )
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.strip().splitlines() == [
-        f"python -m data.prepare_tokens: error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
+        f"python -m ringtrain.data.prepare_tokens: error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
     ]
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("ab".encode() * 50 + "café".encode("latin-1") + b"z" * 100)
@@ -209,7 +209,7 @@ def test_each_broken_directory_is_refused_in_one_line(tmp_path, damage, message)
 
 
 def test_a_missing_or_unset_directory_is_refused(tmp_path):
-    with pytest.raises(DataError, match=r"data.path='.*nope' does not exist \(looked in .*\); python -m data.prepare_tokens"):
+    with pytest.raises(DataError, match=r"data.path='.*nope' does not exist \(looked in .*\); python -m ringtrain.data.prepare_tokens"):
         token_file(str(tmp_path / "nope"), block_size=8)
     with pytest.raises(DataError, match="data.path is not set"):
         token_file("", block_size=8)

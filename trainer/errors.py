@@ -8,8 +8,8 @@ Exit statuses of `python train.py` (and of each rank):
   3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
   143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the
        same command continues the run (trainer/signals.py says why 143)
-ConfigError lives here (not in config.py) so that every module can raise it without
-importing the validation code.
+The error classes' bases live here, importing nothing of ringtrain, so that every module
+can raise one and `exit_on_user_error` can catch them all without importing those modules.
 """
 from __future__ import annotations
 
@@ -24,8 +24,20 @@ USER_ERROR_EXIT = 2
 NONFINITE_EXIT = 3
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake the user can fix (configuration, inputs, files, devices): the message is one
+    line naming the problem and the fix; the process exits with USER_ERROR_EXIT."""
+
+
+class ConfigError(UserError, ValueError):
     """A mistake in the user's configuration; the message is one line with the fix."""
+
+
+class RankEnded(Exception):
+    """This process ends because another one did (a spawned worker failed, a peer was lost);
+    that one's own output says why. The message is printed and the process exits `exit_code`."""
+
+    exit_code = 1
 
 
 class TrainingStopped(Exception):
@@ -37,25 +49,15 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    from data.bundle import DataError
-    from trainer.checkpoint import CheckpointError, RunDirError
-    from trainer.distributed import DistributedSetupError
-
-    return ConfigError, DataError, CheckpointError, DistributedSetupError, RunDirError
-
-
 @contextlib.contextmanager
 def exit_on_user_error() -> Iterator[None]:
-    from trainer.distributed import PeerLostError, WorkerFailedError
-
     try:
         yield
-    except user_errors() as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     # A spawned worker's own error is already printed above; a lost peer's is in its output.
-    except (WorkerFailedError, PeerLostError) as err:
+    except RankEnded as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except TrainingStopped as err:

@@ -24,12 +24,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from data.bundle import DataBundle
-from trainer.builders import build_data, build_model, check_task
-from trainer.checkpoint import RunDirError
-from trainer.components import build
-from trainer.config import MULTI_PROCESS, RunConfig, validate
-from trainer.distributed import (
+from ringtrain.data.bundle import DataBundle
+from ringtrain.config.builders import build_data, build_model, check_task
+from ringtrain.checkpoints.files import RunDirError
+from ringtrain.config.components import build
+from ringtrain.config.schema import MULTI_PROCESS, RunConfig, validate
+from ringtrain.strategies.distributed import (
     DistInfo,
     DistributedSetupError,
     broadcast_object,
@@ -41,12 +41,12 @@ from trainer.distributed import (
     teardown_distributed,
     under_torchrun,
 )
-from trainer.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
-from trainer.fsdp import full_model_state_dict
-from trainer.loop import FitResult, TrainingLoop
-from trainer.resume import checkpoint_to_resume, config_to_continue
-from trainer.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
-from trainer.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
+from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
+from ringtrain.strategies.fsdp import full_model_state_dict
+from ringtrain.loop.fit import FitResult, TrainingLoop
+from ringtrain.checkpoints.resume import checkpoint_to_resume, config_to_continue
+from ringtrain.checkpoints.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
+from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
 
 log = logging.getLogger("ringtrain")
 

@@ -1,6 +1,6 @@
 """The Python API: train your own model on your own Datasets, no Hydra or YAML needed.
 
-    from data.tasks import RegressionTask
+    from ringtrain.data.tasks import RegressionTask
     from trainer import Trainer
 
     trainer = Trainer(max_epochs=10, batch_size=32, optimizer={"_target_": "torch.optim.SGD", "lr": 0.01})
@@ -27,11 +27,11 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.data import Dataset
 
-from data.bundle import DataBundle
-from trainer.builders import check_components, check_task
-from trainer.config import RunConfig, StrategyConfig, TrainerConfig, check_options, typed_section
-from trainer.errors import ConfigError
-from trainer.loop import FitResult
+from ringtrain.data.bundle import DataBundle
+from ringtrain.config.builders import check_components, check_task
+from ringtrain.config.schema import RunConfig, StrategyConfig, TrainerConfig, check_options, typed_section
+from ringtrain.errors import ConfigError
+from ringtrain.loop.fit import FitResult
 
 DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.01}
 
@@ -72,7 +72,7 @@ class Trainer:
         LanguageModelTask(), LossTask(loss=...) or any object with the same methods.
         `vocab` (data/vocab.py's plain form) is kept in checkpoints for sampling.
         """
-        from trainer.run import BuiltComponents, launch
+        from ringtrain.run import BuiltComponents, launch
 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit() needs an nn.Module as the model, got {type(model).__name__}")

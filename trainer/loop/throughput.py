@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trainer.checkpoint import unwrap_model
+from ringtrain.checkpoints.files import unwrap_model
 
 
 @dataclass(frozen=True)

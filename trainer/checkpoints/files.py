@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringtrain.errors import UserError
+
 CHECKPOINT_FORMAT = 2
 _REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config", "format")
 _REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "config", "format")
@@ -66,11 +68,11 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 log = logging.getLogger("ringtrain")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be used or written; the message names the file and what to do."""
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UserError, RuntimeError):
     """The run directory holds another run's checkpoints; refusing to overwrite them."""
 
 

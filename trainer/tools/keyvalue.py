@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import ConfigError, exit_on_user_error
+from ringtrain.errors import ConfigError, exit_on_user_error
 
 REQUIRED = object()  # the default of a key the user must give
 

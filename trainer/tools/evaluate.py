@@ -1,10 +1,10 @@
-"""A trained model's metrics on a split: `python -m trainer.evaluate checkpoint=...`.
+"""A trained model's metrics on a split: `python -m ringtrain.tools.evaluate checkpoint=...`.
 
-    python -m trainer.evaluate checkpoint=outputs/runs/<run>/checkpoints/best.pt
-    python -m trainer.evaluate checkpoint=... split=train                  # the training split
-    python -m trainer.evaluate checkpoint=... data.path=other.txt          # other data, same kind
-    python -m trainer.evaluate checkpoint=... strategy=ddp strategy.nproc_per_node=2
-    torchrun --nproc_per_node=2 -m trainer.evaluate checkpoint=...
+    python -m ringtrain.tools.evaluate checkpoint=outputs/runs/<run>/checkpoints/best.pt
+    python -m ringtrain.tools.evaluate checkpoint=... split=train                  # the training split
+    python -m ringtrain.tools.evaluate checkpoint=... data.path=other.txt          # other data, same kind
+    python -m ringtrain.tools.evaluate checkpoint=... strategy=ddp strategy.nproc_per_node=2
+    torchrun --nproc_per_node=2 -m ringtrain.tools.evaluate checkpoint=...
 
 lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model
 and task are rebuilt from the config the checkpoint keeps (the resolved `_target_` nodes
@@ -44,25 +44,25 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.bundle import DataBundle
-from trainer.builders import build_data, check_components, check_task
-from trainer.components import build
-from trainer.config import StrategyConfig, TrainerConfig, check_options, typed_section
-from trainer.distributed import (
+from ringtrain.data.bundle import DataBundle
+from ringtrain.config.builders import build_data, check_components, check_task
+from ringtrain.config.components import build
+from ringtrain.config.schema import StrategyConfig, TrainerConfig, check_options, typed_section
+from ringtrain.strategies.distributed import (
     exit_rank,
     setup_distributed,
     spawn_workers,
     teardown_distributed,
     under_torchrun,
 )
-from trainer.errors import ConfigError, exit_on_user_error
-from trainer.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
-from trainer.loaders import build_val_loader, worker_options
-from trainer.loop import evaluate_model
-from trainer.precision import Precision
-from trainer.restore import model_node, read_checkpoint, rebuild_model
+from ringtrain.errors import ConfigError, exit_on_user_error
+from ringtrain.tools.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
+from ringtrain.loop.loaders import build_val_loader, worker_options
+from ringtrain.loop.fit import evaluate_model
+from ringtrain.loop.precision import Precision
+from ringtrain.checkpoints.restore import model_node, read_checkpoint, rebuild_model
 
-PROGRAM = "trainer.evaluate"
+PROGRAM = "ringtrain.tools.evaluate"
 KEYS = (
     Key("checkpoint", str, REQUIRED, "a checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/best.pt"),
     Key("split", str, "val", "the split to evaluate", choices=("val", "train")),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from trainer.rundir import run_name
+from ringtrain.checkpoints.rundir import run_name
 
 
 def register_resolvers() -> None:

@@ -20,9 +20,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from data.bundle import DataBundle
-from data.tasks import metrics_from_sums
-from trainer.checkpoint import (
+from ringtrain.data.bundle import DataBundle
+from ringtrain.data.tasks import metrics_from_sums
+from ringtrain.checkpoints.files import (
     CHECKPOINT_FORMAT,
     CheckpointError,
     CheckpointStore,
@@ -31,11 +31,11 @@ from trainer.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from trainer.compilation import compile_for_training
-from trainer.config import RunConfig
-from trainer.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects
-from trainer.errors import ConfigError
-from trainer.fsdp import (
+from ringtrain.loop.compilation import compile_for_training
+from ringtrain.config.schema import RunConfig
+from ringtrain.strategies.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.fsdp import (
     clip_grad_norm,
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -46,14 +46,14 @@ from trainer.fsdp import (
     load_sharded,
     save_sharded,
 )
-from trainer.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
-from trainer.logger import RunLogger
-from trainer.nonfinite import NonFiniteWatch
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.precision import Precision, set_matmul_precision
-from trainer.signals import StopAgreement, StopSignals
-from trainer.strategy import wrap_model
-from trainer.throughput import ThroughputReporter
+from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
+from ringtrain.loop.logger import RunLogger
+from ringtrain.loop.nonfinite import NonFiniteWatch
+from ringtrain.loop.optim import build_optimizer, build_scheduler
+from ringtrain.loop.precision import Precision, set_matmul_precision
+from ringtrain.loop.signals import StopAgreement, StopSignals
+from ringtrain.strategies.wrap import wrap_model
+from ringtrain.loop.throughput import ThroughputReporter
 
 
 @dataclass
@@ -376,7 +376,7 @@ class TrainingLoop:
                 "config": self.run.resolved,
                 "monitor": self.task.monitor,
                 # What rebuilds the model and decodes its outputs from this file alone
-                # (python -m trainer.sample / trainer.evaluate).
+                # (python -m ringtrain.tools.sample / trainer.evaluate).
                 "data_dims": dict(self.data.dims),
                 "vocab": self.data.vocab,
             }

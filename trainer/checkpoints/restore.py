@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.builders import build_model
-from trainer.checkpoint import CheckpointError, load_checkpoint
-from trainer.components import check
-from trainer.errors import ConfigError
-from trainer.fsdp import load_sharded
-from trainer.precision import Precision
+from ringtrain.config.builders import build_model
+from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
+from ringtrain.config.components import check
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.fsdp import load_sharded
+from ringtrain.loop.precision import Precision
 
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -22,12 +22,12 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
-from data.bundle import DataBundle, DataError
-from data.tasks import check_monitor
-from trainer.components import build, check, check_built
-from trainer.distributed import DistInfo, barrier
-from trainer.errors import ConfigError
-from trainer.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
+from ringtrain.data.bundle import DataBundle, DataError
+from ringtrain.data.tasks import check_monitor
+from ringtrain.config.components import build, check, check_built
+from ringtrain.strategies.distributed import DistInfo, barrier
+from ringtrain.errors import ConfigError
+from ringtrain.loop.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
 
 # ringtrain's own keys in a data node with train/val splits.
 SPLIT_DATA_KEYS = ("train", "val", "dims")
@@ -92,7 +92,7 @@ def check_task(task: Any) -> Any:
         if not callable(getattr(task, method, None)):
             raise ConfigError(
                 f"task._target_ built a {type(task).__name__} without a {method}() method; a task needs "
-                f"loss(outputs, targets) and eval_sums(outputs, targets) (see data/tasks.py, or use data.tasks.LossTask)"
+                f"loss(outputs, targets) and eval_sums(outputs, targets) (see ringtrain/data/tasks.py, or use ringtrain.data.tasks.LossTask)"
             )
     try:
         check_monitor(task)
@@ -133,7 +133,7 @@ def build_data(node: Mapping, dist: DistInfo | None = None) -> DataBundle:
 
 def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
     """The data's sizes the model takes and its node leaves unset; refuse a disagreeing one."""
-    from trainer.components import accepts, locate
+    from ringtrain.config.components import accepts, locate
 
     target = locate(node["_target_"], "model")
     filled = {}

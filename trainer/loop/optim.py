@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
 
-from trainer.components import accepts, build, locate
+from ringtrain.config.components import accepts, build, locate
 
 OPTIMIZER_KEYS = ("decay_matrices_only",)
 SCHEDULER_KEYS = ("warmup_steps",)
@@ -57,7 +57,7 @@ def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale
 
 def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
     """The schedule `node` describes (constant lr when None), with its warmup."""
-    node = dict(node or {"_target_": "trainer.optim.WarmupConstant"})
+    node = dict(node or {"_target_": "ringtrain.loop.optim.WarmupConstant"})
     warmup = node.pop("warmup_steps", 0)
     target = node["_target_"]
     extra: dict[str, Any] = {"optimizer": optimizer}

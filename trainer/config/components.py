@@ -3,7 +3,7 @@
 Every model, data set, task, optimizer and scheduler, ringtrain's own and a user's alike, is
 a config node naming a class or function by its import path plus its arguments:
 
-    _target_: models.transformer.Transformer     # or my_pkg.nets.MyNet (a user's)
+    _target_: ringtrain.models.transformer.Transformer     # or my_pkg.nets.MyNet (a user's)
     n_layers: 4
 
 `check(node, key, kind, provided)` is the part plain `instantiate` does not do: before any
@@ -27,7 +27,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from trainer.errors import ConfigError
+from ringtrain.errors import ConfigError
 
 # Keys Hydra's instantiate reads itself; they are never arguments of the target.
 HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")

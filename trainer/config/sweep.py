@@ -1,7 +1,7 @@
 """What a multirun leaves behind: one summary of every job, naming the best.
 
 Hydra calls `SweepSummary.on_multirun_end` in the launching process once every job has
-finished, whatever the launcher (registered in conf/config.yaml under hydra.callbacks). Each
+finished, whatever the launcher (registered in conf/train.yaml under hydra.callbacks). Each
 job's rank 0 wrote `metrics.json` into its own directory; the summary collects them into
 `<sweep dir>/sweep_summary.json` and logs one line per job, best first.
 """

@@ -20,8 +20,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.errors import ConfigError
-from trainer.nonfinite import POLICIES
+from ringtrain.errors import ConfigError
+from ringtrain.loop.nonfinite import POLICIES
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -110,7 +110,7 @@ class RunConfig:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the composed config and return it typed; raise ConfigError on the first mistake."""
-    from trainer.builders import check_components
+    from ringtrain.config.builders import check_components
 
     _reject_unknown_sections(cfg)
     try:

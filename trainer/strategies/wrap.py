@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import StrategyConfig
-from trainer.distributed import DistInfo
+from ringtrain.config.schema import StrategyConfig
+from ringtrain.strategies.distributed import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,8 @@ def wrap_model(
     """DDP / DataParallel (the bare model stays reachable as `.module`), FSDP2 (the model
     itself, sharded in place: `param_dtype` is then its mixed-precision dtype), or the model."""
     if strategy.name == "fsdp":
-        from trainer.errors import ConfigError
-        from trainer.fsdp import resolve_shard_classes, shard_model
+        from ringtrain.errors import ConfigError
+        from ringtrain.strategies.fsdp import resolve_shard_classes, shard_model
 
         try:
             classes = resolve_shard_classes(model, strategy.shard_classes) if strategy.shard_classes else None

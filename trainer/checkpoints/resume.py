@@ -20,9 +20,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.checkpoint import RunDirError, find_resumable, load_checkpoint, remove_stale_temp_files
-from trainer.distributed import DistInfo, broadcast_object
-from trainer.errors import ConfigError
+from ringtrain.checkpoints.files import RunDirError, find_resumable, load_checkpoint, remove_stale_temp_files
+from ringtrain.strategies.distributed import DistInfo, broadcast_object
+from ringtrain.errors import ConfigError
 
 log = logging.getLogger("ringtrain")
 

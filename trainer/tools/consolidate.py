@@ -1,6 +1,6 @@
-"""One plain checkpoint file from a sharded one: `python -m trainer.consolidate checkpoint=...`.
+"""One plain checkpoint file from a sharded one: `python -m ringtrain.tools.consolidate checkpoint=...`.
 
-    python -m trainer.consolidate checkpoint=outputs/runs/<run>/checkpoints/last.pt [output=FILE]
+    python -m ringtrain.tools.consolidate checkpoint=outputs/runs/<run>/checkpoints/last.pt [output=FILE]
 
 A run with `strategy=fsdp strategy.state_dict_type=sharded` keeps its weights and optimizer
 state in `step-<N>.shards/`, each rank's part in its own file. This reads them whole into
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import save_checkpoint
-from trainer.errors import ConfigError
-from trainer.fsdp import full_model_state_dict, full_optimizer_state_dict, load_sharded
-from trainer.keyvalue import REQUIRED, Key, run_tool
-from trainer.optim import build_optimizer
-from trainer.restore import build_checked_model, model_node, read_checkpoint
+from ringtrain.checkpoints.files import save_checkpoint
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.fsdp import full_model_state_dict, full_optimizer_state_dict, load_sharded
+from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
+from ringtrain.loop.optim import build_optimizer
+from ringtrain.checkpoints.restore import build_checked_model, model_node, read_checkpoint
 
-PROGRAM = "trainer.consolidate"
+PROGRAM = "ringtrain.tools.consolidate"
 KEYS = (
     Key("checkpoint", str, REQUIRED, "a sharded checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/last.pt"),
     Key("output", str, "", "the file to write (default: <checkpoint dir>/../consolidated-step-<N>.pt)"),

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.checkpoint import LAST_NAME, CheckpointError, fsync_directory, write_failure_message
+from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, fsync_directory, write_failure_message
 
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 
 def resolve_shard_classes(model: nn.Module, names: Iterable[str]) -> tuple[type[nn.Module], ...]:
-    """Map class names ("Block") or dotted paths ("models.transformer.Block") to the classes of
+    """Map class names ("Block") or dotted paths ("ringtrain.models.transformer.Block") to the classes of
     `model`'s submodules. A name that matches nothing raises ValueError listing the classes
     present; a short name shared by several classes selects all of them."""
     present = {type(module) for module in model.modules()}

@@ -25,11 +25,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-class DistributedSetupError(RuntimeError):
+from ringtrain.errors import RankEnded, UserError
+
+
+class DistributedSetupError(UserError, RuntimeError):
     """The process group or device cannot be set up as configured; message says the fix."""
 
 
-class WorkerFailedError(RuntimeError):
+class WorkerFailedError(RankEnded):
     """A worker started by spawn_workers failed; its own error was printed above.
 
     `exit_code` is what the whole job exits with: the worker's own status (2 when it reported a
@@ -134,7 +137,7 @@ def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta)
     return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(RankEnded):
     """Another rank ended (crashed, killed, its machine lost) while this one was talking to it.
     That rank's own output says why; this one reports it in one line and exits 1."""
 
@@ -314,7 +317,7 @@ def spawn_workers(nprocs: int, fn: Callable, args: tuple,
     try:
         pickled_args = pickle.dumps(args)
     except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
-        from trainer.errors import ConfigError
+        from ringtrain.errors import ConfigError
 
         raise ConfigError(
             f"the {nprocs} spawned ranks each need a copy of the model, data and task, and one does not "

@@ -1,6 +1,6 @@
-"""Text from a trained language model: `python -m trainer.sample checkpoint=... prompt=...`.
+"""Text from a trained language model: `python -m ringtrain.tools.sample checkpoint=... prompt=...`.
 
-    python -m trainer.sample checkpoint=outputs/runs/<run>/checkpoints/best.pt prompt="ROMEO:" \
+    python -m ringtrain.tools.sample checkpoint=outputs/runs/<run>/checkpoints/best.pt prompt="ROMEO:" \
         max_new_tokens=200 temperature=0.8 top_k=200 seed=0 [num_samples=1] [device=auto|cpu|cuda]
 
 nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint
@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.vocab import ByteVocab, CharVocab, vocab_from_state
-from trainer.errors import ConfigError
-from trainer.keyvalue import REQUIRED, Key, run_tool
-from trainer.restore import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
+from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
+from ringtrain.errors import ConfigError
+from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
+from ringtrain.checkpoints.restore import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
 
-PROGRAM = "trainer.sample"
+PROGRAM = "ringtrain.tools.sample"
 KEYS = (
     Key("checkpoint", str, REQUIRED, "a checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/best.pt"),
     Key("prompt", str, "\n", "the text to continue; FILE:path reads it from a file"),

@@ -1,6 +1,6 @@
 """The command line before Hydra sees it.
 
-`train.py` calls these in order:
+`ringtrain.tools.train` calls these in order:
   strip_legacy_local_rank_arg   torch.distributed.launch's `--local-rank N` is not an override
   refuse_multirun_under_torchrun  every torchrun rank would run the whole sweep
   check_overrides               compose and validate every job's config now, so a typo, an
@@ -16,12 +16,14 @@ import os
 import re
 from pathlib import Path
 
-from trainer.distributed import env_rank, under_torchrun
-from trainer.rundir import directory_before_restart
-from trainer.errors import ConfigError
+import ringtrain.conf
+from ringtrain.checkpoints.rundir import directory_before_restart
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.distributed import env_rank, under_torchrun
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-CONFIG_NAME = "config"
+# The shipped configs: conf/ in a clone, ringtrain/conf in an installed wheel.
+CONF_DIR = Path(ringtrain.conf.__file__).parent
+CONFIG_NAME = "train"
 # More combinations than this are not all composed ahead; Hydra still checks each job itself.
 _MAX_CHECKED_JOBS = 64
 # Flags after which Hydra does not compose a config for a run.
@@ -130,7 +132,7 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     `_target_` (strategy: `name`); a checkpoint that cannot be read implies nothing (loading it
     later reports why, in one line).
     """
-    from trainer.checkpoint import CheckpointError, load_checkpoint
+    from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
 
     if any(a in ("-m", "--multirun") for a in args):
         return []
@@ -170,13 +172,13 @@ def check_overrides(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from trainer.config import validate
+    from ringtrain.config.schema import validate
 
     parsed_args, _ = get_args_parser().parse_known_args(args)
     if any(getattr(parsed_args, flag, False) for flag in _NO_RUN_FLAGS):
         return
     if parsed_args.config_path or parsed_args.config_name:
-        return  # another primary config than conf/config.yaml: Hydra reports on it itself
+        return  # another primary config than conf/train.yaml: Hydra reports on it itself
     config_dir = parsed_args.config_dir
     if config_dir and not Path(config_dir).is_dir():
         raise ConfigError(f"--config-dir {config_dir!r} is not a directory; pass the folder that holds your <group>/<option>.yaml files")

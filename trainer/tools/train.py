@@ -1,0 +1,68 @@
+"""`ringtrain` / `python -m ringtrain` / `python train.py`: compose the config with Hydra,
+train, return the metric.
+
+    ringtrain                                         # the default job (linear regression, CPU)
+    ringtrain model=transformer                       # any group=option / key=value overrides
+    torchrun --nproc_per_node=2 -m ringtrain strategy=ddp
+    ringtrain -m optimizer.lr=1e-3,3e-3               # a sweep
+    ringtrain --config-dir my_conf model=my_net       # your own components (README)
+"""
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from ringtrain.config.command_line import (
+    check_overrides,
+    hydra_overrides_for_this_rank,
+    overrides_implied_by_resume,
+    refuse_multirun_under_torchrun,
+    strip_legacy_local_rank_arg,
+)
+from ringtrain.config.resolvers import register_resolvers
+from ringtrain.errors import exit_on_user_error
+from ringtrain.run import run
+from ringtrain.strategies.distributed import exit_rank, under_torchrun
+
+# What trainer.resume=<checkpoint> implied (set by main() before Hydra composes): it only
+# shaped the composition (config/command_line.py overrides_implied_by_resume) and changes
+# nothing stored.
+_implied_by_resume: list[str] = []
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="train")
+def train(cfg: DictConfig) -> float:
+    hydra_cfg = HydraConfig.get()
+    overrides = [o for o in hydra_cfg.overrides.task if o not in _implied_by_resume]
+    with exit_on_user_error():
+        return run(cfg, hydra_cfg.runtime.output_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+
+
+def main() -> None:
+    """Check the command line, then hand it to Hydra; on a torchrun rank, exit as a rank does."""
+    global _implied_by_resume
+    # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
+    # script or `python train.py` puts only its own folder on the path).
+    sys.path.insert(1, os.getcwd())
+    with exit_on_user_error():
+        argv = strip_legacy_local_rank_arg(sys.argv)
+        refuse_multirun_under_torchrun(argv)
+        _implied_by_resume = overrides_implied_by_resume(argv[1:])
+        check_overrides(argv[1:] + _implied_by_resume)
+    sys.argv = argv + _implied_by_resume + hydra_overrides_for_this_rank(argv)
+    register_resolvers()
+    try:
+        train()
+    except SystemExit as exit:  # a mistake (2), a stop signal (143), non-finite values (3)
+        if not under_torchrun():
+            raise
+        exit_rank(exit.code if isinstance(exit.code, int) else 1)
+    if under_torchrun():  # here the rank finished cleanly
+        exit_rank(0)
+
+
+if __name__ == "__main__":
+    main()

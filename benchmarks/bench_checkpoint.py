@@ -28,27 +28,20 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_memory import MIB, parse_arguments, train_steps  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.checkpoints.files import save_checkpoint  # noqa: E402
-from ringtrain.strategies.distributed import (  # noqa: E402
-    barrier,
-    gather_objects,
-    setup_distributed,
-    spawn_workers,
-    teardown_distributed,
-)
-from ringtrain.strategies.fsdp import (  # noqa: E402
+from ringtrain.checkpoints.sharded import load_sharded, save_sharded  # noqa: E402
+from ringtrain.checkpoints.state_dicts import (  # noqa: E402
     full_model_state_dict,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
-    load_sharded,
-    save_sharded,
 )
+from ringtrain.distributed import barrier, gather_objects, join_process_group, teardown_distributed  # noqa: E402
+from ringtrain.strategies.launch import launch_ranks  # noqa: E402
 
 REPEATS = 3
 
@@ -85,8 +78,8 @@ def load(mode: str, model, optimizer, directory: Path, rank: int) -> None:
 
 
 def measure_rank(mode: str, config: dict, batch: int, directory: str) -> dict:
-    """One rank (run by spawn_workers); rank 0's figures, and whether the round trip was exact."""
-    info = setup_distributed("ddp", "gloo", "cpu", timeout_minutes=10)
+    """One rank (run by launch_ranks); rank 0's figures, and whether the round trip was exact."""
+    info = join_process_group("gloo", "cpu", timeout_minutes=10)
     directory = Path(directory)
     model, optimizer = train_steps("fsdp", config, batch, info)
     gathered, seconds = 0, []
@@ -131,7 +124,7 @@ def main() -> None:
     for world_size in args.world_sizes:
         for mode in ("full", "sharded"):
             with tempfile.TemporaryDirectory() as directory:
-                result = spawn_workers(world_size, measure_rank, (mode, config, args.batch, directory))
+                result = launch_ranks(world_size, measure_rank, (mode, config, args.batch, directory))
             print(f"{world_size:>5} {mode:>15} {result['gathered'] / MIB:>25.1f} {result['seconds']:>9.2f} "
                   f"{result['on_disk'] / MIB:>14.1f} {'exact' if result['exact'] else 'DIFFERS':>11}")
 

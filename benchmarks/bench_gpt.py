@@ -47,7 +47,6 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
@@ -143,19 +142,19 @@ def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         run = validate(compose(config_name="train", overrides=overrides))
     clock = StepClock(setup)
-    original_step = loop.TrainingLoop._optimizer_step
+    original_step = loop.optimizer_step
 
     def timed_step(self, *args, **kwargs):
         result = original_step(self, *args, **kwargs)
         clock.step_done()
         return result
 
-    loop.TrainingLoop._optimizer_step = timed_step
+    loop.optimizer_step = timed_step
     try:
         with tempfile.TemporaryDirectory() as run_dir:
             train_worker(run, run_dir)
     finally:
-        loop.TrainingLoop._optimizer_step = original_step
+        loop.optimizer_step = original_step
     return clock.seconds
 
 

@@ -29,10 +29,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.strategies.distributed import gather_objects, setup_distributed, spawn_workers, teardown_distributed  # noqa: E402
+from ringtrain.distributed import gather_objects, join_process_group, teardown_distributed  # noqa: E402
+from ringtrain.strategies.launch import launch_ranks  # noqa: E402
 from ringtrain.strategies.fsdp import shard_model  # noqa: E402
 from ringtrain.loop.optim import parameter_groups  # noqa: E402
 
@@ -87,8 +87,8 @@ def train_steps(strategy: str, config: dict, batch: int, info, steps: int = 2,
 
 
 def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]]:
-    """One rank (run by spawn_workers): 2 AdamW steps; every rank's byte counts, in rank order."""
-    info = setup_distributed("ddp", "gloo", "cpu", timeout_minutes=10)
+    """One rank (run by launch_ranks): 2 AdamW steps; every rank's byte counts, in rank order."""
+    info = join_process_group("gloo", "cpu", timeout_minutes=10)
     counts: dict[str, int] = {}
 
     def count(step, model, optimizer):
@@ -130,7 +130,7 @@ def main() -> None:
     for world_size in args.world_sizes:
         totals = {}
         for strategy in ("ddp", "fsdp"):
-            ranks = spawn_workers(world_size, measure_rank, (strategy, config, args.batch))
+            ranks = launch_ranks(world_size, measure_rank, (strategy, config, args.batch))
             largest = max(ranks, key=lambda counts: sum(counts.values()))
             totals[strategy] = total = sum(largest.values())
             ratio = f"{total / totals['ddp']:>9.3f}" if strategy == "fsdp" else f"{'':>9}"

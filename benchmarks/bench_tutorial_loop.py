@@ -29,7 +29,6 @@ import torch.nn as nn
 import torch.optim as optim
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # --- the tutorial, as written (seed 000, section 3 and 4; prints removed) -------------------

@@ -24,19 +24,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringtrain.models.transformer import Transformer
-from ringtrain.strategies.fsdp import (
-    clip_grad_norm,
+from torch.distributed.fsdp import FSDPModule
+
+from ringtrain.checkpoints.sharded import load_sharded, save_sharded
+from ringtrain.checkpoints.state_dicts import (
     full_model_state_dict,
     full_optimizer_state_dict,
-    gradient_sync,
-    inference_context,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
-    load_sharded,
-    resolve_shard_classes,
-    save_sharded,
-    shard_model,
 )
+from ringtrain.config.schema import strategy_option
+from ringtrain.strategies.fsdp import resolve_shard_classes, shard_model
+
+
+def strategy_of(model: nn.Module):
+    """The strategy whose model this is, for its no-sync, clipping and inference contexts."""
+    return strategy_option("fsdp" if isinstance(model, FSDPModule) else "single")
 from ringtrain.loop.optim import parameter_groups
 
 CONFIG = dict(vocab_size=16, block_size=16, n_layers=2, n_heads=2, d_model=32, dropout=0.0)
@@ -103,19 +106,19 @@ def train(
         pieces = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)))
         for i, (x, y) in enumerate(pieces):
             last = i == len(pieces) - 1
-            with gradient_sync(model, enabled=last):
+            with strategy_of(model).no_sync(model, enabled=last):
                 loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
                 (loss / len(pieces)).backward()
             if early_gradients is not None and not last:
                 early_gradients.append(any(p.grad is not None for p in params))
         if clip:
-            norms.append(clip_grad_norm(params, clip).item())
+            norms.append(strategy_of(model).clip_gradients(params, clip).item())
         optimizer.step()
         for param in params:
             param.grad = None
         if step % EVAL_EVERY == EVAL_EVERY - 1:
             # As ringtrain evaluates between steps: must leave training unchanged.
-            with inference_context(model):
+            with strategy_of(model).inference(model):
                 model.eval()
                 model(inputs)
                 model.train()
@@ -177,7 +180,7 @@ def scenario_train(out: Path, rank: int, world_size: int) -> None:
     optimizer = build_optimizer(model, "sgd")
     train(model, optimizer, range(BF16_STEPS), rank=rank, world_size=world_size)
     report["bf16_param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
-    with inference_context(model):
+    with strategy_of(model).inference(model):
         report["bf16_output_dtype"] = str(model(global_batch(0)[0]).dtype)
     weights = full_model_state_dict(model)
     if rank == 0:
@@ -248,7 +251,7 @@ def _equal(a, b) -> bool:
 
 
 def main() -> None:
-    from ringtrain.strategies.distributed import exit_rank, teardown_distributed
+    from ringtrain.distributed import exit_rank, teardown_distributed
 
     scenario, out = sys.argv[1], Path(sys.argv[2])
     source = Path(sys.argv[3]) if len(sys.argv) > 3 else None

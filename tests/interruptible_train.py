@@ -34,25 +34,25 @@ if REPO not in sys.path:
 def _announce_and_slow_down_every_step() -> None:
     import ringtrain.loop.fit as loop
 
-    original = loop.TrainingLoop._optimizer_step
+    original = loop.optimizer_step
     if getattr(original, "_interruptible", False):
         return
     delay = float(os.environ.get("RINGTRAIN_TEST_STEP_SECONDS", "0.05"))
     hold_step = int(os.environ.get("RINGTRAIN_TEST_HOLD_AT_STEP", "0"))
     hold = float(os.environ.get("RINGTRAIN_TEST_HOLD_SECONDS", "3"))
 
-    def step_then_announce(self, micro_batches, meter, nonfinite, progress, step, **kwargs):
-        result = original(self, micro_batches, meter, nonfinite, progress, step, **kwargs)
+    def step_then_announce(parts, task, micro_batches, meter, nonfinite, progress, step, *args, **kwargs):
+        result = original(parts, task, micro_batches, meter, nonfinite, progress, step, *args, **kwargs)
         # One write of the whole line: the ranks share the pipe, and print() writes the text and
         # its newline separately, so two ranks' announcements ran into one line that matched
         # neither (seen on 2 ranks for every other step), and the test missed the step it waited for.
         sys.stdout.flush()
-        os.write(sys.stdout.fileno(), f"interruptible: rank={self.dist.rank} pid={os.getpid()} step={step}\n".encode())
+        os.write(sys.stdout.fileno(), f"interruptible: rank={os.environ.get('RANK', '0')} pid={os.getpid()} step={step}\n".encode())
         time.sleep(hold if step == hold_step else delay)
         return result
 
     step_then_announce._interruptible = True
-    loop.TrainingLoop._optimizer_step = step_then_announce
+    loop.optimizer_step = step_then_announce
 
 
 def _fill_the_disk_after(limit: int) -> None:

@@ -21,7 +21,7 @@ from ringtrain.checkpoints.files import (
     save_checkpoint,
     shards_name,
 )
-from ringtrain.strategies.fsdp import load_sharded, save_sharded
+from ringtrain.checkpoints.sharded import load_sharded, save_sharded
 
 
 def _state(step: int, numel: int = 4) -> dict:

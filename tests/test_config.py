@@ -75,8 +75,9 @@ def test_text_data_composes_and_builds(tmp_path):
 def test_every_optimizer_scheduler_strategy_option_validates(optimizer, scheduler, strategy):
     ranks = ["strategy.nproc_per_node=2"] if strategy == "fsdp" else []  # fsdp needs a process group
     run = validate(compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}", f"strategy={strategy}", *ranks]))
-    expected = compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}"])
-    assert run.optimizer["_target_"] == expected.optimizer._target_ and run.strategy.name == strategy
+    expected = compose_config([f"optimizer={optimizer}", f"scheduler={scheduler}", f"strategy={strategy}"])
+    built = f"{type(run.strategy).__module__}.{type(run.strategy).__qualname__}"
+    assert run.optimizer["_target_"] == expected.optimizer._target_ and built == expected.strategy._target_
     assert run.scheduler["_target_"] == expected.scheduler._target_
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -113,18 +114,17 @@ def test_dp_on_cpu_warns_and_trains(tmp_path):
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """Launcher variables for a 1-rank job in this process: strategy=ddp really wraps in DDP."""
-    from ringtrain.strategies.distributed import _free_port
+    from conftest import free_port
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(_free_port())).items():
+                           MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
 
 
 def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group):
     import torch.distributed as dist
     from ringtrain.config.schema import validate
-    from ringtrain.strategies.distributed import setup_distributed, teardown_distributed
-    from ringtrain.strategies.wrap import wrap_model
+    from ringtrain.distributed import join_process_group, teardown_distributed
     from conftest import compose_config
 
     run = validate(compose_config([
@@ -132,16 +132,16 @@ def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group)
         "strategy.gradient_as_bucket_view=false", "strategy.static_graph=true",
         "strategy.forward_sync_buffers=false",
     ]))
-    info = setup_distributed("ddp", "auto", "cpu", 1.0)
+    info = join_process_group("auto", "cpu", 1.0)
     try:
         assert dist.get_backend() == "gloo" and info.world_size == 1
         with warnings.catch_warnings():  # no deprecation warning on any rank
             warnings.simplefilter("error", FutureWarning)
-            ddp = wrap_model(torch.nn.Linear(2, 2), run.strategy, info)
+            ddp = run.strategy.wrap(torch.nn.Linear(2, 2), info)
         assert ddp.bucket_bytes_cap == int(7.5 * 1024 * 1024)
         assert ddp.find_unused_parameters and not ddp.gradient_as_bucket_view
         assert ddp.static_graph and not ddp.forward_sync_buffers
-        defaults = wrap_model(torch.nn.Linear(2, 2), validate(compose_config(["strategy=ddp"])).strategy, info)
+        defaults = validate(compose_config(["strategy=ddp"])).strategy.wrap(torch.nn.Linear(2, 2), info)
         assert defaults.bucket_bytes_cap == 25 * 1024 * 1024 and defaults.forward_sync_buffers
         assert not defaults.find_unused_parameters and defaults.gradient_as_bucket_view
     finally:
@@ -149,8 +149,9 @@ def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group)
 
 
 def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, tmp_path, monkeypatch):
-    import ringtrain.loop.fit as loop
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from ringtrain.strategies.ddp import DDP
 
     all_reduces = []
 
@@ -158,13 +159,13 @@ def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, t
         all_reduces.append(bucket.index())
         return allreduce_hook(state, bucket)
 
-    def wrap_and_count(model, strategy, dist, param_dtype=None):
-        wrapped = original_wrap(model, strategy, dist, param_dtype)
+    def wrap_and_count(self, module, dist):
+        wrapped = original_wrap(self, module, dist)
         wrapped.register_comm_hook(None, counting_hook)
         return wrapped
 
-    original_wrap = loop.wrap_model
-    monkeypatch.setattr(loop, "wrap_model", wrap_and_count)
+    original_wrap = DDP.wrap
+    monkeypatch.setattr(DDP, "wrap", wrap_and_count)
     train_in_process(MLP + ["strategy=ddp", "trainer.batch_size=8", "trainer.accumulate_grad_batches=4",
                             "trainer.max_steps=3"], tmp_path)
     assert all_reduces == [0, 0, 0]  # one bucket, once per optimizer step, not per micro-batch
@@ -190,16 +191,16 @@ def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
 def make_rank_1_fail_at_step_3() -> None:
     """Patch the Trainer in this process so that rank 1 raises at its fourth optimizer step."""
     import ringtrain.loop.fit as loop
-    from ringtrain.strategies.distributed import env_rank
+    from ringtrain.distributed import env_rank
 
-    original_step = loop.TrainingLoop._optimizer_step
+    original_step = loop.optimizer_step
 
-    def step_then_fail(self, *args, **kwargs):
-        if env_rank() == 1 and self.scheduler.last_epoch == 3:
+    def step_then_fail(parts, *args, **kwargs):
+        if env_rank() == 1 and parts.scheduler.last_epoch == 3:
             raise RuntimeError("rank 1 broke at step 3")
-        return original_step(self, *args, **kwargs)
+        return original_step(parts, *args, **kwargs)
 
-    loop.TrainingLoop._optimizer_step = step_then_fail
+    loop.optimizer_step = step_then_fail
 
 
 # train.py, run under torchrun with the Trainer patched in each rank's process.
@@ -238,17 +239,20 @@ def train_but_fail_on_rank_1(run, run_dir):
     return train_worker(run, run_dir)
 
 
-def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_path):
+def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_path, capfd):
     from conftest import compose_config
     from ringtrain.config.schema import validate
-    from ringtrain.strategies.distributed import WorkerFailedError, spawn_workers
+    from ringtrain.distributed import WorkerFailedError
+    from ringtrain.strategies.launch import launch_ranks
 
     run = validate(compose_config(MLP + ["strategy=ddp", "trainer.max_steps=50", "strategy.timeout_minutes=10"]))
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
-        spawn_workers(2, train_but_fail_on_rank_1, (run, str(tmp_path / "run")))
-    # Whichever rank is reported first: rank 1's own error, or rank 0 losing its peer.
-    assert "rank 1 broke at step 3" in str(info.value) or "worker rank 0" in str(info.value)
+        launch_ranks(2, train_but_fail_on_rank_1, (run, str(tmp_path / "run")))
+    # Whichever rank is reported first: rank 1 itself, or rank 0 losing its peer; rank 1's
+    # own error is in the ranks' output.
+    assert re.match(r"rank [01] exited with status 1; its own output above says why", str(info.value)), str(info.value)
+    assert "rank 1 broke at step 3" in capfd.readouterr().err
     assert info.value.exit_code == 1  # a crash, not a configuration mistake (2)
     assert time.monotonic() - started < 60, "the surviving rank waited for the collective timeout"
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -256,7 +260,7 @@ def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_
 
 PEER_DIES = """
 import os, sys, torch, torch.distributed as dist
-from ringtrain.strategies.distributed import peer_lost
+from ringtrain.distributed import peer_lost
 dist.init_process_group("gloo")
 dist.barrier()
 if dist.get_rank() == 1:
@@ -270,9 +274,9 @@ os._exit(0)  # a gloo group whose peer is gone aborts at interpreter exit; that 
 
 
 def test_a_rank_whose_peer_died_gets_one_line_instead_of_gloos_traceback():
-    from ringtrain.strategies.distributed import _free_port
+    from conftest import free_port
 
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONPATH": str(REPO)}
     ranks = [subprocess.Popen([sys.executable, "-c", PEER_DIES], env={**env, "RANK": str(r)}, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,14 @@ import torch
 from torch import nn
 
 import fsdp_worker as worker
-from ringtrain.strategies.fsdp import (
-    NO_PROCESS_GROUP_MESSAGE,
+from conftest import free_port
+from ringtrain.checkpoints.state_dicts import (
     full_model_state_dict,
     full_optimizer_state_dict,
-    grad_norm,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
-    resolve_shard_classes,
-    shard_model,
 )
+from ringtrain.strategies.fsdp import NO_PROCESS_GROUP_MESSAGE, resolve_shard_classes, shard_model, sharded_grad_norm
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -37,9 +34,7 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 def run_two_ranks(scenario: str, out: Path, source: Path | None = None, timeout: float = 300) -> None:
     """Both ranks of `scenario` as plain subprocesses with torchrun's environment variables."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"}
@@ -227,7 +222,7 @@ def test_plain_module_helpers_round_trip_without_a_process_group():
     worker.train(model, optimizer, range(3, 6))
     worker.train(copy, copy_optimizer, range(3, 6))
     assert max_diff(model.state_dict(), copy.state_dict()) == 0
-    assert grad_norm(model.parameters()).item() == 0  # no gradients left: the norm of nothing
+    assert sharded_grad_norm(model.parameters()).item() == 0  # no gradients left: the norm of nothing
 
 
 def _saved(state: dict) -> io.BytesIO:

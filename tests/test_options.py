@@ -66,14 +66,14 @@ def test_progress_bar_shows_steps_and_the_train_loss(tmp_path, capsys):
 
 
 def test_strategy_timeout_reaches_the_process_group(monkeypatch):
-    import ringtrain.strategies.distributed as distributed
+    import ringtrain.distributed as distributed
 
     seen = {}
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
         monkeypatch.setenv(key, value)
     run = validate(compose_config(["strategy=ddp", "strategy.timeout_minutes=1.5", "strategy.backend=gloo"]))
-    distributed.setup_distributed(run.strategy.name, run.strategy.backend, "cpu", run.strategy.timeout_minutes)
+    run.strategy.setup_process("cpu")
     assert seen["timeout"] == datetime.timedelta(minutes=1.5) and seen["backend"] == "gloo"
     assert seen["init_method"] == "env://"
 

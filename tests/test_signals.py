@@ -5,7 +5,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ RANK = r"""
 import logging, os, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 import torch.distributed as dist
-from ringtrain.strategies.distributed import exit_rank, teardown_distributed
+from ringtrain.distributed import exit_rank, teardown_distributed
 from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
@@ -165,7 +165,7 @@ def test_repeat_within_the_grace_is_the_same_request():
 
 
 def test_two_ranks_stop_at_the_same_step_when_only_one_gets_the_signal():
-    port = _free_port()
+    port = free_port()
     ranks = [
         Process(RANK, env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         for rank in range(2)
@@ -240,9 +240,3 @@ def test_agreement_without_a_process_group_is_the_local_flag():
     assert agreement.lag_steps == 0
     assert agreement.should_stop(False) is False
     assert agreement.should_stop(True) is True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -116,7 +116,7 @@ def test_a_compile_that_fails_falls_back_to_eager_with_one_warning(backend, monk
 
 
 def test_a_models_own_error_is_raised_as_is_and_not_taken_for_a_compile_failure(monkeypatch, caplog):
-    from ringtrain.loop.compilation import CompiledModel
+    from ringtrain.strategies.compilation import CompiledModel
 
     _compile_with(monkeypatch, "eager")
     model = CompiledModel(Transformer(vocab_size=8, block_size=4, d_model=8, n_layers=1, n_heads=2))
@@ -179,13 +179,13 @@ def _syncs_per_step(overrides: list[str], run_dir: Path, monkeypatch) -> dict[in
         return counted
 
     starts: list[int] = []
-    original_step = loop.TrainingLoop._optimizer_step
+    original_step = loop.optimizer_step
 
     def recording_step(self, *args, **kwargs):
         starts.append(len(reads))
         return original_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(loop.TrainingLoop, "_optimizer_step", recording_step)
+    monkeypatch.setattr(loop, "optimizer_step", recording_step)
     for name in SYNCING_METHODS:
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
     train_in_process(overrides, run_dir)  # the fixture restores torch.Tensor at the end of the test
@@ -227,7 +227,7 @@ def test_the_sync_check_catches_an_item_call_inserted_in_the_step(monkeypatch, t
 def test_cuda_steps_between_log_steps_do_not_sync(monkeypatch, tmp_path):
     import ringtrain.loop.fit as loop
 
-    original_step = loop.TrainingLoop._optimizer_step
+    original_step = loop.optimizer_step
 
     def step_that_must_not_sync(self, *args, measure_grad_norm, **kwargs):
         if measure_grad_norm:  # a logging step: reading the norm later is allowed
@@ -238,7 +238,7 @@ def test_cuda_steps_between_log_steps_do_not_sync(monkeypatch, tmp_path):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(loop.TrainingLoop, "_optimizer_step", step_that_must_not_sync)
+    monkeypatch.setattr(loop, "optimizer_step", step_that_must_not_sync)
     train_in_process(SYNC_TEST_RUN + ["trainer.accelerator=cuda", "trainer.precision=bf16-mixed",
                                       "trainer.grad_clip_norm=0"], tmp_path)
 

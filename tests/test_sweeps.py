@@ -159,7 +159,7 @@ def test_ddp_inside_a_sweep_runs_each_job_as_its_own_two_process_job(tmp_path):
 
 def test_a_diverged_job_is_the_worst_value_never_nan():
     from ringtrain.run import sweep_value
-    from ringtrain.loop.fit import FitResult
+    from ringtrain.loop.progress import FitResult
 
     def result(value, mode):
         return FitResult({"val/x": value}, "val/x", mode, None, 1, 0.0)

@@ -197,14 +197,14 @@ def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path, monkey
 
     import ringtrain.loop.fit as loop
 
-    original_step = loop.TrainingLoop._optimizer_step
+    original_step = loop.optimizer_step
 
-    def step_then_fail(self, *args, **kwargs):
-        if self.scheduler.last_epoch == 7:
+    def step_then_fail(parts, *args, **kwargs):
+        if parts.scheduler.last_epoch == 7:
             raise RuntimeError("out of memory, say")
-        return original_step(self, *args, **kwargs)
+        return original_step(parts, *args, **kwargs)
 
-    monkeypatch.setattr(loop.TrainingLoop, "_optimizer_step", step_then_fail)
+    monkeypatch.setattr(loop, "optimizer_step", step_then_fail)
     with pytest.raises(RuntimeError, match="out of memory, say"):
         train_in_process(["trainer.log_every_n_steps=2", "trainer.max_steps=20"], tmp_path)
     (event_file,) = tmp_path.glob("events.out.tfevents.*")

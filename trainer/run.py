@@ -1,9 +1,9 @@
 """One training job: launch workers if needed, build the components on each rank, train, report.
 
     run(cfg, run_dir)                    the Hydra path: validate, then launch
-    launch(run, run_dir, built)          ddp without torchrun and N > 1? spawn N workers
+    launch(run, run_dir, built)          the strategy runs train_worker here, or on N ranks
       train_worker(run, run_dir, built)  on every rank: process group, seed, data, model, task,
-                                         TrainingLoop.fit
+                                         loop.fit
     <- the final validation metric (what a sweeper optimises)
 
 `built` is None on the config path (each rank builds the components from their nodes) and
@@ -28,22 +28,20 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.config.builders import build_data, build_model, check_task
 from ringtrain.checkpoints.files import RunDirError
 from ringtrain.config.components import build
-from ringtrain.config.schema import MULTI_PROCESS, RunConfig, validate
-from ringtrain.strategies.distributed import (
+from ringtrain.config.schema import RunConfig, validate
+from ringtrain.distributed import (
     DistInfo,
     DistributedSetupError,
     broadcast_object,
     is_timeout,
     name_unresponsive_ranks,
     peer_lost,
-    setup_distributed,
-    spawn_workers,
     teardown_distributed,
-    under_torchrun,
 )
 from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
-from ringtrain.strategies.fsdp import full_model_state_dict
-from ringtrain.loop.fit import FitResult, TrainingLoop
+from ringtrain.checkpoints.state_dicts import full_model_state_dict
+from ringtrain.loop.fit import fit
+from ringtrain.loop.progress import FitResult
 from ringtrain.checkpoints.resume import checkpoint_to_resume, config_to_continue
 from ringtrain.checkpoints.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
 from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
@@ -83,13 +81,10 @@ def stopped_error(result: FitResult) -> TrainingStopped:
 
 
 def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
-    """Train on this process, or on `strategy.nproc_per_node` spawned ones (ddp/fsdp, no torchrun)."""
-    strategy = run.strategy
-    if strategy.name in MULTI_PROCESS and not under_torchrun() and strategy.nproc_per_node > 1:
-        # The trainer's stop signals reach the workers through this process too (Ctrl-C, `kill`).
-        return spawn_workers(strategy.nproc_per_node, _spawned_worker, (run, run_dir, built),
-                             forward_signals=tuple(run.trainer.stop_signals))
-    return train_worker(run, run_dir, built)
+    """Train on this process, or on the ranks the strategy starts (ddp/fsdp without torchrun);
+    the trainer's stop signals reach those ranks through this process too (Ctrl-C, `kill`)."""
+    entry = train_worker if built is None else _worker_returning_weights
+    return run.strategy.launch(entry, run, run_dir, built, stop_signals=tuple(run.trainer.stop_signals))
 
 
 def sweep_value(result: FitResult) -> float:
@@ -100,10 +95,9 @@ def sweep_value(result: FitResult) -> float:
     return value
 
 
-def _spawned_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None) -> FitResult:
-    with exit_on_user_error():  # one clear line from the failing rank, as under torchrun
-        # The Python caller's model lives in the parent: rank 0 sends the trained weights back.
-        return train_worker(run, run_dir, built, return_weights=built is not None)
+def _worker_returning_weights(run: RunConfig, run_dir: str, built: BuiltComponents) -> FitResult:
+    # The Python caller's model may live in another process: rank 0 sends the trained weights back.
+    return train_worker(run, run_dir, built, return_weights=True)
 
 
 def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = None,
@@ -118,9 +112,7 @@ def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = N
 
 def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, stop: StopSignals,
                 return_weights: bool) -> FitResult:
-    dist = setup_distributed(
-        run.strategy.name, run.strategy.backend, run.trainer.accelerator, run.strategy.timeout_minutes
-    )
+    dist = run.strategy.setup_process(run.trainer.accelerator)
     clean_exit = False
     directory_lock = RunDirectoryLock(run_dir)  # taken by rank 0, whose run_dir everyone shares
     try:
@@ -151,7 +143,7 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
         model = built.model if built else build_model(run.model, data.dims)
         torch.manual_seed(run.trainer.seed + dist.rank)
 
-        result = TrainingLoop(run, dist, shared_dir, stop).fit(model, data, task, resume_from)
+        result = fit(run, dist, shared_dir, stop, model, data, task, resume_from)
         if return_weights:
             weights = full_model_state_dict(model)  # every rank takes part; rank 0 gets them
             result = dataclasses.replace(result, model_state=weights if dist.is_main else None)

@@ -1,7 +1,7 @@
 """The Python API: train your own model on your own Datasets, no Hydra or YAML needed.
 
+    from ringtrain import Trainer
     from ringtrain.data.tasks import RegressionTask
-    from trainer import Trainer
 
     trainer = Trainer(max_epochs=10, batch_size=32, optimizer={"_target_": "torch.optim.SGD", "lr": 0.01})
     result = trainer.fit(model, train_set, val_set, task=RegressionTask())
@@ -10,9 +10,9 @@ Keyword arguments are the settings of conf/trainer/default.yaml (`max_steps`, `p
 `accumulate_grad_batches`, `grad_clip_norm`, `num_workers`, ...), checked exactly as the
 YAML is. `optimizer` and `scheduler` are `_target_` dicts as in conf/optimizer/ and
 conf/scheduler/, or callables: `optimizer(params)`, `scheduler(optimizer)`. `strategy` is
-"single", "dp", "ddp" or a dict of conf/strategy/ddp.yaml's settings; with
-`strategy={"name": "ddp", "nproc_per_node": 2}` the ranks are spawned as from the command
-line, so model, data sets and task must pickle (define their classes in an importable
+an option of conf/strategy/ ("single", "dp", "ddp", "fsdp"), that option with settings
+changed (`{"name": "ddp", "nproc_per_node": 2}`), or a Strategy object (ringtrain.strategies);
+with nproc_per_node=2 the ranks are started as from the command line, so model, data sets and task must pickle (define their classes in an importable
 module, or under `if __name__ == "__main__":` in a script). After fit() the model you
 passed holds the trained weights, also after a spawned run.
 """
@@ -29,9 +29,10 @@ from torch.utils.data import Dataset
 
 from ringtrain.data.bundle import DataBundle
 from ringtrain.config.builders import check_components, check_task
-from ringtrain.config.schema import RunConfig, StrategyConfig, TrainerConfig, check_options, typed_section
+from ringtrain.config.schema import RunConfig, TrainerConfig, check_options, strategy_option, typed_section
 from ringtrain.errors import ConfigError
-from ringtrain.loop.fit import FitResult
+from ringtrain.loop.progress import FitResult
+from ringtrain.strategies.base import Strategy
 
 DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.01}
 
@@ -43,13 +44,11 @@ class Trainer:
         *,
         optimizer: dict | Callable = DEFAULT_OPTIMIZER,
         scheduler: dict | Callable | None = None,
-        strategy: str | dict | StrategyConfig = "single",
+        strategy: str | dict | Strategy = "single",
         **trainer_options: Any,
     ) -> None:
         self.trainer = _options(TrainerConfig, trainer_options, "trainer")
-        if isinstance(strategy, str):
-            strategy = {"name": strategy}
-        self.strategy = strategy if isinstance(strategy, StrategyConfig) else _options(StrategyConfig, strategy, "strategy")
+        self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
         check_components(None, None, None, optimizer if isinstance(optimizer, dict) else None,
                          scheduler if isinstance(scheduler, dict) else None, self.trainer.max_steps)
@@ -99,8 +98,20 @@ class Trainer:
         return {
             "model": describe(model), "task": describe(task),
             "optimizer": describe(self.optimizer), "scheduler": describe(self.scheduler),
-            "strategy": dataclasses.asdict(self.strategy), "trainer": dataclasses.asdict(self.trainer),
+            "strategy": {**describe(self.strategy), **vars(self.strategy)}, "trainer": dataclasses.asdict(self.trainer),
         }
+
+
+def _strategy(option: str | dict) -> Strategy:
+    if isinstance(option, str):
+        return strategy_option(option)
+    if not isinstance(option, dict) or "name" not in option:
+        raise ConfigError(
+            f"strategy={option!r}: pass an option of conf/strategy/ (\"ddp\"), a dict naming one "
+            f"({{\"name\": \"ddp\", \"nproc_per_node\": 2}}) or a Strategy object"
+        )
+    settings = dict(option)
+    return strategy_option(settings.pop("name"), **settings)
 
 
 def _options(schema: type, values: dict, section: str):

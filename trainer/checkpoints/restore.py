@@ -20,7 +20,7 @@ from ringtrain.config.builders import build_model
 from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
 from ringtrain.config.components import check
 from ringtrain.errors import ConfigError
-from ringtrain.strategies.fsdp import load_sharded
+from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.loop.precision import Precision
 
 DEVICES = ("auto", "cpu", "cuda")

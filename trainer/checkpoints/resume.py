@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.files import RunDirError, find_resumable, load_checkpoint, remove_stale_temp_files
-from ringtrain.strategies.distributed import DistInfo, broadcast_object
+from ringtrain.distributed import DistInfo, broadcast_object
 from ringtrain.errors import ConfigError
 
 log = logging.getLogger("ringtrain")

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from ringtrain.data.bundle import DataBundle, DataError
 from ringtrain.data.tasks import check_monitor
 from ringtrain.config.components import build, check, check_built
-from ringtrain.strategies.distributed import DistInfo, barrier
+from ringtrain.distributed import DistInfo, barrier
 from ringtrain.errors import ConfigError
 from ringtrain.loop.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
 

@@ -16,13 +16,10 @@ import os
 import re
 from pathlib import Path
 
-import ringtrain.conf
 from ringtrain.checkpoints.rundir import directory_before_restart
+from ringtrain.config.schema import CONF_DIR
 from ringtrain.errors import ConfigError
-from ringtrain.strategies.distributed import env_rank, under_torchrun
-
-# The shipped configs: conf/ in a clone, ringtrain/conf in an installed wheel.
-CONF_DIR = Path(ringtrain.conf.__file__).parent
+from ringtrain.distributed import env_rank, under_torchrun
 CONFIG_NAME = "train"
 # More combinations than this are not all composed ahead; Hydra still checks each job itself.
 _MAX_CHECKED_JOBS = 64
@@ -129,7 +126,7 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     line. train.py appends these to what Hydra composes and leaves them out of the overrides
     it hands to config_to_continue: only what the user typed changes the stored config.
     An option is implied only when exactly one conf/<group>/*.yaml has the stored section's
-    `_target_` (strategy: `name`); a checkpoint that cannot be read implies nothing (loading it
+    `_target_`; a checkpoint that cannot be read implies nothing (loading it
     later reports why, in one line).
     """
     from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
@@ -148,10 +145,9 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     for group in _RESUMED_GROUPS:
         if group in chosen or (group in _PRESET_SECTIONS and chosen & set(PRESET_GROUPS)):
             continue
-        key = "name" if group == "strategy" else "_target_"
         section = stored.get(group)
-        wanted = section.get(key) if isinstance(section, dict) else None
-        matches = [name for name, node in _option_nodes(group) if wanted is not None and node.get(key) == wanted]
+        wanted = section.get("_target_") if isinstance(section, dict) else None
+        matches = [name for name, node in _option_nodes(group) if wanted is not None and node.get("_target_") == wanted]
         if len(matches) == 1:
             implied.append(f"{group}={matches[0]}")
     return implied
@@ -285,7 +281,7 @@ def _unknown_key_message(key: str, overrides: list[str], config_dir: str | None 
     parent = OmegaConf.select(cfg, parent_path)
     owners = _options_defining(section, rest)
     if owners and section == "strategy":
-        chosen = cfg[section].get("name", section)
+        chosen = _option_with_target(section, cfg[section].get("_target_"))
         picks = " or ".join(f"{section}={o}" for o in owners)
         return f"{key} is not a setting of {section}={chosen}; it belongs to {picks}: choose that option or drop the override"
     if owners:
@@ -306,6 +302,11 @@ def _options_defining(group: str, dotted_key: str) -> list[str]:
     from omegaconf import OmegaConf
 
     return [name for name, node in _option_nodes(group) if OmegaConf.select(node, dotted_key, default=None) is not None]
+
+
+def _option_with_target(group: str, target: str | None) -> str:
+    """The name of the conf/<group>/ option whose `_target_` is `target` (else the target)."""
+    return next((name for name, node in _option_nodes(group) if node.get("_target_") == target), str(target))
 
 
 def _option_nodes(group: str):

@@ -15,20 +15,22 @@ import math
 import os
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import ringtrain.conf
 from ringtrain.errors import ConfigError
 from ringtrain.loop.nonfinite import POLICIES
+from ringtrain.strategies.base import Strategy
+
+# The shipped configs: conf/ in a clone, ringtrain/conf in an installed wheel.
+CONF_DIR = Path(ringtrain.conf.__file__).parent
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
-STRATEGIES = ("single", "dp", "ddp", "fsdp")
-MULTI_PROCESS = ("ddp", "fsdp")  # strategies with one process per device
-STATE_DICT_TYPES = ("full", "sharded")  # how fsdp checkpoints its model (trainer/fsdp.py)
-BACKENDS = ("auto", "gloo", "nccl")
 # torch.compile's modes (trainer.compile_mode); "default" passes none.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -70,25 +72,6 @@ class TrainerConfig:
 
 
 @dataclass
-class StrategyConfig:
-    name: str = "single"
-    backend: str = "auto"
-    nproc_per_node: int = 1
-    timeout_minutes: float = 10.0
-    bucket_cap_mb: float = 25.0
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    forward_sync_buffers: bool = True
-    scale_lr_by_world_size: bool = False
-    # fsdp (trainer/fsdp.py)
-    shard_classes: list[str] = field(default_factory=list)  # []: the repeated layers
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    state_dict_type: str = "full"  # full: one plain file (rank 0 gathers); sharded: each rank its shards
-
-
-@dataclass
 class RunConfig:
     """The validated run: typed sections, component nodes, and the resolved config as plain data.
 
@@ -103,7 +86,7 @@ class RunConfig:
     task: dict | None
     optimizer: Any
     scheduler: Any
-    strategy: StrategyConfig
+    strategy: Strategy  # built from its node: ringtrain/strategies
     trainer: TrainerConfig
     resolved: dict  # the whole resolved config, for checkpoints and TensorBoard
 
@@ -124,7 +107,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         task=resolved["task"],
         optimizer=resolved["optimizer"],
         scheduler=resolved["scheduler"],
-        strategy=typed_section(cfg.strategy, StrategyConfig, "strategy"),
+        strategy=build_strategy(resolved["strategy"]),
         trainer=typed_section(cfg.trainer, TrainerConfig, "trainer"),
         resolved=resolved,
     )
@@ -139,10 +122,35 @@ def validate(cfg: DictConfig) -> RunConfig:
     return run
 
 
-def check_options(trainer: TrainerConfig, strategy: StrategyConfig) -> None:
-    """The cross-field checks of the trainer and strategy sections."""
+def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
+    """The cross-field checks of the trainer section, then the strategy's own refusals."""
     _check_trainer(trainer)
-    _check_strategy(strategy, trainer)
+    strategy.check(trainer)
+
+
+def build_strategy(node: Any) -> Strategy:
+    """The strategy a conf/strategy/<option>.yaml node (or your own) names by `_target_`,
+    built now: a strategy's constructor only stores and checks its options."""
+    from ringtrain.config.components import build, check, check_built
+
+    check(node, "strategy", kind=Strategy)
+    return check_built(build(node, "strategy"), "strategy", Strategy)
+
+
+def strategy_option(name: str, **options: Any) -> Strategy:
+    """conf/strategy/<name>.yaml's strategy with `options` changed (the Python API's
+    `strategy="ddp"` or `{"name": "ddp", "nproc_per_node": 2}`)."""
+    path = CONF_DIR / "strategy" / f"{name}.yaml"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise ConfigError(f"strategy {name!r} is not an option of conf/strategy/; use one of {names}")
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    unknown = sorted(set(options) - set(node))
+    if unknown:
+        raise ConfigError(
+            f"strategy={name} has no setting {unknown[0]!r}; its settings are {', '.join(k for k in node if k != '_target_')}"
+        )
+    return build_strategy({**node, **options})
 
 
 # --- sections -------------------------------------------------------------------------------
@@ -253,57 +261,6 @@ def _check_trainer(t: TrainerConfig) -> None:
                 f"trainer.stop_signals: {name!r} is not a signal this process can catch; use names like "
                 f"SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] to handle none)"
             )
-
-
-def _check_strategy(s: StrategyConfig, t: TrainerConfig) -> None:
-    if s.name not in STRATEGIES:
-        raise ConfigError(f"strategy.name={s.name!r} is unknown; use one of {', '.join(STRATEGIES)}")
-    if s.backend not in BACKENDS:
-        raise ConfigError(f"strategy.backend={s.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
-    if s.nproc_per_node <= 0 or s.timeout_minutes <= 0 or s.bucket_cap_mb <= 0:
-        raise ConfigError(
-            "strategy.nproc_per_node, strategy.timeout_minutes and strategy.bucket_cap_mb must be positive"
-        )
-    if s.name not in MULTI_PROCESS and s.nproc_per_node != 1:
-        raise ConfigError(
-            f"strategy.nproc_per_node={s.nproc_per_node} needs strategy=ddp (or fsdp); add strategy=ddp"
-        )
-    if s.name == "fsdp" and s.nproc_per_node == 1 and not _under_launcher():
-        raise ConfigError(
-            "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
-            "for one process use strategy=single or ddp"
-        )
-    if s.state_dict_type not in STATE_DICT_TYPES:
-        raise ConfigError(
-            f"strategy.state_dict_type={s.state_dict_type!r} is unknown; use full (one plain file) or sharded "
-            f"(each rank writes its own shards, for models too large to gather on one rank)"
-        )
-    if s.state_dict_type == "sharded" and s.name != "fsdp":
-        raise ConfigError(
-            f"strategy.state_dict_type=sharded needs strategy=fsdp (under {s.name} every rank holds the whole "
-            f"model, and rank 0 writes it in one file); drop the option or use strategy=fsdp"
-        )
-    if s.name == "dp" and t.compile:
-        raise ConfigError(
-            "trainer.compile=true does not work with strategy=dp (DataParallel copies the model in every "
-            "forward); use strategy=ddp or strategy=single"
-        )
-    if s.name == "ddp" and t.compile and s.bucket_cap_mb < 1:
-        # DDP's first bucket is 1 MiB; torch.compile's DDP optimizer (which splits the graph
-        # at bucket boundaries) refuses any later bucket smaller than that.
-        raise ConfigError(
-            f"strategy.bucket_cap_mb={s.bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
-            f"torch.compile's DDP graph splitting refuses; use strategy.bucket_cap_mb >= 1 with trainer.compile=true"
-        )
-    if s.name in MULTI_PROCESS and s.backend == "nccl" and (t.accelerator == "cpu" or not _cuda_available()):
-        raise ConfigError(
-            "strategy.backend=nccl needs a CUDA device on every rank and none is visible; "
-            "use strategy.backend=gloo (or auto) on CPU"
-        )
-
-
-def _under_launcher() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def _cuda_available() -> bool:

@@ -21,7 +21,8 @@ import torch
 
 from ringtrain.checkpoints.files import save_checkpoint
 from ringtrain.errors import ConfigError
-from ringtrain.strategies.fsdp import full_model_state_dict, full_optimizer_state_dict, load_sharded
+from ringtrain.checkpoints.sharded import load_sharded
+from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimizer_state_dict
 from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
 from ringtrain.loop.optim import build_optimizer
 from ringtrain.checkpoints.restore import build_checked_model, model_node, read_checkpoint
@@ -47,7 +48,7 @@ def consolidate(checkpoint: str, output: str = "") -> Path:
     if not isinstance(optimizer_node, dict) or "_target_" not in optimizer_node:
         raise ConfigError(
             f"checkpoint {checkpoint!r} holds no optimizer config (built in Python?), so its optimizer "
-            f"state cannot be rebuilt; load the shards in Python with trainer.fsdp.load_sharded"
+            f"state cannot be rebuilt; load the shards in Python with ringtrain.checkpoints.sharded.load_sharded"
         )
     model = build_checked_model(node, data_dims)
     optimizer = build_optimizer(optimizer_node, model, torch.device("cpu"))

@@ -47,18 +47,17 @@ from omegaconf.errors import OmegaConfBaseException
 from ringtrain.data.bundle import DataBundle
 from ringtrain.config.builders import build_data, check_components, check_task
 from ringtrain.config.components import build
-from ringtrain.config.schema import StrategyConfig, TrainerConfig, check_options, typed_section
-from ringtrain.strategies.distributed import (
+from ringtrain.config.schema import CONF_DIR, TrainerConfig, build_strategy, check_options, typed_section
+from ringtrain.distributed import (
     exit_rank,
-    setup_distributed,
-    spawn_workers,
     teardown_distributed,
     under_torchrun,
 )
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.tools.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
 from ringtrain.loop.loaders import build_val_loader, worker_options
-from ringtrain.loop.fit import evaluate_model
+from ringtrain.loop.evaluation import evaluate_model
+from ringtrain.strategies.base import Strategy
 from ringtrain.loop.precision import Precision
 from ringtrain.checkpoints.restore import model_node, read_checkpoint, rebuild_model
 
@@ -87,7 +86,7 @@ class EvalJob:
     data_dims: dict
     vocab: dict | None
     trainer: TrainerConfig
-    strategy: StrategyConfig
+    strategy: Strategy
 
 
 def is_override(key: str) -> bool:
@@ -110,20 +109,18 @@ def prepare(argv: Sequence[str]) -> tuple[EvalJob, dict[str, Any]]:
     strategy = options["strategy"]
     if strategy == "auto":
         strategy = "ddp" if under_torchrun() else "single"
-    if strategy == "single" and under_torchrun():
-        raise ConfigError("strategy=single under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)")
     config = {
         "model": stored["model"], "data": stored["data"], "task": stored["task"],
         # The run's trainer settings (precision, val_batch_size, ...), but never its resume file.
         "trainer": {**stored.get("trainer", {}), "resume": None},
-        "strategy": dataclasses.asdict(StrategyConfig(name=strategy)),
+        "strategy": OmegaConf.to_container(OmegaConf.load(CONF_DIR / "strategy" / f"{strategy}.yaml")),
     }
     config = apply_overrides(config, overrides)
     trainer = typed_section(config["trainer"], TrainerConfig, "trainer")
-    strategy_config = typed_section(config["strategy"], StrategyConfig, "strategy")
+    strategy_config = build_strategy(config["strategy"])
     check_options(trainer, strategy_config)
-    if strategy_config.name == "dp":
-        raise ConfigError("strategy.name=dp is not for evaluation; use strategy=single (one device) or strategy=ddp")
+    if under_torchrun() and not strategy_config.spans_processes:
+        raise ConfigError(f"strategy={strategy} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)")
     check_components(config["model"], config["data"], config["task"], None, None, 0)
 
     job = EvalJob(
@@ -135,7 +132,7 @@ def prepare(argv: Sequence[str]) -> tuple[EvalJob, dict[str, Any]]:
     output = Path(options["output"]) if options["output"] else Path(path).absolute().parent.parent / "eval" / "metrics.json"
     record = {
         "checkpoint": job.checkpoint, "step": (state.get("progress") or {}).get("step"),
-        "split": job.split, "strategy": strategy_config.name, "overrides": list(overrides), "output": str(output),
+        "split": job.split, "strategy": strategy, "overrides": list(overrides), "output": str(output),
     }
     return job, record
 
@@ -196,7 +193,7 @@ class EvalResult:
 def evaluate_worker(job: EvalJob) -> EvalResult:
     """One rank's part: build the data, task and model, evaluate, all-reduce. The process group
     is torn down on every exit path."""
-    dist = setup_distributed(job.strategy.name, job.strategy.backend, job.trainer.accelerator, job.strategy.timeout_minutes)
+    dist = job.strategy.setup_process(job.trainer.accelerator)
     clean_exit = False
     try:
         data = build_data(job.data, dist)
@@ -216,7 +213,7 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
             dataset, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
             limit_batches=cfg.limit_val_batches, workers=worker_options(cfg, dist.device),
         )
-        sums = evaluate_model(model, loader, task, Precision(cfg.precision, dist.device), dist)
+        sums = evaluate_model(model, loader, task, Precision(cfg.precision, dist.device), dist, job.strategy)
         clean_exit = True
         return EvalResult({f"{job.split}/{name}": value for name, value in sums.items()}, dist.world_size)
     finally:
@@ -239,16 +236,9 @@ def check_data_fits(data: DataBundle, job: EvalJob) -> None:
         )
 
 
-def _spawned_worker(job: EvalJob) -> EvalResult:
-    with exit_on_user_error():  # one clear line from the failing rank
-        return evaluate_worker(job)
-
-
 def launch(job: EvalJob) -> EvalResult | None:
     """The result on rank 0 (None on the other ranks of a torchrun job)."""
-    if job.strategy.name == "ddp" and not under_torchrun() and job.strategy.nproc_per_node > 1:
-        return spawn_workers(job.strategy.nproc_per_node, _spawned_worker, (job,))
-    result = evaluate_worker(job)
+    result = job.strategy.launch(evaluate_worker, job)
     return result if int(os.environ.get("RANK", "0")) == 0 else None
 
 

@@ -25,7 +25,7 @@ from ringtrain.config.command_line import (
 from ringtrain.config.resolvers import register_resolvers
 from ringtrain.errors import exit_on_user_error
 from ringtrain.run import run
-from ringtrain.strategies.distributed import exit_rank, under_torchrun
+from ringtrain.distributed import exit_rank, under_torchrun
 
 # What trainer.resume=<checkpoint> implied (set by main() before Hydra composes): it only
 # shaped the composition (config/command_line.py overrides_implied_by_resume) and changes

@@ -1,0 +1,143 @@
+"""Sharded checkpoints (strategy.state_dict_type=sharded): each rank writes its own shards
+with torch.distributed.checkpoint, nothing is gathered, so a model too large for one rank's
+memory still saves. CheckpointStore (ringtrain/checkpoints) keeps the rest of the state
+(schedule, progress, rng, config) in a small step-<N>.pt beside the shards directory,
+written only after the directory is complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, fsync_directory, write_failure_message
+from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
+
+# the shards directory, written only after the directory is complete.
+
+
+def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write the model and optimizer state as a torch.distributed.checkpoint directory, each
+    rank its own shards. Call it on every rank.
+
+    Atomic: the files go to `.<name>.partial`, which rank 0 renames to `directory` once every
+    rank has written and fsynced its files, and the parent directory is fsynced; a crash never
+    leaves a half-written directory under that name. An older directory of that name is
+    replaced. A failure on any rank (a full disk) raises the same CheckpointError on every
+    rank and leaves the earlier checkpoints as they were.
+    """
+    directory = Path(directory)
+    partial = directory.with_name(f".{directory.name}.partial")
+    failure = _on_rank0(lambda: _fresh_directory(partial), directory)
+    if failure is None:
+        model = without_data_parallel(model)
+        state = {"model": get_model_state_dict(model), "optimizer": optimizer_state_dict(model, optimizer)}
+        try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
+            with _single_process_is_intended():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+        except dcp.CheckpointException as err:
+            failure = _shard_write_failure(directory, err)
+    if failure is None:
+        failure = _on_rank0(lambda: _replace_directory(partial, directory), directory)
+    if failure is not None:
+        _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
+        raise CheckpointError(failure)
+
+
+def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a `save_sharded` directory into `model` (and `optimizer`), set up as for training:
+    wrapped or sharded, the optimizer built. Each rank reads what its shards need, so the
+    number of ranks and the strategy may differ from the saving run's (fsdp on 2 ranks ->
+    ddp, fsdp on 4 ranks, or one process). Call it on every rank of the process group (or
+    without one). The shards hold tensors and plain values; DCP unpickles the latter, so load
+    only checkpoints you trust, as with any torch.distributed.checkpoint directory."""
+    model = without_data_parallel(model)
+    # Templates with this run's shapes and placement, which DCP fills in place.
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    fresh = optimizer is not None and not optimizer.state
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    except dcp.CheckpointException as err:
+        raise CheckpointError(
+            f"sharded checkpoint {directory} cannot be read ({_first_failure(err)}); resume from an older "
+            f"checkpoint, or start a new run"
+        ) from None
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        if fresh and not state["optimizer"]["state"]:
+            optimizer.state.clear()  # nothing saved (SGD without momentum): forget the template's
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process; here that is the point
+    # (trainer.evaluate / sample, a single-process resume), not a mistake to report.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fresh_directory(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # left by a crash mid-save
+    path.mkdir(parents=True)
+
+
+def _replace_directory(partial: Path, directory: Path) -> None:
+    # A directory cannot replace another in one rename: the old one moves aside first. A
+    # crash between the two renames leaves `.previous` and no `directory`; the store then
+    # falls back to an older checkpoint (trainer/checkpoint.py).
+    previous = directory.with_name(f".{directory.name}.previous")
+    if directory.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(directory, previous)
+    os.replace(partial, directory)
+    fsync_directory(directory.parent)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _on_rank0(action, directory: Path) -> str | None:
+    """Run `action` on rank 0 only; every rank returns its failure message (None: it worked).
+    Also the barrier: no rank goes on before rank 0 is done."""
+    failure = None
+    if rank() == 0:
+        try:
+            action()
+        except OSError as err:
+            failure = write_failure_message(directory, err, intact=directory.parent / LAST_NAME)
+    if distributed():
+        holder = [failure]
+        dist.broadcast_object_list(holder, src=0)
+        failure = holder[0]
+    return failure
+
+
+def _shard_write_failure(directory: Path, err: dcp.CheckpointException) -> str:
+    os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
+    if os_errors:
+        return write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME)
+    return f"cannot save sharded checkpoint {directory}: {_first_failure(err)}"
+
+
+def _first_failure(err: dcp.CheckpointException) -> str:
+    rank, (exc, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"rank {rank}: {text[:200]}"

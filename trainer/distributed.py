@@ -1,0 +1,247 @@
+"""Process groups, rank information, and the few collectives the loop needs.
+
+A launcher (torchrun, or strategies/launch.py for a self-launched job) sets RANK / LOCAL_RANK
+/ WORLD_SIZE / MASTER_ADDR / MASTER_PORT; `join_process_group` reads them. Global rank
+(`rank`) and node-local rank (`local_rank`) are kept apart: nothing assumes one node. Also
+here: what a failed collective means (a lost peer, a timeout) in one line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.errors import RankEnded, UserError
+
+
+class DistributedSetupError(UserError, RuntimeError):
+    """The process group or device cannot be set up as configured; message says the fix."""
+
+
+class WorkerFailedError(RankEnded):
+    """A rank of a self-launched job failed; its own error was printed above.
+
+    `exit_code` is what the whole job exits with: the worker's own status (2 when it reported a
+    mistake in the configuration, 1 for a crash).
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None  # None: no process group
+    # A gloo group of all ranks, made at set-up while everyone still answers: after a
+    # collective times out it asks who is missing (name_unresponsive_ranks).
+    health_group: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def under_torchrun() -> bool:
+    """True when a launcher (torchrun, or our own spawn) set the rank variables."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def resolve_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise DistributedSetupError(
+            f"local rank {local_rank} needs CUDA device {local_rank} but only {count} are visible; "
+            f"start at most {count} processes per node or use trainer.accelerator=cpu"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise DistributedSetupError(
+            "strategy.backend=nccl needs a CUDA device on every rank and this rank has none; "
+            "use strategy.backend=gloo (or auto)"
+        )
+    return requested
+
+
+def join_process_group(backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
+    """Join the process group a launcher (torchrun, or strategies/launch.py) described in the
+    environment; return this rank's place in it."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = resolve_device(accelerator, local_rank)
+    backend = resolve_backend(backend, device)
+    timeout = timedelta(minutes=timeout_minutes)
+    restarted = _store_for_restarted_workers(rank, world_size, timeout)
+    dist.init_process_group(
+        backend=backend, **({"store": restarted} if restarted else {"init_method": "env://"}),
+        rank=rank, world_size=world_size, timeout=timeout,
+    )
+    health = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes)) if world_size > 1 else None
+    return DistInfo(rank, local_rank, world_size, device, backend, health)
+
+
+def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """For workers torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0): the env:// store with
+    this attempt's keys kept apart from the earlier attempts'. None otherwise (env:// as usual).
+
+    torchrun's agent hosts one TCPStore for the whole job (MASTER_PORT) and restarted workers
+    meet in it again, but every process group writes the same key names in every attempt
+    (default_pg/..., the groups new_group() numbers in the same order). A restarted rank read
+    the killed attempt's keys: gloo's connectFullMesh dialled the dead rank's old address
+    ("timed out connecting: Connection refused") or the ranks waited on each other in a futex
+    until the collective timeout, and the restarted job failed or hung. A prefix per attempt
+    gives each attempt fresh keys. (Elastic membership changes restart workers without
+    counting a restart; this does not cover those.)
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # "default_pg" inside, as init_process_group itself does when it makes the store.
+    return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
+
+
+class PeerLostError(RankEnded):
+    """Another rank ended (crashed, killed, its machine lost) while this one was talking to it.
+    That rank's own output says why; this one reports it in one line and exits 1."""
+
+    exit_code = 1
+
+
+# What gloo and NCCL say when the other end of a collective went away.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote process exited", "communicator was aborted")
+
+
+def peer_lost(err: BaseException, rank: int) -> PeerLostError | None:
+    """The one-line error for a collective that failed because another rank ended, else None."""
+    text = str(err).strip()
+    if not isinstance(err, RuntimeError) or not any(marker in text.lower() for marker in _PEER_LOST):
+        return None
+    # "[/path/to/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:21635. This is ..."
+    cause = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0][:200]
+    return PeerLostError(
+        f"rank {rank}: another rank ended while this one was waiting for it ({cause}); its own output says "
+        f"why. The checkpoints are intact: the same command continues from the last one"
+    )
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether `err` is a collective that gave up waiting (strategy.timeout_minutes)."""
+    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
+    """After a collective timed out: the one line saying which rank stopped answering.
+
+    Every rank that is still alive checks in with rank 0 through torch's monitored_barrier,
+    which names on rank 0 the ranks that did not; the others learn at least whether rank 0
+    itself is the one missing.
+    """
+    # The ranks still alive timed out on the same collective, entered within about a step of
+    # each other, so they reach this barrier about as close together: a third of the timeout
+    # (5 to 30 s) is plenty, and every second of it delays the end of the job.
+    wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60 / 3)))
+    fix = (f"no reply within strategy.timeout_minutes={timeout_minutes:g}; every rank stops. Look at that rank's "
+           f"machine (stopped, swapping, hung in I/O), or raise strategy.timeout_minutes for slow steps")
+    if info.health_group is None:
+        return f"a collective timed out: {fix}"
+    try:
+        dist.monitored_barrier(group=info.health_group, timeout=wait, wait_all_ranks=True)
+    except RuntimeError as err:
+        # Rank 0's error in torch 2.13: "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in
+        # 5000 ms" ("Rank 1 failed ..." for one). Only the numbers after "Rank(s)" are missing
+        # ranks; reading every number before "failed to pass" counted rank 0 itself as well.
+        named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(err))
+        missing = sorted({int(r) for r in re.findall(r"\d+", named.group(1))}) if named else []
+        if info.rank == 0 and missing:
+            return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} stopped answering: {fix}"
+        if info.rank != 0:
+            return f"rank 0 stopped answering, or gave up on another rank: {fix}"
+    return f"a collective timed out though every rank answers now (rank {info.rank}): {fix}"
+
+
+def teardown_distributed(clean_exit: bool = True) -> None:
+    """Leave the process group. After a clean run every rank waits for the others first, so
+    none closes its connections while a peer may still be using them; after an error there
+    is no waiting, since the peers may be gone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean_exit:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank's process after a clean teardown, without Python's interpreter finalisation.
+
+    torch's gloo backend keeps its worker threads after destroy_process_group, and they free
+    the last collectives' work objects a moment later. Freeing the Python tensors those hold
+    takes the GIL; if the interpreter is finalising by then, Python ends the thread and the
+    process aborts (std::terminate, SIGABRT), so torchrun reports a failed job after a run that
+    succeeded. A core dump showed it: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> take
+    the GIL during Py_FinalizeEx (about 1 in 70 two-rank runs here). Nothing of ours needs
+    finalising: logs and the standard streams are flushed first; event files and checkpoints
+    are closed by then.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def barrier(info: DistInfo) -> None:
+    if info.is_distributed:
+        dist.barrier()
+
+
+def broadcast_object(info: DistInfo, obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not info.is_distributed:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def gather_objects(info: DistInfo, obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not info.is_distributed:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
+    if info.is_distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

@@ -1,0 +1,30 @@
+"""The validation metrics of a model over a loader, the same for any number of ranks; used by
+the loop and by `ringtrain evaluate`."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ringtrain.data.tasks import metrics_from_sums
+from ringtrain.distributed import DistInfo, all_reduce_sum
+from ringtrain.loop.loaders import BatchLoader
+from ringtrain.loop.precision import Precision
+from ringtrain.strategies.base import Strategy
+
+
+def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
+                   strategy: Strategy) -> dict[str, float]:
+    """The task's metrics over every batch of `loader` on every rank (each rank has at least
+    one): each batch's sums and counts, added up in float64 and all-reduced, then divided, so
+    the value is the same for any number of ranks. Leaves the model in eval mode."""
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    with strategy.inference(model):
+        for inputs, targets in loader.batches():
+            with precision.autocast():
+                outputs = model(inputs)
+            for key, value in task.eval_sums(outputs, targets).items():
+                sums[key] = sums.get(key, 0) + value.double()
+    keys = sorted(sums)  # the same task, so the same keys on every rank
+    totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
+    return metrics_from_sums(dict(zip(keys, totals)))

@@ -1,0 +1,112 @@
+"""The strategy interface, and what every strategy does the same way as one process on one
+device (which is what `strategy=single` is).
+
+A strategy is a small object built from conf/strategy/<option>.yaml by `_target_` (Lightning
+Fabric's idea, without its class tree). It is the only place that knows which strategy runs:
+the loop, the job and the tools call its methods and never ask for its name. A strategy of
+your own is a subclass in your package and a YAML file in your --config-dir (README).
+
+The loop uses it in this order:
+    strategy.check(trainer)                      before any work: refusals, one line each
+    strategy.launch(fn, *args)                   fn on this process, or on N ranks
+      dist = strategy.setup_process(accelerator) every rank: process group, device
+      module = strategy.setup_module(model, dist, trainer)   wrap, shard, compile
+      with strategy.no_sync(module, enabled):    accumulation: reduce on the last micro-batch only
+      strategy.clip_gradients(params, max_norm)  / strategy.gradient_norm(params)
+      strategy.checkpoint_weights(...)           full state on rank 0, or each rank's shards
+      with strategy.inference(module):           evaluation
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringtrain.distributed import DistInfo, resolve_device
+from ringtrain.checkpoints.state_dicts import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_optimizer_state_dict,
+)
+
+
+class Strategy:
+    """One process, one device. Subclasses override what differs."""
+
+    # Whether the ranks are separate processes in one process group (ddp, fsdp).
+    spans_processes = False
+    # How long a collective may wait for another rank (None: there are no other ranks).
+    timeout_minutes: float | None = None
+
+    # --- before any work ------------------------------------------------------------------------
+
+    def check(self, trainer: Any) -> None:
+        """Refuse trainer settings this strategy cannot honour (ConfigError, one line)."""
+
+    # --- processes ------------------------------------------------------------------------------
+
+    def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = ()) -> Any:
+        """Run `fn(*args)` on every rank this strategy trains with; return rank 0's result.
+        `stop_signals` sent to this process reach every rank (they stop as the loop does)."""
+        return fn(*args)
+
+    def setup_process(self, accelerator: str) -> DistInfo:
+        """This process's rank, world size and device (and its process group, if any)."""
+        return DistInfo(0, 0, 1, resolve_device(accelerator, 0), None)
+
+    # --- the model ------------------------------------------------------------------------------
+
+    def autocast_precision(self, precision: str) -> str:
+        """The precision the loop's autocast runs (a strategy may do mixed precision itself)."""
+        return precision
+
+    def setup_module(self, model: nn.Module, dist: DistInfo, trainer: Any) -> nn.Module:
+        """The module the loop calls: `model` placed, and compiled when trainer.compile is on."""
+        from ringtrain.strategies.compilation import compile_for_training
+
+        return compile_for_training(model, trainer.compile, trainer.compile_mode)
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Forward and backward inside reduce gradients across ranks only when `enabled`."""
+        return contextlib.nullcontext()
+
+    def gradient_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
+        """The global norm of all gradients (every rank calls it)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Scale the gradients to a global norm of at most `max_norm`; return the norm before."""
+        params = [p for p in params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+
+    def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """The context evaluation runs in."""
+        return torch.inference_mode()
+
+    def lr_scale(self, world_size: int) -> float:
+        """The factor the optimizer's learning rate is multiplied by."""
+        return 1.0
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                           shards_path: Callable[[], Path]) -> dict[str, Any]:
+        """The model and optimizer part of a checkpoint, in ringtrain's plain format: full
+        state, keyed by parameter name, on rank 0 (every rank takes part). A strategy that
+        writes each rank's shards instead returns {"shards": <directory name>}."""
+        return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(model, optimizer)}
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a checkpoint's name-keyed optimizer state (from any strategy) into `optimizer`."""
+        load_full_optimizer_state_dict(model, optimizer, state)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The bare model inside what setup_module returned."""
+        from ringtrain.checkpoints.files import unwrap_model
+
+        return unwrap_model(module)

@@ -1,0 +1,77 @@
+"""strategy=ddp: DistributedDataParallel, one process per device, a full copy of the model on each.
+
+Gradients are all-reduced in buckets during backward (overlapping it); during accumulation
+only the last micro-batch's backward reduces (`no_sync` for the others).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ringtrain.errors import ConfigError
+from ringtrain.distributed import DistInfo
+from ringtrain.strategies.process_group import ProcessGroupStrategy
+
+
+class DDP(ProcessGroupStrategy):
+    """DistributedDataParallel (conf/strategy/ddp.yaml); its options are DDP's own."""
+
+    def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,
+                 scale_lr_by_world_size: bool,
+                 bucket_cap_mb: float, find_unused_parameters: bool, gradient_as_bucket_view: bool,
+                 static_graph: bool, forward_sync_buffers: bool) -> None:
+        super().__init__(backend=backend, nproc_per_node=nproc_per_node, timeout_minutes=timeout_minutes,
+                         max_restarts=max_restarts, scale_lr_by_world_size=scale_lr_by_world_size)
+        if bucket_cap_mb <= 0:
+            raise ConfigError(f"strategy.bucket_cap_mb={bucket_cap_mb} must be positive")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.forward_sync_buffers = forward_sync_buffers
+
+    def check(self, trainer: Any) -> None:
+        super().check(trainer)
+        if trainer.compile and self.bucket_cap_mb < 1:
+            # DDP's first bucket is 1 MiB; torch.compile's DDP optimizer (which splits the graph
+            # at bucket boundaries) refuses any later bucket smaller than that.
+            raise ConfigError(
+                f"strategy.bucket_cap_mb={self.bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
+                f"torch.compile's DDP graph splitting refuses; use strategy.bucket_cap_mb >= 1 with trainer.compile=true"
+            )
+
+    def setup_module(self, model: nn.Module, dist: DistInfo, trainer: Any) -> nn.Module:
+        # Compiled inside DDP, as torch.compile + DDP expects (ringtrain/loop/compilation.py).
+        module = super().setup_module(model, dist, trainer)
+        return self.wrap(module, dist) if dist.is_distributed else module
+
+    def wrap(self, module: nn.Module, dist: DistInfo) -> DistributedDataParallel:
+        """`module` in DDP with this strategy's options (the bare model stays `.module`)."""
+        on_cuda = dist.device.type == "cuda"
+        # Syncing buffers from rank 0 in every forward is DDP's default. torch 2.13 renamed the
+        # flag (broadcast_buffers -> forward_sync_buffers) and warns on the old name; older
+        # torch only knows the old one. Either way it is passed only to turn syncing off.
+        buffers = {}
+        if not self.forward_sync_buffers:
+            new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            buffers = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+        return DistributedDataParallel(
+            module,
+            device_ids=[dist.device.index] if on_cuda else None,
+            output_device=dist.device.index if on_cuda else None,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            **buffers,
+        )
+
+    def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        # DDP decides in forward whether backward all-reduces: both go inside no_sync.
+        if not enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return contextlib.nullcontext()

@@ -1,0 +1,150 @@
+"""Starting N ranks on this machine without torchrun, through torch's own elastic launcher
+(`torch.distributed.launcher.api.elastic_launch`, what torchrun runs). The ranks get what
+torchrun's get: RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set, a worker monitor that ends the job
+when one rank fails (the others receive SIGTERM), SIGTERM/SIGINT to this process passed on to
+the ranks, and restarts of the whole group after a failure (`strategy.max_restarts`; the
+restarted ranks resume from last.pt, trainer.resume=auto).
+
+What ringtrain adds around it, each for a reason named where it is done:
+  * the arguments travel pickled, as bytes (tensors must not become shared memory);
+  * the other stop signals (SIGUSR1, ...) reach the ranks too;
+  * a failure is one line with the rank's exit status, not elastic's multi-line report.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from tqdm import tqdm
+
+from ringtrain.errors import ConfigError, TrainingStopped, exit_on_user_error
+from ringtrain.distributed import WorkerFailedError
+
+# Signals elastic's agent itself turns into SignalException and passes on to the ranks.
+_HANDLED_BY_ELASTIC = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+# Its loggers report every worker exit and restart in multi-line blocks; the ranks print
+# their own one-line errors, and this module one line for the job.
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+
+
+def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts: int = 0,
+                 stop_signals: Sequence[str] = ()) -> Any:
+    """Run `fn(*args)` on `nprocs` ranks on this machine; return rank 0's result.
+
+    A rank that fails ends the job (after `max_restarts` restarts of the whole group) with
+    WorkerFailedError carrying that rank's exit status; a stop signal ends it with
+    TrainingStopped (exit 143 for SIGTERM): the ranks finished their step and saved last.pt.
+    """
+    pickled_args = _pickled(args, nprocs)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"ringtrain-{uuid.uuid4()}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # as torchrun --standalone
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+    )
+    try:
+        with _quiet_elastic_logs(), _other_stop_signals_reach_ranks(stop_signals):
+            results = elastic_launch(config, _run_rank)(fn, pickled_args)
+    except ChildFailedError as err:
+        rank, failure = min(err.failures.items())
+        status = failure.exitcode if failure.exitcode > 0 else 128 + -failure.exitcode
+        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {status}"
+        restarts = f" (after {max_restarts} restart{'s' * (max_restarts > 1)})" if max_restarts else ""
+        raise WorkerFailedError(f"rank {rank} {how}{restarts}; its own output above says why", exit_code=status) from None
+    except SignalException as err:
+        name = signal.Signals(err.sigval).name
+        raise TrainingStopped(f"stopped by {name}", 128 + int(err.sigval)) from None
+    return pickle.loads(results[0])
+
+
+def _pickled(args: tuple, nprocs: int) -> bytes:
+    """`args` by value, as plain pickle bytes. Handed to the launcher as they are, tensors in
+    them (the Python API's model and data sets) would be moved into shared memory, one
+    storage for all ranks: each rank's optimizer would then update the same weights."""
+    try:
+        return pickle.dumps(args)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
+        raise ConfigError(
+            f"the {nprocs} ranks each need a copy of the model, data and task, and one does not "
+            f"pickle ({' '.join(str(err).split())[:200]}); define those classes and functions at module level"
+        ) from None
+
+
+def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
+    """One rank's body. Its result travels back as bytes for the same reason its arguments do."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: N ranks with all cores' threads each would fight over the cores
+        # (2.5x slower measured with 2 ranks on 2 cores). OMP_NUM_THREADS overrides this.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    # tqdm (the progress bar, and torch.compile's own) guards its output with a
+    # multiprocessing lock, a semaphore this process would leave behind at exit (Python's
+    # resource tracker then warns of a leak). A rank is one process: a thread lock will do.
+    tqdm.set_lock(threading.RLock())
+    try:
+        with exit_on_user_error():  # a mistake is one line from the rank that found it, as under torchrun
+            result = pickle.dumps(fn(*pickle.loads(pickled_args)))
+    except Exception:
+        # A crash: its traceback is what a developer needs. torch.multiprocessing would send it
+        # to the launcher, whose report keeps only the exit status: print it here, as a
+        # torchrun rank does.
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+    _leave_without_finalising_after_exit()
+    return result
+
+
+def _leave_without_finalising_after_exit() -> None:
+    """Once this rank's result is handed over, end the process without Python's interpreter
+    finalisation: torch's gloo worker threads outlive destroy_process_group and free their
+    last work objects a moment later, taking the GIL; during finalisation that aborts the
+    process (SIGABRT, about 1 in 70 two-rank runs), which the launcher would count as a
+    failed rank. atexit handlers run before that stage."""
+    import atexit
+
+    atexit.register(os._exit, 0)
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _other_stop_signals_reach_ranks(names: Sequence[str]) -> Iterator[None]:
+    """Stop signals elastic's agent does not handle itself (SIGUSR1, a scheduler's warning)
+    are raised as its SignalException, which makes the agent pass them on to the ranks as it
+    does SIGTERM. Without this, SIGUSR1 would kill this process and leave the ranks behind."""
+    def stop(signum: int, frame: Any) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    extra = [getattr(signal, name) for name in names if getattr(signal, name) not in _HANDLED_BY_ELASTIC]
+    if threading.current_thread() is not threading.main_thread():
+        extra = []
+    previous = {signum: signal.signal(signum, stop) for signum in extra}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,64 @@
+"""What the strategies with one process per device (ddp, fsdp) share: the process group's
+options, joining it, and starting the ranks when no launcher did.
+
+Two ways into a multi-process run, both ending in the same `join_process_group`:
+  * torchrun (or any launcher that sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT);
+  * `strategy.nproc_per_node=N` without one: torch's own elastic launcher (what torchrun
+    runs, strategies/launch.py) starts N ranks here, with torchrun's worker monitoring,
+    signal handling and restarts (`strategy.max_restarts`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.base import Strategy
+from ringtrain.distributed import DistInfo, join_process_group, under_torchrun
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ProcessGroupStrategy(Strategy):
+    """A process per device, joined in one process group (the base of DDP and FSDP)."""
+
+    spans_processes = True
+
+    def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,
+                 scale_lr_by_world_size: bool) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"strategy.backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        for name, value in (("nproc_per_node", nproc_per_node), ("timeout_minutes", timeout_minutes)):
+            if value <= 0:
+                raise ConfigError(f"strategy.{name}={value} must be positive")
+        if max_restarts < 0:
+            raise ConfigError(f"strategy.max_restarts={max_restarts} must be >= 0 (0: a failed rank ends the job)")
+        self.backend = backend  # auto: nccl when every rank has a CUDA device, else gloo
+        self.nproc_per_node = nproc_per_node  # ranks to start when no launcher started this one
+        self.timeout_minutes = timeout_minutes  # a collective that waits longer fails the job
+        self.max_restarts = max_restarts  # restarts of the whole self-launched job after a rank fails
+        self.scale_lr_by_world_size = scale_lr_by_world_size  # lr * world_size, the seed tutorial's rule
+
+    def check(self, trainer: Any) -> None:
+        if self.backend == "nccl" and (trainer.accelerator == "cpu" or not torch.cuda.is_available()):
+            raise ConfigError(
+                "strategy.backend=nccl needs a CUDA device on every rank and none is visible; "
+                "use strategy.backend=gloo (or auto) on CPU"
+            )
+
+    def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = ()) -> Any:
+        if under_torchrun() or self.nproc_per_node == 1:
+            return fn(*args)
+        from ringtrain.strategies.launch import launch_ranks
+
+        return launch_ranks(self.nproc_per_node, fn, args, max_restarts=self.max_restarts, stop_signals=stop_signals)
+
+    def lr_scale(self, world_size: int) -> float:
+        return float(world_size) if self.scale_lr_by_world_size else 1.0
+
+    def setup_process(self, accelerator: str) -> DistInfo:
+        if not under_torchrun():  # nproc_per_node=1 without a launcher: one process, no group
+            return super().setup_process(accelerator)
+        return join_process_group(self.backend, accelerator, self.timeout_minutes)

@@ -1,7 +1,7 @@
 """The Python API: train your own model on your own Datasets, no Hydra or YAML needed.
 
+    from ringtrain import Trainer
     from ringtrain.data.tasks import RegressionTask
-    from trainer import Trainer
 
     trainer = Trainer(max_epochs=10, batch_size=32, optimizer={"_target_": "torch.optim.SGD", "lr": 0.01})
     result = trainer.fit(model, train_set, val_set, task=RegressionTask())

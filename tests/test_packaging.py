@@ -18,11 +18,13 @@ It is then installed, NOT editable, into a fresh venv that sees this environment
   this checkout). A .pth file in the venv adds that folder with `site.addsitedir`, so the
   dependencies' own .pth files still work, and the editable finder is never there to load.
 
-Every command runs from an empty temporary folder with PYTHONPATH unset, so neither the
-checkout nor the current directory can supply ringtrain: a probe asserts `ringtrain.__file__`
-is in the venv and that `data`, `models` and `trainer` do not import at all, and the training
-runs themselves run with PYTHONVERBOSE=1, whose import trace must name the venv's
-ringtrain/__init__.py and no file of this checkout's trainer/, models/, data/ or conf/.
+The default job is trained by the console script, by `python -m ringtrain`, and on 2 DDP ranks
+by torchrun both with `-m ringtrain` and with `--no-python ringtrain`. Every command runs from
+an empty temporary folder with PYTHONPATH unset, so neither the checkout nor the current
+directory can supply ringtrain: a probe asserts `ringtrain.__file__` is in the venv and that
+`data`, `models` and `trainer` do not import at all, and the training runs themselves run with
+PYTHONVERBOSE=1, whose import trace must name the venv's ringtrain/__init__.py and no file of
+this checkout's trainer/, models/, data/ or conf/.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ COMMANDS = {
     "python -m": lambda venv: [str(venv / "bin" / "python"), "-m", "ringtrain"],
     "torchrun ddp": lambda venv: [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--standalone",
                                   "--nproc_per_node=2", "-m", "ringtrain", "strategy=ddp"],
+    "torchrun --no-python ddp": lambda venv: [str(venv / "bin" / "python"), "-m", "torch.distributed.run",
+                                              "--standalone", "--nproc_per_node=2", "--no-python",
+                                              str(venv / "bin" / "ringtrain"), "strategy=ddp"],
 }
 
 
@@ -121,7 +126,8 @@ def test_the_wheel_holds_one_import_name_and_every_config(wheel):
         entry_points, = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
         assert "ringtrain = ringtrain.__main__:main" in archive.read(entry_points).decode()
     assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"ringtrain"}
-    configs = {f"ringtrain/conf/{path.relative_to(REPO / 'conf').as_posix()}" for path in (REPO / "conf").rglob("*.yaml")}
+    conf = REPO / "conf"
+    configs = {f"ringtrain/conf/{path.relative_to(conf).as_posix()}" for path in conf.rglob("*.yaml")}
     assert "ringtrain/conf/train.yaml" in configs and len({Path(c).parent for c in configs}) >= 10  # the groups
     assert configs <= set(names), sorted(configs - set(names))
     for package in ("ringtrain/__main__.py", "ringtrain/models/__init__.py", "ringtrain/data/__init__.py",

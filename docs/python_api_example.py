@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from ringtrain import Trainer
 from ringtrain.data.tasks import RegressionTask
-from trainer import Trainer
 
 
 class Line(nn.Module):  # at module level, so spawned DDP ranks can unpickle it

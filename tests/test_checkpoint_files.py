@@ -11,16 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringtrain.checkpoints.files import (
-    CHECKPOINT_FORMAT,
-    CheckpointError,
-    CheckpointStore,
-    find_resumable,
-    load_checkpoint,
-    remove_stale_temp_files,
-    save_checkpoint,
-    shards_name,
-)
+from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint, shards_name
+from ringtrain.checkpoints.store import CheckpointStore, find_resumable, remove_stale_temp_files
 from ringtrain.strategies.fsdp import load_sharded, save_sharded
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringtrain.checkpoints.files import RunDirError, find_resumable, load_checkpoint, remove_stale_temp_files
+from ringtrain.checkpoints.files import RunDirError, load_checkpoint
+from ringtrain.checkpoints.store import find_resumable, remove_stale_temp_files
 from ringtrain.strategies.distributed import DistInfo, broadcast_object
 from ringtrain.errors import ConfigError
 

@@ -25,12 +25,12 @@ from ringtrain.data.tasks import metrics_from_sums
 from ringtrain.checkpoints.files import (
     CHECKPOINT_FORMAT,
     CheckpointError,
-    CheckpointStore,
     load_checkpoint,
     load_model_weights,
     rng_state,
     set_rng_state,
 )
+from ringtrain.checkpoints.store import CheckpointStore
 from ringtrain.loop.compilation import compile_for_training
 from ringtrain.config.schema import RunConfig
 from ringtrain.strategies.distributed import DistInfo, all_reduce_sum, broadcast_object, gather_objects

@@ -56,7 +56,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, fsync_directory, write_failure_message
+from ringtrain.checkpoints.atomic import fsync_directory
+from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 
 
 log = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from ringtrain.checkpoints.atomic import open_atomically
 from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.tensors import SequenceDataset, windows_of
 
@@ -119,11 +119,9 @@ def _cache_path(file: Path, cache_dir: str) -> Path | None:
 
 
 def _write_cache(cache: Path, state: dict) -> None:
-    """Atomic (temporary name, then rename), so ranks writing at once never see half a file."""
+    """Atomic (ringtrain.checkpoints.atomic), so ranks writing at once never see half a file."""
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, cache)
+        with open_atomically(cache) as file:
+            torch.save(state, file)
     except OSError as err:  # a read-only home directory must not stop training
         log.warning("could not write the text cache %s (%s); continuing without it", cache, err)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.data.bundle import DataError, DataModule
 from ringtrain.data.vocab import vocab_from_state
 
@@ -266,7 +267,7 @@ def write_meta(directory: str | os.PathLike, dtype: str, vocab_size: int, vocab:
     if dtype not in TOKEN_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {', '.join(TOKEN_DTYPES)}")
     meta = {"dtype": dtype, "vocab_size": int(vocab_size), **({"vocab": vocab} if vocab is not None else {}), **extra}
-    (Path(directory) / META_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text_atomically(Path(directory) / META_FILE, json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
 
 
 def token_dtype_for(vocab_size: int) -> str:

@@ -18,8 +18,8 @@ after announcing step N instead: a test that signals the job when it sees step N
 at step N even when the test itself was kept off the CPU for a while (a loaded CI machine
 delivered the announcements of five steps at once).
 
-RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES=N makes checkpoint writes fail with ENOSPC as on a file
-system of N bytes (for machines where a test cannot mount a small tmpfs).
+RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES=N makes the atomic writes (checkpoints, metrics.json) fail
+with ENOSPC as on a file system of N bytes (for machines where a test cannot mount a small tmpfs).
 """
 import os
 import sys
@@ -56,14 +56,15 @@ def _announce_and_slow_down_every_step() -> None:
 
 
 def _fill_the_disk_after(limit: int) -> None:
-    """Checkpoint writes fail with ENOSPC once they add up to `limit` bytes, minus what the
+    """Atomic writes fail with ENOSPC once they add up to `limit` bytes, minus what the
     deleted checkpoints freed: a full file system, where a test cannot mount a small one."""
     import errno
 
-    import ringtrain.checkpoints.files as checkpoint
+    import ringtrain.checkpoints.atomic as atomic
+    import ringtrain.checkpoints.store as store
 
     written = {"bytes": 0}
-    original_write, original_remove = checkpoint._ErrorRecordingWriter.write, checkpoint._remove_if_present
+    original_write, original_remove = atomic._ErrorRecordingWriter.write, atomic.remove_if_present
 
     def write(self, data):
         if written["bytes"] + len(data) > limit:
@@ -77,8 +78,9 @@ def _fill_the_disk_after(limit: int) -> None:
             written["bytes"] -= os.path.getsize(path)
         original_remove(path)
 
-    checkpoint._ErrorRecordingWriter.write = write
-    checkpoint._remove_if_present = remove
+    atomic._ErrorRecordingWriter.write = write
+    # Failed writes' temporary files (atomic) and rotated step files (store) free space.
+    atomic.remove_if_present = store.remove_if_present = remove
 
 
 _announce_and_slow_down_every_step()

@@ -11,17 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringtrain.checkpoints.files import (
-    CHECKPOINT_FORMAT,
-    CheckpointError,
-    CheckpointStore,
-    find_resumable,
-    load_checkpoint,
-    remove_stale_temp_files,
-    save_checkpoint,
-    shards_name,
-)
+from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint, shards_name
 from ringtrain.checkpoints.sharded import load_sharded, save_sharded
+from ringtrain.checkpoints.store import CheckpointStore, find_resumable, remove_stale_temp_files
 
 
 def _state(step: int, numel: int = 4) -> dict:

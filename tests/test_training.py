@@ -99,7 +99,7 @@ def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
 
 
 def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monkeypatch):
-    from ringtrain.checkpoints.files import CheckpointStore
+    from ringtrain.checkpoints.store import CheckpointStore
 
     saved = []
     original_save = CheckpointStore.save

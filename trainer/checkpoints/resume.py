@@ -4,12 +4,12 @@ trainer.resume is
   auto (default)  continue from this run directory's own newest readable checkpoint, if it
                   has one, else start fresh. This is what torchrun's restarted workers, a
                   requeued SLURM job and "run the same command again" rely on: the same
-                  command lands in the same run directory (trainer/rundir.py). A corrupt
+                  command lands in the same run directory (checkpoints/rundir.py). A corrupt
                   newest file is reported in one line and an older one is used.
   <path>          continue that run with the config stored in its checkpoint, in its own run
-                  directory unless hydra.run.dir says otherwise (trainer/cli.py). The command
-                  line may change what is safe to change (trainer.max_steps, the strategy, the
-                  data's path...); a different model is refused in one line.
+                  directory unless hydra.run.dir says otherwise (config/command_line.py). The
+                  command line may change what is safe to change (trainer.max_steps, the
+                  strategy, the data's path...); a different model is refused in one line.
   null            never resume; a run directory that already holds checkpoints is refused.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringtrain.checkpoints.files import RunDirError, find_resumable, load_checkpoint, remove_stale_temp_files
+from ringtrain.checkpoints.files import RunDirError, load_checkpoint
+from ringtrain.checkpoints.store import find_resumable, remove_stale_temp_files
 from ringtrain.distributed import DistInfo, broadcast_object
 from ringtrain.errors import ConfigError
 

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ringtrain.checkpoints.atomic import write_text_atomically
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock; runs there are not protected from a second job
@@ -62,11 +64,8 @@ def leave_restart_note(run_dir: Path) -> None:
     """Rank 0 under torchrun: remember the run directory for restarted workers."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return
-    note = restart_note()
-    tmp = note.with_name(note.name + f".tmp-{os.getpid()}")
     try:
-        tmp.write_text(str(run_dir))
-        os.replace(tmp, note)
+        write_text_atomically(restart_note(), str(run_dir))
     except OSError:  # no writable temp dir: a restart then starts a new directory
         pass
 

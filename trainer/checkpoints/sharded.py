@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, fsync_directory, write_failure_message
+from ringtrain.checkpoints.atomic import fsync_directory
+from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
 
 # the shards directory, written only after the directory is complete.

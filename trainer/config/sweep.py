@@ -16,6 +16,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from ringtrain.checkpoints.atomic import write_text_atomically
+
 log = logging.getLogger("ringtrain")
 
 SUMMARY_FILE = "sweep_summary.json"
@@ -27,7 +29,7 @@ class SweepSummary(Callback):
         if not sweep_dir.is_dir():
             return
         summary = summarize_sweep(sweep_dir)
-        (sweep_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        write_text_atomically(sweep_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         for line in format_summary(summary):
             log.info(line)
 

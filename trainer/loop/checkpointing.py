@@ -8,15 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoints.files import (
-    CHECKPOINT_FORMAT,
-    CheckpointError,
-    CheckpointStore,
-    load_model_weights,
-    rng_state,
-    set_rng_state,
-)
+from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, CheckpointError, load_model_weights, rng_state, set_rng_state
 from ringtrain.checkpoints.sharded import load_sharded
+from ringtrain.checkpoints.store import CheckpointStore
 from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, broadcast_object, gather_objects

@@ -18,6 +18,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ringtrain.checkpoints.atomic import write_text_atomically
+
 log = logging.getLogger("ringtrain")
 
 
@@ -146,10 +148,7 @@ class RunLogger:
     def summary(self, values: dict) -> None:
         """metrics.json in the run directory: final and best metrics, for scripts and sweeps."""
         if self.enabled:
-            path = self.run_dir / "metrics.json"
-            tmp = path.with_name(".metrics.json.tmp")
-            tmp.write_text(json.dumps(values, indent=2, default=str))
-            tmp.replace(path)
+            write_text_atomically(self.run_dir / "metrics.json", json.dumps(values, indent=2, default=str))
 
     def close(self) -> None:
         self._console.close()

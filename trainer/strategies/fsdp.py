@@ -28,12 +28,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ringtrain.errors import ConfigError
-from ringtrain.distributed import DistInfo
-from ringtrain.distributed import under_torchrun
-from ringtrain.strategies.process_group import ProcessGroupStrategy
 from ringtrain.checkpoints.sharded import save_sharded
 from ringtrain.checkpoints.state_dicts import distributed
+from ringtrain.distributed import DistInfo, under_torchrun
+from ringtrain.errors import ConfigError
+from ringtrain.strategies.process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
 

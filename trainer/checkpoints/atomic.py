@@ -1,0 +1,159 @@
+"""Replacing a file atomically and durably: after a crash, a kill or a power cut its name holds
+the old file or the new one, complete, never a truncated mix.
+
+Every file ringtrain replaces goes through here: checkpoints, the text data cache, meta.json,
+metrics.json, sweep_summary.json, the torchrun restart note. It imports nothing of
+ringtrain, so any layer may use it.
+
+How: the new file is written to a hidden temporary name in the same directory
+(`.<name>.tmp-<pid>`, see `temp_path`), flushed and fsynced, renamed over the real name (atomic
+on POSIX: a reader sees the old file or the new one), and the directory is fsynced (the file's
+own fsync does not cover its directory entry, so without it a power cut may undo the rename).
+A failure removes the temporary file and raises the OSError, with the previous file untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger("ringtrain")
+
+# Directory fsync is not supported everywhere (some network and FUSE file systems): there the
+# rename is as durable as the file system makes it, and that is no reason to stop a run.
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
+
+
+class WritableFile(Protocol):
+    """What `open_atomically` hands out: a binary file to `write` to (torch.save takes it)."""
+
+    def write(self, data: bytes) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+@contextlib.contextmanager
+def open_atomically(path: str | os.PathLike) -> Iterator[WritableFile]:
+    """A binary file that replaces `path` when the `with` block ends without an error.
+
+    Missing parent directories are created (and made durable). When the block raises, the
+    temporary file is removed and `path` keeps its previous file (or stays absent); a write
+    that failed with an OSError (ENOSPC on a full disk) raises that OSError even where the
+    serializer turned it into another error (torch.save makes it "unexpected pos ...").
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fsync_directory(path.parent.parent)  # the new directory itself survives a power cut
+    temp = _fresh_temp_path(path)
+    with _removed_on_failure(temp):
+        with open(temp, "wb") as file:
+            writer = _ErrorRecordingWriter(file)
+            try:
+                yield writer
+            except Exception:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
+            file.flush()
+            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temp, path)
+    fsync_directory(path.parent)  # the rename itself survives a power cut
+
+
+def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Replace `path` with `text`, atomically and durably (see `open_atomically`)."""
+    with open_atomically(path) as file:
+        file.write(text.encode(encoding))
+
+
+def replace_atomically(path: str | os.PathLike, make: Callable[[Path], None]) -> None:
+    """Have `make` create the new file at the temporary path it is given (e.g. a hard link to
+    a file already on disk), then rename it over `path` and fsync the directory. `make` makes
+    the file's contents durable itself; on any failure the temporary file is removed."""
+    path = Path(path)
+    temp = _fresh_temp_path(path)
+    with _removed_on_failure(temp):
+        make(temp)
+        os.replace(temp, path)
+    fsync_directory(path.parent)
+
+
+def temp_path(path: Path) -> Path:
+    """Hidden, in the same directory (so the rename is atomic), unique per process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def temp_name_pattern(names: str) -> re.Pattern[str]:
+    """The names `temp_path` gives the files whose names the regular expression `names` matches:
+    how a caller recognises the temporary files of its own writes that a kill left behind."""
+    return re.compile(rf"^\.(?:{names})\.tmp-\d+$")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the renames and links in `directory` durable (a file's own fsync does not cover its
+    directory entry). Where the file system cannot, a warning at most: the run goes on."""
+    consequence = "a power cut may undo the latest rename there"
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as err:  # e.g. Windows cannot open a directory
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            log.warning(f"cannot open {directory} to fsync it ({err.strerror}); {consequence}")
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            log.warning(f"fsync of {directory} failed ({err.strerror}); {consequence}")
+    finally:
+        os.close(fd)
+
+
+def remove_if_present(path: Path) -> None:
+    """Delete `path`; one that is already gone is fine, one that cannot be deleted a warning."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.warning(f"cannot remove {path} ({err.strerror}); delete it by hand")
+
+
+def _fresh_temp_path(path: Path) -> Path:
+    temp = temp_path(path)
+    # Left by a killed process with our pid (containers reuse pids). It may be a hard link to
+    # a checkpoint (see checkpoints/store.py), which writing through it would truncate.
+    remove_if_present(temp)
+    return temp
+
+
+@contextlib.contextmanager
+def _removed_on_failure(temp: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:  # an OSError, a state torch cannot save, Ctrl-C mid-write: no debris
+        remove_if_present(temp)
+        raise
+
+
+class _ErrorRecordingWriter:
+    """A file's `write` that remembers the OSError it raised, which torch.save hides."""
+
+    def __init__(self, file):
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()

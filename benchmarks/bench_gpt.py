@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.loop.optim import parameter_groups  # noqa: E402
+from ringtrain.config.optim import parameter_groups  # noqa: E402
 from ringtrain.loop.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layers=12, n_heads=12, d_model=768)

@@ -34,7 +34,7 @@ from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.distributed import gather_objects, join_process_group, teardown_distributed  # noqa: E402
 from ringtrain.strategies.launch import launch_ranks  # noqa: E402
 from ringtrain.strategies.fsdp import shard_model  # noqa: E402
-from ringtrain.loop.optim import parameter_groups  # noqa: E402
+from ringtrain.config.optim import parameter_groups  # noqa: E402
 
 MIB = 2**20
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.loop.optim import parameter_groups  # noqa: E402
+from ringtrain.config.optim import parameter_groups  # noqa: E402
 
 SIZES = dict(block_size=64, n_layers=2, n_heads=4, d_model=128, dropout=0.0)  # conf/model/transformer.yaml
 BATCH, LR, BETAS, DECAY, LOG_EVERY = 32, 1e-3, (0.9, 0.95), 0.1, 50

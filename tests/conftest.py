@@ -65,7 +65,7 @@ def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.
     state = torch.load(path, weights_only=True)
     if "shards" not in state:
         return state["model"]
-    from ringtrain.checkpoints.restore import model_node, read_checkpoint, rebuild_model
+    from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
 
     state = read_checkpoint(str(path))
     return rebuild_model(model_node(state, str(path)), state["data_dims"], state, str(path)).state_dict()

@@ -90,7 +90,7 @@ def test_bad_stop_signals_are_one_line(value, message):
 
 def test_decay_matrices_only_false_decays_every_parameter():
     from ringtrain.models.linear import LinearRegression
-    from ringtrain.loop.optim import build_optimizer
+    from ringtrain.config.optim import build_optimizer
 
     run = validate(compose_config(["optimizer=adamw", "optimizer.decay_matrices_only=false", "optimizer.weight_decay=0.3"]))
     adamw = build_optimizer(run.optimizer, LinearRegression(1, 1), torch.device("cpu"))

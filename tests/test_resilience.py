@@ -469,11 +469,28 @@ def test_sigterm_to_the_self_launched_parent_is_forwarded_saves_and_exits_143(tm
         status, output = job.finish(timeout=120)
         assert not job.kill_leftovers(), "workers were left behind"
     assert status == 143, output[-4000:]
-    assert "forwarding it to the 2 workers" in output
+    assert "received SIGTERM: passed on to the 2 ranks" in output
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
 
     output = ok(run_job(args))
     assert resumed_from_step(output) == saved
+    assert_identical(tmp_path / "run", reference(2))
+
+
+def test_self_launched_max_restarts_heals_a_sigkilled_rank_bit_identical(tmp_path, reference):
+    """strategy.max_restarts: torch's elastic launcher restarts every rank after one is
+    SIGKILLed (the OOM killer), and they resume from last.pt."""
+    args = SELF_LAUNCHED + ["strategy.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    step = interrupt_step("self-launched-restart", 2)
+    victim = random.Random("self-launched-restart-rank").choice([0, 1])
+    with Job(args) as job:
+        first = job.wait_for_step(step, rank=victim)
+        os.kill(first, signal.SIGKILL)
+        status, output = job.finish(timeout=180)
+        assert status == 0, output[-6000:]
+        assert job.pids[victim] != first, "the ranks were not restarted"
+        assert not job.kill_leftovers(), "ranks were left behind"
+    resumed_from_step(output)
     assert_identical(tmp_path / "run", reference(2))
 
 

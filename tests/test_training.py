@@ -140,10 +140,10 @@ def _lrs(scheduler, optimizer, steps):
 
 
 def test_cosine_schedule_warms_up_then_decays_to_min_lr():
-    from ringtrain.loop.optim import build_scheduler
+    from ringtrain.config.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = build_scheduler({"_target_": "ringtrain.loop.optim.WarmupCosine", "warmup_steps": 10, "min_lr": 0.1}, optimizer, 110)
+    scheduler = build_scheduler({"_target_": "ringtrain.loop.schedules.WarmupCosine", "warmup_steps": 10, "min_lr": 0.1}, optimizer, 110)
     lrs = _lrs(scheduler, optimizer, 110)
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[10] == pytest.approx(1.0) and lrs[110] == pytest.approx(0.1)
@@ -151,9 +151,9 @@ def test_cosine_schedule_warms_up_then_decays_to_min_lr():
 
 
 def test_constant_schedule_warms_up_and_resumes_from_its_state():
-    from ringtrain.loop.optim import build_scheduler
+    from ringtrain.config.optim import build_scheduler
 
-    node = {"_target_": "ringtrain.loop.optim.WarmupConstant", "warmup_steps": 4}
+    node = {"_target_": "ringtrain.loop.schedules.WarmupConstant", "warmup_steps": 4}
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
     scheduler = build_scheduler(node, optimizer, 100)
     assert _lrs(scheduler, optimizer, 2)[-1] == pytest.approx(0.5 * 3 / 4)
@@ -166,7 +166,7 @@ def test_constant_schedule_warms_up_and_resumes_from_its_state():
 
 
 def test_any_torch_scheduler_works_by_target_with_ringtrains_warmup():
-    from ringtrain.loop.optim import build_scheduler
+    from ringtrain.config.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     node = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 2, "gamma": 0.5, "warmup_steps": 4}
@@ -181,7 +181,7 @@ def test_one_cycle_gets_the_runs_total_steps_by_name(tmp_path):
 
 
 def test_adamw_decays_matrices_but_not_biases_or_norms():
-    from ringtrain.loop.optim import parameter_groups
+    from ringtrain.config.optim import parameter_groups
 
     model = Transformer(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1)
     decay, no_decay = parameter_groups(model, 0.1)

@@ -5,10 +5,11 @@
   files.py     one checkpoint file: its format and names, writing it, reading and verifying it
   store.py     a run's checkpoints: step files, last.pt / best.pt links, rotation, stale-file
                cleanup, the newest readable one (find_resumable)
+  state_dicts.py  model and optimizer state in ringtrain's plain format, the same under every
+               strategy (full, name-keyed, gathered to rank 0)
+  sharded.py   each rank's shards with torch.distributed.checkpoint (fsdp, state_dict_type=sharded)
   resume.py    trainer.resume: which checkpoint a run continues from, and with which config
-  restore.py   a trained model rebuilt from its checkpoint alone (trainer.sample, evaluate,
-               consolidate)
   rundir.py    run directory names that survive restarts, and the one-job lock
 
-May import: ringtrain.errors, ringtrain.config, ringtrain.strategies. Never the loop.
+May import: ringtrain.errors, ringtrain.distributed. Never the strategies, config, loop or tools.
 """

@@ -27,7 +27,7 @@ from ringtrain.data.tasks import check_monitor
 from ringtrain.config.components import build, check, check_built
 from ringtrain.distributed import DistInfo, barrier
 from ringtrain.errors import ConfigError
-from ringtrain.loop.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
+from ringtrain.config.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
 
 # ringtrain's own keys in a data node with train/val splits.
 SPLIT_DATA_KEYS = ("train", "val", "dims")

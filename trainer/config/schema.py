@@ -23,7 +23,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 import ringtrain.conf
 from ringtrain.errors import ConfigError
-from ringtrain.loop.nonfinite import POLICIES
 from ringtrain.strategies.base import Strategy
 
 # The shipped configs: conf/ in a clone, ringtrain/conf in an installed wheel.
@@ -31,6 +30,7 @@ CONF_DIR = Path(ringtrain.conf.__file__).parent
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
+NONFINITE_POLICIES = ("stop", "skip", "ignore")  # trainer.on_nonfinite (ringtrain/loop/nonfinite.py)
 # torch.compile's modes (trainer.compile_mode); "default" passes none.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -234,6 +234,11 @@ def _check_trainer(t: TrainerConfig) -> None:
         raise ConfigError(
             f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (the device's peak TFLOP/s; 0 looks the GPU up)"
         )
+    _check_devices(t)
+    _check_run_control(t)
+
+
+def _check_devices(t: TrainerConfig) -> None:
     cuda = _cuda_available()
     if t.accelerator == "cuda" and not cuda:
         raise ConfigError(
@@ -245,6 +250,10 @@ def _check_trainer(t: TrainerConfig) -> None:
             "trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
             "trainer.precision=bf16-mixed or 32"
         )
+
+
+def _check_run_control(t: TrainerConfig) -> None:
+    """Resuming, checkpoints and stopping."""
     if t.resume not in (None, "auto"):
         if not isinstance(t.resume, str) or not os.path.isfile(t.resume):
             raise ConfigError(
@@ -253,8 +262,8 @@ def _check_trainer(t: TrainerConfig) -> None:
             )
     if t.keep_last_k < 1:
         raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
-    if t.on_nonfinite not in POLICIES:
-        raise ConfigError(f"trainer.on_nonfinite={t.on_nonfinite!r} is unknown; use one of {', '.join(POLICIES)}")
+    if t.on_nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"trainer.on_nonfinite={t.on_nonfinite!r} is unknown; use one of {', '.join(NONFINITE_POLICIES)}")
     for name in t.stop_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(

@@ -1,7 +1,7 @@
-"""The training loop of one rank and its parts: fit, the optimizer step, evaluation, the
-meters and loggers, precision, the non-finite watch, loaders, optimizers and schedules,
-compilation, stop signals.
+"""The training loop of one rank and its parts: fit (top to bottom), set-up, the optimizer
+step, evaluation, the loop's checkpoints, meters and loggers, precision, the non-finite watch,
+loaders, lr schedules, stop signals.
 
-May import: ringtrain.errors, ringtrain.config, ringtrain.strategies, ringtrain.checkpoints,
-ringtrain.data. Never the tools or the job (ringtrain.run).
+May import: ringtrain.errors, ringtrain.distributed, ringtrain.checkpoints, ringtrain.data,
+ringtrain.strategies, ringtrain.config. Never the job (ringtrain.run) or the tools.
 """

@@ -19,9 +19,6 @@ from pathlib import Path
 
 import torch
 
-POLICIES = ("stop", "skip", "ignore")
-
-
 class NonFiniteWatch:
     def __init__(self, policy: str, device: torch.device, uses_scaler: bool):
         self.policy = policy

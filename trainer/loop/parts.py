@@ -15,7 +15,7 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo
 from ringtrain.errors import ConfigError
 from ringtrain.loop.loaders import BatchLoader, build_train_loader, build_val_loader, worker_options
-from ringtrain.loop.optim import build_optimizer, build_scheduler
+from ringtrain.config.optim import build_optimizer, build_scheduler
 from ringtrain.loop.precision import Precision, set_matmul_precision
 from ringtrain.strategies.base import Strategy
 

@@ -1,5 +1,7 @@
-"""Distributed training: process groups and collectives, launching ranks, and one strategy
-class per way of training (single, dp, ddp, fsdp), chosen by `_target_` in conf/strategy/.
+"""One class per way of training (single, dp, ddp, fsdp), chosen by `_target_` in
+conf/strategy/, plus what they share: the process-group base, starting ranks through torch's
+elastic launcher, and compiling the model. The strategy is the only place that knows which
+one it is.
 
-The strategy is the only place that knows which one it is. May import: ringtrain.errors.
+May import: ringtrain.errors, ringtrain.distributed, ringtrain.checkpoints.
 """

@@ -210,6 +210,17 @@ def shard_model(
     if not distributed():
         raise ValueError(NO_PROCESS_GROUP_MESSAGE)
 
+    options, root_options = _shard_options(device, param_dtype, cpu_offload)
+    # fully_shard groups the parameters not yet owned by a unit, so children go first.
+    for module in units:
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **root_options)
+    return model
+
+
+def _shard_options(device: torch.device, param_dtype: torch.dtype | None,
+                   cpu_offload: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """fully_shard's options for the units and for the root, over all ranks."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options: dict[str, Any] = {"mesh": mesh}
     root_options: dict[str, Any] = {"mesh": mesh}
@@ -224,11 +235,7 @@ def shard_model(
     if cpu_offload:
         # Pinned memory makes host<->GPU copies asynchronous; without a GPU it cannot be allocated.
         options["offload_policy"] = root_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    # fully_shard groups the parameters not yet owned by a unit, so children go first.
-    for module in units:
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
-    fully_shard(model, **root_options)
-    return model
+    return options, root_options
 
 
 def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:

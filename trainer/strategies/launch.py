@@ -65,6 +65,7 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
         raise WorkerFailedError(f"rank {rank} {how}{restarts}; its own output above says why", exit_code=status) from None
     except SignalException as err:
         name = signal.Signals(err.sigval).name
+        logging.getLogger("ringtrain").warning(f"received {name}: passed on to the {nprocs} ranks, which stopped")
         raise TrainingStopped(f"stopped by {name}", 128 + int(err.sigval)) from None
     return pickle.loads(results[0])
 

@@ -24,8 +24,8 @@ from ringtrain.errors import ConfigError
 from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimizer_state_dict
 from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
-from ringtrain.loop.optim import build_optimizer
-from ringtrain.checkpoints.restore import build_checked_model, model_node, read_checkpoint
+from ringtrain.config.optim import build_optimizer
+from ringtrain.tools.checkpoint_model import build_checked_model, model_node, read_checkpoint
 
 PROGRAM = "ringtrain.tools.consolidate"
 KEYS = (

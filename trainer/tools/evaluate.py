@@ -59,7 +59,7 @@ from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.evaluation import evaluate_model
 from ringtrain.strategies.base import Strategy
 from ringtrain.loop.precision import Precision
-from ringtrain.checkpoints.restore import model_node, read_checkpoint, rebuild_model
+from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
 
 PROGRAM = "ringtrain.tools.evaluate"
 KEYS = (

@@ -28,7 +28,7 @@ from torch import nn
 from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
 from ringtrain.errors import ConfigError
 from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
-from ringtrain.checkpoints.restore import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
+from ringtrain.tools.checkpoint_model import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
 
 PROGRAM = "ringtrain.tools.sample"
 KEYS = (

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import gc
 import logging
-import sys
 import tempfile
 import time
 import warnings

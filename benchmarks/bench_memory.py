@@ -18,7 +18,6 @@ Each configuration runs 2 AdamW steps in fresh spawned processes on CPU/gloo:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Callable
 

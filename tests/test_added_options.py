@@ -109,14 +109,14 @@ def test_task_monitor_and_mode_choose_what_best_pt_and_a_sweep_follow(tmp_path):
 def test_fsdp_options_reach_fully_shard(monkeypatch):
     import ringtrain.strategies.fsdp as fsdp
     from ringtrain.models.transformer import Block, Transformer
-    from ringtrain.config.schema import TrainerConfig, strategy_option
+    from ringtrain.config.schema import strategy_option, trainer_config
     from ringtrain.distributed import DistInfo
 
     seen = {}
     monkeypatch.setattr(fsdp, "shard_model", lambda model, device, **options: seen.update(options) or model)
     strategy = strategy_option("fsdp", shard_classes=["Block"], reshard_after_forward=False, cpu_offload=True)
     info = DistInfo(0, 0, 2, torch.device("cpu"), "gloo")
-    trainer = TrainerConfig(precision="bf16-mixed")
+    trainer = trainer_config(precision="bf16-mixed")
     strategy.setup_module(Transformer(vocab_size=8, block_size=4, n_layers=2, d_model=8, n_heads=2), info, trainer)
     assert seen == {"shard_classes": (Block,), "reshard_after_forward": False, "param_dtype": torch.bfloat16,
                     "cpu_offload": True}

@@ -4,8 +4,6 @@ strategy it has."""
 from __future__ import annotations
 
 import ast
-import textwrap
-from pathlib import Path
 
 import torch
 

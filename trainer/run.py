@@ -38,11 +38,12 @@ from ringtrain.distributed import (
     peer_lost,
     teardown_distributed,
 )
-from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, exit_on_user_error
+from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.loop.fit import fit
 from ringtrain.loop.progress import FitResult
-from ringtrain.checkpoints.resume import checkpoint_to_resume, config_to_continue
+from ringtrain.checkpoints.resume import checkpoint_to_resume
+from ringtrain.config.continuation import config_to_continue
 from ringtrain.checkpoints.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
 from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
 

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.data.bundle import DataBundle
 from ringtrain.config.builders import check_components, check_task
-from ringtrain.config.schema import RunConfig, TrainerConfig, check_options, strategy_option, typed_section
+from ringtrain.config.schema import RunConfig, TrainerConfig, check_options, strategy_option, trainer_config
 from ringtrain.errors import ConfigError
 from ringtrain.loop.progress import FitResult
 from ringtrain.strategies.base import Strategy
@@ -47,7 +47,7 @@ class Trainer:
         strategy: str | dict | Strategy = "single",
         **trainer_options: Any,
     ) -> None:
-        self.trainer = _options(TrainerConfig, trainer_options, "trainer")
+        self.trainer = _trainer_options(trainer_options)
         self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
         check_components(None, None, None, optimizer if isinstance(optimizer, dict) else None,
@@ -114,11 +114,11 @@ def _strategy(option: str | dict) -> Strategy:
     return strategy_option(settings.pop("name"), **settings)
 
 
-def _options(schema: type, values: dict, section: str):
-    fields = {f.name for f in dataclasses.fields(schema)}
+def _trainer_options(values: dict) -> TrainerConfig:
+    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
     for key in values:
         if key not in fields:
             close = difflib.get_close_matches(key, sorted(fields), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"{section} has no setting {key!r}; {hint}the settings are {', '.join(sorted(fields))}")
-    return typed_section(values, schema, section)
+            raise ConfigError(f"trainer has no setting {key!r}; {hint}the settings are {', '.join(sorted(fields))}")
+    return trainer_config(**values)

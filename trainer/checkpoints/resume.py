@@ -1,4 +1,4 @@
-"""Which checkpoint a run continues from, and with which config.
+"""Which checkpoint a run continues from (the continued run's config: config/continuation.py).
 
 trainer.resume is
   auto (default)  continue from this run directory's own newest readable checkpoint, if it
@@ -18,7 +18,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.files import RunDirError, load_checkpoint
 from ringtrain.checkpoints.store import find_resumable, remove_stale_temp_files
@@ -29,42 +28,6 @@ log = logging.getLogger("ringtrain")
 
 # Sections a continued run must keep: what the weights and the optimizer state belong to.
 KEPT_SECTIONS = ("model",)
-# Preset groups: choosing one on the command line changes several sections at once.
-PRESET_GROUPS = ("experiment", "debug", "hparams_search")
-
-
-def config_to_continue(composed: DictConfig, overrides: list[str]) -> DictConfig:
-    """The config stored in trainer.resume's checkpoint, with the command line's changes.
-
-    `composed` is what Hydra composed from the command line `overrides`; only what they name
-    is taken from it: `key=value` sets that key, `group=option` that group's section, a preset
-    (experiment=, debug=) the trainer, optimizer, scheduler and strategy sections.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    path = composed.trainer.resume
-    stored = OmegaConf.create(load_checkpoint(path, mmap=True)["config"])  # the config only: mapped, not read
-    result = stored.copy()
-    for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.key_or_group
-        if key.startswith("hydra") or override.is_delete():
-            continue
-        if "." in key:
-            OmegaConf.update(result, key, OmegaConf.select(composed, key), merge=False)
-        elif key in PRESET_GROUPS:
-            for section in ("trainer", "optimizer", "scheduler", "strategy"):
-                result[section] = composed[section]
-        elif key in result:
-            result[key] = composed[key]
-    result.trainer.resume = path
-    for section in KEPT_SECTIONS:
-        if OmegaConf.to_container(result[section]) != OmegaConf.to_container(stored[section]):
-            changed = _first_difference(OmegaConf.to_container(stored[section]), OmegaConf.to_container(result[section]), section)
-            raise ConfigError(
-                f"{changed} differs from the checkpoint's; a continued run keeps its model (its weights and optimizer "
-                f"state belong to it): drop that override, or start a new run with trainer.resume=null"
-            )
-    return result
 
 
 def checkpoint_to_resume(run_dir: Path, resume: Any, resolved: dict, dist: DistInfo) -> Path | None:
@@ -96,7 +59,7 @@ def _decide(checkpoints: Path, resume: Any, resolved: dict) -> str | None:
         stored = state["config"]
         for section in KEPT_SECTIONS:
             if stored.get(section) != resolved.get(section):
-                changed = _first_difference(stored.get(section) or {}, resolved.get(section) or {}, section)
+                changed = first_difference(stored.get(section) or {}, resolved.get(section) or {}, section)
                 raise RunDirError(
                     f"{checkpoints.parent} holds a run whose {changed} differs from this one's; continue it with the "
                     f"same model, or choose a new hydra.run.dir"
@@ -120,9 +83,9 @@ def _decide(checkpoints: Path, resume: Any, resolved: dict) -> str | None:
     return str(resume)
 
 
-def _first_difference(old: Any, new: Any, prefix: str) -> str:
+def first_difference(old: Any, new: Any, prefix: str) -> str:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in sorted(set(old) | set(new), key=str):
             if old.get(key) != new.get(key):
-                return _first_difference(old.get(key), new.get(key), f"{prefix}.{key}")
+                return first_difference(old.get(key), new.get(key), f"{prefix}.{key}")
     return f"{prefix} ({old!r} -> {new!r})"

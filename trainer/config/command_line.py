@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from ringtrain.checkpoints.rundir import directory_before_restart
-from ringtrain.config.schema import CONF_DIR
+from ringtrain.config.schema import CONF_DIR, PRESET_GROUPS, PRESET_SECTIONS, SECTIONS
 from ringtrain.errors import ConfigError
 from ringtrain.distributed import env_rank, under_torchrun
 CONFIG_NAME = "train"
@@ -47,8 +47,6 @@ LIGHTNING_HABITS = {
     "batch_size": "trainer.batch_size",
     "lr": "optimizer.lr",
 }
-# Groups that are presets rather than sections of the run's config.
-PRESET_GROUPS = ("experiment", "debug", "hparams_search")
 
 
 def strip_legacy_local_rank_arg(argv: list[str]) -> list[str]:
@@ -108,9 +106,7 @@ def hydra_overrides_for_this_rank(argv: list[str]) -> list[str]:
 
 
 # Sections whose conf/ option a continued run's checkpoint implies (overrides_implied_by_resume).
-_RESUMED_GROUPS = ("model", "data", "task", "optimizer", "scheduler", "strategy")
-# What a preset replaces in a continued run (trainer/resume.py); its own choices win there.
-_PRESET_SECTIONS = ("optimizer", "scheduler", "strategy")
+_RESUMED_GROUPS = tuple(s for s in SECTIONS if s != "trainer")  # the trainer group has one option
 
 
 def overrides_implied_by_resume(args: list[str]) -> list[str]:
@@ -143,7 +139,7 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     chosen = {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}
     implied = []
     for group in _RESUMED_GROUPS:
-        if group in chosen or (group in _PRESET_SECTIONS and chosen & set(PRESET_GROUPS)):
+        if group in chosen or (group in PRESET_SECTIONS and chosen & set(PRESET_GROUPS)):
             continue
         section = stored.get(group)
         wanted = section.get("_target_") if isinstance(section, dict) else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,38 +37,46 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = 10
-    max_steps: int = -1
-    batch_size: int = 32
-    val_batch_size: int = 0
-    accumulate_grad_batches: int = 1
-    drop_last: bool = False
-    precision: str = "32"
-    accelerator: str = "auto"
-    grad_clip_norm: float = 0.0
-    eval_every_n_steps: int = 0
-    limit_val_batches: int = 0
-    overfit_batches: int = 0
-    profile_steps: int = 0
-    log_every_n_steps: int = 50
-    checkpoint: bool = True
-    checkpoint_every_n_steps: int = 0
-    keep_last_k: int = 2
-    resume: Any = "auto"  # "auto", a checkpoint path, or None
-    on_nonfinite: str = "stop"
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
-    seed: int = 0
-    progress_bar: bool = True
-    # torch DataLoader settings for Datasets without get_batch (a user's map-style Dataset)
-    num_workers: int = 0
-    pin_memory: Optional[bool] = None  # None: on when training on CUDA
-    persistent_workers: bool = False
-    prefetch_factor: int = 2
-    # Speed (trainer/compilation.py, trainer/precision.py, trainer/throughput.py)
-    compile: bool = False  # torch.compile the model; off: compiling costs more than short/CPU runs gain
-    compile_mode: str = "default"
-    tf32: bool = True  # CUDA only: float32 matmuls on TensorFloat-32 tensor cores
-    peak_tflops: float = 0.0  # the device's peak for MFU; 0: look the GPU up
+    """The trainer section's settings and their types. Their defaults, and what each means,
+    are in conf/trainer/default.yaml, the one place they are written (`trainer_config()`
+    reads them for the Python API)."""
+
+    max_epochs: int
+    max_steps: int
+    batch_size: int
+    val_batch_size: int
+    accumulate_grad_batches: int
+    drop_last: bool
+    precision: str
+    accelerator: str
+    grad_clip_norm: float
+    eval_every_n_steps: int
+    limit_val_batches: int
+    overfit_batches: int
+    profile_steps: int
+    log_every_n_steps: int
+    checkpoint: bool
+    checkpoint_every_n_steps: int
+    keep_last_k: int
+    resume: Any  # "auto", a checkpoint path, or None
+    on_nonfinite: str
+    stop_signals: list[str]
+    seed: int
+    progress_bar: bool
+    num_workers: int
+    pin_memory: Optional[bool]
+    persistent_workers: bool
+    prefetch_factor: int
+    compile: bool
+    compile_mode: str
+    tf32: bool
+    peak_tflops: float
+
+
+def trainer_config(**settings: Any) -> TrainerConfig:
+    """conf/trainer/default.yaml's settings with `settings` changed, checked and typed."""
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "trainer" / "default.yaml"))
+    return typed_section({**defaults, **settings}, TrainerConfig, "trainer")
 
 
 @dataclass
@@ -155,16 +163,20 @@ def strategy_option(name: str, **options: Any) -> Strategy:
 
 # --- sections -------------------------------------------------------------------------------
 
-_SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "trainer")
+# The composed config's sections: the components, the strategy, the trainer.
+SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "trainer")
+# Preset groups: choosing one on the command line changes several sections at once, these.
+PRESET_GROUPS = ("experiment", "debug", "hparams_search")
+PRESET_SECTIONS = ("trainer", "optimizer", "scheduler", "strategy")
 
 
 def _reject_unknown_sections(cfg: DictConfig) -> None:
     for key in cfg:
-        if key not in _SECTIONS and key != "hydra":
+        if key not in SECTIONS and key != "hydra":
             raise ConfigError(
-                f"unknown config section '{key}'; the sections are {', '.join(_SECTIONS)}"
+                f"unknown config section '{key}'; the sections are {', '.join(SECTIONS)}"
             )
-    for key in _SECTIONS:
+    for key in SECTIONS:
         if key not in cfg or not isinstance(cfg[key], DictConfig):
             raise ConfigError(f"config section '{key}' is missing; pick one with {key}=<option>")
 

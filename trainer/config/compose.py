@@ -96,7 +96,7 @@ def parse_command_line(args: Sequence[str]):
             first = str(err).strip().splitlines()[0]
             raise ConfigError(
                 f"cannot read the override {line!r} ({first}); write group=option or key=value, "
-                f"e.g. model=mlp optimizer.lr=0.01, and quote a value with spaces or signs: key='a, b#'"
+                f"e.g. model=mlp optimizer.lr=0.01; quote a value with signs for Hydra inside the shell's quotes: \"key='a, b#'\""
             ) from None
     return parsed_args, overrides
 
@@ -198,6 +198,10 @@ def _composition_message(err, overrides: list[str], config_dir: str | None, prim
     if exists:
         key = exists.group(1)
         return f"{key} already exists, so +{key}=... cannot add it; change it with {key}=<value>"
+    absent = re.search(r"Could not delete from config. '([^']+)' does not exist", message)
+    if absent:
+        key = absent.group(1)
+        return f"{key} is not set, so ~{key} cannot remove it; check the spelling (--cfg job prints the config)"
     return _first_line(err, primary)
 
 
@@ -213,6 +217,8 @@ def _unknown_key_message(key: str, overrides: list[str], config_dir: str | None,
     except Exception:
         return f"{key} is not a known setting; check the spelling against conf/{primary.name}.yaml"
     top_level = sorted(k for k in cfg if k != "hydra")
+    if not rest and section in cfg:  # e.g. data=x, where data is a section but not a group
+        return f"{key}=... would replace the whole {key} section; change its keys instead, e.g. {key}.<key>=<value>"
     if not rest or section not in cfg:
         return _unknown_top_level_message(key if not rest else section, not rest, top_level, primary)
     from omegaconf import OmegaConf

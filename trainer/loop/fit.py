@@ -376,7 +376,7 @@ class TrainingLoop:
                 "config": self.run.resolved,
                 "monitor": self.task.monitor,
                 # What rebuilds the model and decodes its outputs from this file alone
-                # (python -m ringtrain.tools.sample / trainer.evaluate).
+                # (ringtrain sample / ringtrain evaluate).
                 "data_dims": dict(self.data.dims),
                 "vocab": self.data.vocab,
             }

@@ -10,15 +10,20 @@ says which conf/<name>.yaml the command composes and how its messages name it.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ringtrain.conf
 from ringtrain.errors import ConfigError
+
+if TYPE_CHECKING:  # Hydra is imported when a command line is read, not with this module
+    from hydra.core.override_parser.types import Override
+    from omegaconf import DictConfig
 
 # The shipped configs: conf/ in a clone, ringtrain/conf in an installed wheel.
 CONF_DIR = Path(ringtrain.conf.__file__).parent
@@ -79,7 +84,7 @@ def _validate_training(cfg) -> Any:
     return validate(cfg)
 
 
-def parse_command_line(args: Sequence[str]):
+def parse_command_line(args: Sequence[str]) -> tuple[argparse.Namespace, list[Override]]:
     """Hydra's reading of `args` (the command line without the program): its flags and the
     parsed overrides; an override Hydra cannot read is a ConfigError."""
     from hydra._internal.utils import get_args_parser
@@ -101,7 +106,7 @@ def parse_command_line(args: Sequence[str]):
     return parsed_args, overrides
 
 
-def composes_a_job(parsed_args) -> bool:
+def composes_a_job(parsed_args: argparse.Namespace) -> bool:
     """False for --help, --cfg, --info and the like, and for another primary config than ours
     (--config-name: Hydra reports on it itself)."""
     if any(getattr(parsed_args, flag, False) for flag in _NO_RUN_FLAGS):
@@ -131,7 +136,7 @@ def check_overrides(
             validate(cfg)
 
 
-def jobs_of(overrides: list, multirun: bool, primary: PrimaryConfig = TRAIN) -> Iterator[list[str]]:
+def jobs_of(overrides: list[Override], multirun: bool, primary: PrimaryConfig = TRAIN) -> Iterator[list[str]]:
     """Each job's overrides, as Hydra's basic sweeper expands the parsed `overrides`."""
     choices = []
     for override in overrides:
@@ -150,7 +155,7 @@ def jobs_of(overrides: list, multirun: bool, primary: PrimaryConfig = TRAIN) -> 
     return (list(job) for job in itertools.product(*choices))
 
 
-def compose_or_explain(overrides: list[str], config_dir: str | None = None, primary: PrimaryConfig = TRAIN):
+def compose_or_explain(overrides: list[str], config_dir: str | None = None, primary: PrimaryConfig = TRAIN) -> DictConfig:
     """The composed config for `overrides`, or a ConfigError saying what is wrong and the fix."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
@@ -162,7 +167,7 @@ def compose_or_explain(overrides: list[str], config_dir: str | None = None, prim
         raise ConfigError(_composition_message(err, overrides, config_dir, primary)) from None
 
 
-def _compose(overrides: list[str], config_dir: str | None, config_name: str, with_hydra: bool = False):
+def _compose(overrides: list[str], config_dir: str | None, config_name: str, with_hydra: bool = False) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -260,7 +265,7 @@ def _options_defining(group: str, dotted_key: str) -> list[str]:
     return [name for name, node in option_nodes(group) if OmegaConf.select(node, dotted_key, default=None) is not None]
 
 
-def option_nodes(group: str):
+def option_nodes(group: str) -> Iterator[tuple[str, DictConfig]]:
     """(option name, the node its conf/<group>/<option>.yaml gives `group`) for every option."""
     from omegaconf import OmegaConf
 

@@ -106,8 +106,8 @@ def plan(
     state = read_checkpoint(checkpoint, mmap=True)  # the config and sizes; each rank reads the weights
     stored = state["config"]
     model_node(state, checkpoint)  # refuses a model built in Python: its config cannot rebuild it
-    given = {"model": model, "data": data, "task": task, "trainer": trainer}
-    config = {name: overlay(stored_section(stored, name, checkpoint), given[name]) for name in ("model", "data", "task")}
+    components = {"model": model, "data": data, "task": task}
+    config = {name: overlay(stored_section(stored, name, checkpoint), given) for name, given in components.items()}
     # The run's trainer settings (precision, val_batch_size, ...), but never its resume file.
     config["trainer"] = {**overlay(stored.get("trainer") or {}, trainer), "resume": None}
     trainer_config = typed_section(config["trainer"], TrainerConfig, "trainer")

@@ -1,16 +1,18 @@
 """Write a token directory (train.bin, val.bin, meta.json; see data/token_file.py).
 
-    python -m ringtrain.data.prepare_tokens INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction 0.1]
-    python -m ringtrain.data.prepare_tokens --random-tokens N --vocab-size V OUT_DIR [--seed 0]
+The command is `ringtrain prepare_tokens` (ringtrain/tools/prepare_tokens.py):
 
-From a UTF-8 text: the first (1 - val_fraction) of the tokens train, the rest validate, the
-split data/text.py makes. `--vocab char` gives one id per distinct character (sorted by code
-point); `--vocab byte` one per UTF-8 byte (256 ids, any text). The vocabulary goes into
-meta.json, so the directory alone decodes samples. The text is streamed in chunks, never read
-whole: the byte vocabulary needs one pass, the character vocabulary two (the first finds the
-alphabet, the second encodes).
+    ringtrain prepare_tokens input=INPUT.txt output=OUT_DIR [vocab=char|byte] [val_fraction=0.1]
+    ringtrain prepare_tokens random_tokens=N vocab_size=V output=OUT_DIR [seed=0]
 
-`--random-tokens` writes N uniform random ids (and a small val.bin) in chunks: a corpus of any
+From a UTF-8 text (`prepare_text`): the first (1 - val_fraction) of the tokens train, the rest
+validate, the split data/text.py makes. The `char` vocabulary gives one id per distinct
+character (sorted by code point); `byte` one per UTF-8 byte (256 ids, any text). The
+vocabulary goes into meta.json, so the directory alone decodes samples. The text is streamed
+in chunks, never read whole: the byte vocabulary needs one pass, the character vocabulary
+two (the first finds the alphabet, the second encodes).
+
+`prepare_random` writes N uniform random ids (and a small val.bin) in chunks: a corpus of any
 size in seconds, for measuring memory and loader speed, not for learning anything.
 
 The files are written under temporary names and renamed at the end, so an interrupted or
@@ -18,10 +20,8 @@ failed run never leaves a directory that looks complete.
 """
 from __future__ import annotations
 
-import argparse
 import codecs
 import os
-import sys
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -29,6 +29,7 @@ import numpy as np
 
 from ringtrain.data.token_file import SPLITS, token_dtype_for, write_meta
 from ringtrain.data.vocab import ByteVocab, CharVocab
+from ringtrain.errors import UserError
 
 # Text read per step: big enough that per-chunk overhead vanishes, small enough that the
 # encoded chunk (int64 ids, 8 bytes per character) stays well under a gigabyte.
@@ -37,8 +38,8 @@ RANDOM_CHUNK_TOKENS = 16 << 20
 UNICODE_SIZE = 0x110000
 
 
-class PrepareError(Exception):
-    """An input this command cannot use; the message is the one line it prints."""
+class PrepareError(UserError):
+    """An input that cannot be tokenized; the message is the one line the command prints."""
 
 
 def prepare_text(
@@ -74,7 +75,7 @@ def prepare_text(
         if count < 2:
             raise PrepareError(
                 f"{input_path} gives {count} {name} tokens, too few for any window; use a longer text "
-                f"or another --val-fraction"
+                f"or another val_fraction"
             )
     dtype = np.dtype(token_dtype_for(vocab.size))
     with _TokenDirectoryWriter(out_dir) as writer:
@@ -94,7 +95,7 @@ def prepare_text(
 def prepare_random(out_dir: str | os.PathLike, num_tokens: int, vocab_size: int, seed: int = 0) -> dict:
     """`num_tokens` uniform random ids below `vocab_size` in train.bin, a small val.bin."""
     if num_tokens < 2 or vocab_size < 1:
-        raise ValueError("--random-tokens must be at least 2 and --vocab-size at least 1")
+        raise ValueError("num_tokens must be at least 2 and vocab_size at least 1")
     dtype = np.dtype(token_dtype_for(vocab_size))
     num_val = max(2, min(num_tokens // 10, 1 << 20))
     generator = np.random.default_rng(seed)
@@ -161,48 +162,3 @@ def _decoded_chunks(source: Path, chunk_bytes: int) -> Iterator[str]:
                 yield text
             if not chunk:
                 return
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m ringtrain.data.prepare_tokens",
-        usage="%(prog)s INPUT.txt OUT_DIR [--vocab char|byte] [--val-fraction F]\n"
-              "       %(prog)s --random-tokens N --vocab-size V OUT_DIR [--seed S]",
-        description="Write train.bin, val.bin and meta.json for data=token_file.",
-    )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="INPUT.txt OUT_DIR, or only OUT_DIR with --random-tokens")
-    parser.add_argument("--vocab", choices=("char", "byte"), default="char", help="token per character or per UTF-8 byte")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of the tokens, from the end, that validate")
-    parser.add_argument("--random-tokens", type=int, metavar="N", help="write N random token ids instead of a text")
-    parser.add_argument("--vocab-size", type=int, metavar="V", help="with --random-tokens: ids are below V")
-    parser.add_argument("--seed", type=int, default=0, help="with --random-tokens: the random seed")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.random_tokens is not None:
-        if len(args.paths) != 1 or args.vocab_size is None:
-            parser.error("--random-tokens N needs --vocab-size V and exactly one path, OUT_DIR")
-        if args.random_tokens < 2 or not 1 <= args.vocab_size <= 1 << 32:
-            parser.error("--random-tokens must be at least 2 and --vocab-size between 1 and 2**32")
-        meta = prepare_random(args.paths[0], args.random_tokens, args.vocab_size, args.seed)
-    else:
-        if len(args.paths) != 2:
-            parser.error("pass INPUT.txt and OUT_DIR (or --random-tokens N --vocab-size V OUT_DIR)")
-        if not 0 < args.val_fraction < 1:
-            parser.error(f"--val-fraction {args.val_fraction} must be between 0 and 1, e.g. 0.1")
-        try:
-            meta = prepare_text(args.paths[0], args.paths[1], args.vocab, args.val_fraction)
-        except PrepareError as err:
-            print(f"{parser.prog}: error: {err}", file=sys.stderr)
-            return 2
-    out_dir = args.paths[-1]
-    print(f"wrote {out_dir}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
-          f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

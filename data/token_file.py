@@ -1,6 +1,6 @@
 """Language modelling over binary token files, the format nanoGPT and llm.c write.
 
-    python -m ringtrain.data.prepare_tokens input.txt ~/datasets/mytext --vocab char
+    ringtrain prepare_tokens input=input.txt output=~/datasets/mytext vocab=char
     python train.py model=transformer data=token_file data.path=~/datasets/mytext
 
 conf/data/token_file.yaml builds `TokenFile`, a data component (data/bundle.py): its
@@ -54,7 +54,7 @@ META_FILE = "meta.json"
 # large corpus would take minutes, and a tokenizer mismatch shows in the first megabytes.
 VOCAB_CHECK_BYTES = 4 << 20
 
-_HOW_TO_MAKE = "python -m ringtrain.data.prepare_tokens INPUT.txt OUT_DIR makes one from a text file"
+_HOW_TO_MAKE = "ringtrain prepare_tokens input=INPUT.txt output=OUT_DIR makes one from a text file"
 
 
 class TokenWindows(Dataset):
@@ -221,7 +221,7 @@ def read_meta(path: str, directory: Path) -> dict:
     try:
         meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
-        raise DataError(f"data.path={path!r}: meta.json is not valid JSON ({err}); rewrite it or run data.prepare_tokens again") from None
+        raise DataError(f"data.path={path!r}: meta.json is not valid JSON ({err}); rewrite it or run ringtrain prepare_tokens again") from None
     if not isinstance(meta, dict):
         raise DataError(f"data.path={path!r}: meta.json must be an object such as {{\"dtype\": \"uint16\", \"vocab_size\": 50257}}")
     dtype = meta.get("dtype")

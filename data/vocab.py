@@ -6,7 +6,7 @@ strings that `torch.load(weights_only=True)` and json both accept, and `vocab_fr
 rebuilds the vocabulary from it. No pickled classes, no tokenizer library.
 
 - CharVocab(chars): one id per character, ids in the order of `chars` (data/text.py and
-  `python -m ringtrain.data.prepare_tokens --vocab char` sort them by code point).
+  `ringtrain prepare_tokens vocab=char` sort them by code point).
 - ByteVocab(): 256 ids, the UTF-8 bytes of the text; any text encodes, nothing is unknown.
 
 Both decode ids they do not know (a model whose output layer is padded past the vocabulary

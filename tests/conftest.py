@@ -43,11 +43,12 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, laun
 
 
 def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: float = 120):
-    """`python -m <module> ARGS` (trainer.<module> for a bare name) as a user runs it, as a
-    real subprocess; this checkout's code comes first."""
+    """`python -m <module> ARGS` (ringtrain.tools.<module> for a bare tool name; `ringtrain`
+    is the dispatcher, `python -m ringtrain <tool> ...`) as a user runs it, as a real
+    subprocess; this checkout's code comes first."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    module = module if "." in module else f"ringtrain.tools.{module}"
+    module = module if "." in module or module == "ringtrain" else f"ringtrain.tools.{module}"
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

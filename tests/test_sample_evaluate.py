@@ -1,14 +1,16 @@
-"""Using what was trained: `python -m ringtrain.tools.sample` and `python -m ringtrain.tools.evaluate` on a
-checkpoint alone, as real subprocesses; their refusals are one line and exit 2."""
+"""Using what was trained: `ringtrain sample` and `ringtrain evaluate` on a checkpoint alone,
+as real subprocesses; their refusals are one line and exit 2."""
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import SHAKESPEARE, run_cli, run_module, train_in_process
 from ringtrain.tools.sample import generate, sample
@@ -135,6 +137,19 @@ def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
     assert 0 < record["metrics"]["val/loss"] < 10
 
 
+def test_evaluate_config_is_the_checkpoints_own_changed_with_hydras_grammar(char_run, tmp_path):
+    """The stored sections are the config's: key=value changes, ~key removes, +key adds."""
+    checkpoint = char_run / "checkpoints" / "last.pt"
+    proc = _ok(run_module("evaluate", ["--cfg", "job", f"checkpoint={checkpoint}", "data.path=other.txt",
+                                       "~data.cache_dir", "+data.extra=1", "trainer.val_batch_size=7"], cwd=tmp_path))
+    cfg, stored = yaml.safe_load(proc.stdout), torch.load(checkpoint, weights_only=True)["config"]
+    assert cfg["model"] == stored["model"] and cfg["task"] == stored["task"]
+    assert cfg["data"] == {**{k: v for k, v in stored["data"].items() if k != "cache_dir"}, "path": "other.txt", "extra": 1}
+    assert cfg["trainer"] == {**stored["trainer"], "val_batch_size": 7}
+    assert cfg["strategy"]["_target_"] == "ringtrain.strategies.single.Single"  # strategy=auto, no torchrun
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.fixture(scope="module")
 def token_checkpoint(tmp_path_factory) -> Path:
     """A checkpoint of data=tokens: token ids without a vocabulary."""
@@ -152,23 +167,43 @@ def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
 
 
 @pytest.mark.parametrize("args,phrases", [
-    (["prompt=Zebra#"], ["prompt has characters", "'#'", "'Z'", "'b'"]),
+    (["prompt='Zebra#'"], ["prompt has characters", "'#'", "'Z'", "'b'"]),  # Hydra's quotes: # is a sign
     (["top_k=0"], ["top_k=0 must be at least 1"]),
     (["temperature=-0.5"], ["temperature=-0.5 must be >= 0"]),
-    (["max_tokens=5"], ["max_tokens is not a setting of ringtrain.tools.sample", "max_new_tokens"]),
+    (["max_tokens=5"], ["max_tokens is not a setting of ringtrain sample", "max_new_tokens"]),
     (["seed=x"], ["seed='x' is not an integer"]),
 ])
 def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
     _refused(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
 
 
+def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_checkpoint, tmp_path):
+    """`python -m ringtrain evaluate -m checkpoint=a,b`: one job per checkpoint (here of two kinds
+    of data), each writing its own run's eval/metrics.json; nothing lands where it runs."""
+    checkpoints = [tmp_path / name / "checkpoints" / "last.pt" for name in ("a", "b")]
+    for source, checkpoint in zip((char_run / "checkpoints" / "last.pt", token_checkpoint), checkpoints):
+        checkpoint.parent.mkdir(parents=True)
+        shutil.copy(source, checkpoint)
+    (tmp_path / "cwd").mkdir()
+    proc = _ok(run_module("ringtrain", ["evaluate", "-m", f"checkpoint={checkpoints[0]},{checkpoints[1]}",
+                                        "trainer.limit_val_batches=2"], cwd=tmp_path / "cwd"))
+    records = [json.loads((c.parent.parent / "eval" / "metrics.json").read_text()) for c in checkpoints]
+    assert [r["checkpoint"] for r in records] == [str(c) for c in checkpoints]
+    assert [r["step"] for r in records] == [40, 2] and all(r["overrides"] == ["trainer.limit_val_batches=2"] for r in records)
+    assert proc.stdout.strip().splitlines() == [f"val/loss={r['metrics']['val/loss']:.6g}" for r in records]
+    assert not list((tmp_path / "cwd").iterdir())
+
+
 @pytest.mark.parametrize("args,phrases", [
     (["checkpoint=missing.pt"], ["checkpoint='missing.pt' is not a file"]),
-    (["data.pth=x"], ["data.pth is not in the checkpoint's config", "+data.pth=<value>"]),
+    (["data.pth=x"], ["data.pth is not set by this data", "+data.pth=<value>"]),
+    (["~data.pth"], ["data.pth is not set, so ~data.pth cannot remove it"]),
+    (["+data.path=x"], ["data.path already exists"]),
     (["optimizer.lr=1"], ["evaluation trains nothing"]),
     (["split=test"], ["split='test' is not one of val, train"]),
     (["+model.widht=3"], ["takes no argument 'widht'"]),
-    (["strategy.nproc_per_node=2"], ["needs strategy=ddp"]),
+    (["strategy.nproc_per_node=2"], ["not a setting of strategy=auto", "belongs to strategy=ddp"]),
+    (["strategy=fsdp"], ["strategy='fsdp' is not one of auto, single, ddp"]),
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +11,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from conftest import run_module
 from ringtrain.data.bundle import DataError
-from ringtrain.data.prepare_tokens import main, prepare_random, prepare_text
+from ringtrain.data.prepare_tokens import PrepareError, prepare_random, prepare_text
 from ringtrain.data.tensors import windows_of
 from ringtrain.data.text import encode_text
 from ringtrain.data.token_file import VOCAB_CHECK_BYTES, token_file, write_meta
 from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
+from ringtrain.errors import ConfigError
+from ringtrain.tools.prepare_tokens import prepare_tokens
 
-REPO = Path(__file__).resolve().parents[1]
 
 # Non-ASCII on purpose: 2-, 3- and 4-byte UTF-8 characters, which a chunk boundary can cut.
 TEXT = "".join(f"Line {i}: naïve café, €{i * 7 % 100}, 🙂 — the quick brown fox.\n" for i in range(60))
@@ -95,37 +95,40 @@ def test_prepared_windows_are_the_encoded_text(text_file, tmp_path, vocab_kind):
     assert vocab.decode(data.train[0][0]) == TEXT[:8]  # "Line 0: ", the same in either vocabulary
 
 
-def test_the_command_writes_a_directory_that_decodes_on_its_own(text_file, tmp_path, capsys):
-    assert main([str(text_file), str(tmp_path / "out"), "--vocab", "byte", "--val-fraction", "0.25"]) == 0
+def test_the_command_writes_a_directory_that_decodes_on_its_own(text_file, tmp_path):
+    proc = run_module("prepare_tokens", [f"input={text_file}", f"output={tmp_path / 'out'}", "vocab=byte",
+                                         "val_fraction=0.25"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     num_bytes = len(TEXT.encode())
     assert meta["vocab"] == {"kind": "byte"} and meta["vocab_size"] == 256 and meta["dtype"] == "uint16"
     assert (meta["train_tokens"], meta["val_tokens"]) == (int(num_bytes * 0.75), num_bytes - int(num_bytes * 0.75))
     assert os.path.getsize(tmp_path / "out" / "train.bin") == 2 * meta["train_tokens"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]  # no temporaries
-    assert "wrote" in capsys.readouterr().out
+    assert "wrote" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["input.txt", "out"]  # nothing of Hydra's
 
 
-def test_unusable_inputs_end_the_command_with_one_line_and_exit_2(tmp_path, capsys):
-    missing = subprocess.run(
-        [sys.executable, "-m", "data.prepare_tokens", str(tmp_path / "nope.txt"), str(tmp_path / "out")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
-    )
+def test_unusable_inputs_end_the_command_with_one_line_and_exit_2(tmp_path):
+    missing = run_module("prepare_tokens", [f"input={tmp_path / 'nope.txt'}", f"output={tmp_path / 'out'}"])
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr.strip().splitlines() == [
-        f"python -m ringtrain.data.prepare_tokens: error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
+        f"error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
     ]
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("ab".encode() * 50 + "café".encode("latin-1") + b"z" * 100)
-    for vocab in ("char", "byte"):
-        assert main([str(latin1), str(tmp_path / "out"), "--vocab", vocab]) == 2
-        error = capsys.readouterr().err
-        assert error.count("\n") == 1 and "is not UTF-8 text (byte 103); convert it to UTF-8 first" in error
+    refused = run_module("prepare_tokens", [f"input={latin1}", f"output={tmp_path / 'out'}", "vocab=char"])
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "is not UTF-8 text (byte 103); convert it to UTF-8 first" in refused.stderr
+    with pytest.raises(PrepareError, match=r"is not UTF-8 text \(byte 103\); convert it to UTF-8 first"):
+        prepare_text(latin1, tmp_path / "out", "byte")
     assert not (tmp_path / "out").exists()  # nothing half-written is left behind
+    with pytest.raises(ConfigError, match="give vocab_size=V"):
+        prepare_tokens(str(tmp_path / "rnd"), random_tokens=100)
 
 
 def test_random_tokens_fill_a_directory_in_range(tmp_path):
-    assert main(["--random-tokens", "100000", "--vocab-size", "50257", str(tmp_path / "rnd")]) == 0
+    prepare_tokens(str(tmp_path / "rnd"), random_tokens=100000, vocab_size=50257)
     data = token_file(str(tmp_path / "rnd"), block_size=64)
     assert data.train.num_tokens == 100000 and data.val.num_tokens == 10000 and data.vocab is None
     tokens = np.fromfile(tmp_path / "rnd" / "train.bin", dtype=np.uint16)
@@ -209,7 +212,7 @@ def test_each_broken_directory_is_refused_in_one_line(tmp_path, damage, message)
 
 
 def test_a_missing_or_unset_directory_is_refused(tmp_path):
-    with pytest.raises(DataError, match=r"data.path='.*nope' does not exist \(looked in .*\); python -m ringtrain.data.prepare_tokens"):
+    with pytest.raises(DataError, match=r"data.path='.*nope' does not exist \(looked in .*\); ringtrain prepare_tokens input="):
         token_file(str(tmp_path / "nope"), block_size=8)
     with pytest.raises(DataError, match="data.path is not set"):
         token_file("", block_size=8)

@@ -6,7 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.checkpoints.resume import KEPT_SECTIONS, first_difference
-from ringtrain.config.schema import PRESET_GROUPS, PRESET_SECTIONS
+from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS
 from ringtrain.errors import ConfigError
 
 

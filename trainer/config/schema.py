@@ -15,18 +15,14 @@ import math
 import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import ringtrain.conf
+from ringtrain.config.compose import CONF_DIR, SECTIONS
 from ringtrain.errors import ConfigError
 from ringtrain.strategies.base import Strategy
-
-# The shipped configs: conf/ in a clone, ringtrain/conf in an installed wheel.
-CONF_DIR = Path(ringtrain.conf.__file__).parent
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -163,11 +159,6 @@ def strategy_option(name: str, **options: Any) -> Strategy:
 
 # --- sections -------------------------------------------------------------------------------
 
-# The composed config's sections: the components, the strategy, the trainer.
-SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "trainer")
-# Preset groups: choosing one on the command line changes several sections at once, these.
-PRESET_GROUPS = ("experiment", "debug", "hparams_search")
-PRESET_SECTIONS = ("trainer", "optimizer", "scheduler", "strategy")
 
 
 def _reject_unknown_sections(cfg: DictConfig) -> None:

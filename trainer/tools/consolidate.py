@@ -1,6 +1,6 @@
-"""One plain checkpoint file from a sharded one: `python -m ringtrain.tools.consolidate checkpoint=...`.
+"""One plain checkpoint file from a sharded one: `ringtrain consolidate checkpoint=...`.
 
-    python -m ringtrain.tools.consolidate checkpoint=outputs/runs/<run>/checkpoints/last.pt [output=FILE]
+    ringtrain consolidate checkpoint=outputs/runs/<run>/checkpoints/last.pt [output=FILE]
 
 A run with `strategy=fsdp strategy.state_dict_type=sharded` keeps its weights and optimizer
 state in `step-<N>.shards/`, each rank's part in its own file. This reads them whole into
@@ -8,33 +8,34 @@ one process (CPU memory, not GPU memory, must hold the full model and optimizer 
 writes the same checkpoint in ringtrain's plain format: the file `state_dict_type=full`
 would have written, loadable with `torch.load(path, weights_only=True)` into a bare model,
 resumable under any strategy with `trainer.resume=FILE`. The model and its optimizer are
-rebuilt from the checkpoint's own config (trainer/restore.py). Without `output` the file is
-`consolidated-step-<N>.pt` in the run directory, beside `checkpoints/`, where rotation and
-auto-resume never touch it. The write is as durable as every checkpoint's.
+rebuilt from the checkpoint's own config (tools/checkpoint_model.py). Without `output` the file
+is `consolidated-step-<N>.pt` in the run directory, beside `checkpoints/`, where rotation and
+auto-resume never touch it. The write is as durable as every checkpoint's. A Hydra app like
+every ringtrain command; its settings are conf/consolidate.yaml (`ringtrain consolidate --help`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
+import hydra
 import torch
+from omegaconf import DictConfig
 
 from ringtrain.checkpoints.files import save_checkpoint
-from ringtrain.errors import ConfigError
+from ringtrain.tools.checkpoint_model import build_checked_model, model_node, read_checkpoint
+from ringtrain.config.compose import PrimaryConfig
+from ringtrain.errors import ConfigError, exit_on_user_error
+from ringtrain.config.optim import build_optimizer
 from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimizer_state_dict
-from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
-from ringtrain.config.optim import build_optimizer
-from ringtrain.tools.checkpoint_model import build_checked_model, model_node, read_checkpoint
+from ringtrain.tools.app import call_with_settings, run_tool, settings_for
 
-PROGRAM = "ringtrain.tools.consolidate"
-KEYS = (
-    Key("checkpoint", str, REQUIRED, "a sharded checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/last.pt"),
-    Key("output", str, "", "the file to write (default: <checkpoint dir>/../consolidated-step-<N>.pt)"),
+CONSOLIDATE = PrimaryConfig(
+    "consolidate", "ringtrain consolidate", usage="ringtrain consolidate checkpoint=<run>/checkpoints/last.pt",
 )
 
 
-def consolidate(checkpoint: str, output: str = "") -> Path:
+def consolidate(checkpoint: str, output: str | None = None) -> Path:
     """Write the sharded `checkpoint` as one plain checkpoint file; returns its path."""
     state = read_checkpoint(checkpoint)
     if "shards" not in state:
@@ -66,10 +67,15 @@ def consolidate(checkpoint: str, output: str = "") -> Path:
     return target
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    target = run_tool(PROGRAM, KEYS, consolidate, argv)
-    if target is not None:
-        print(target)
+@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="consolidate")
+def consolidate_app(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        target = call_with_settings(consolidate, cfg, CONSOLIDATE)
+    print(target)
+
+
+def main() -> None:
+    run_tool(consolidate_app, CONSOLIDATE, validate=lambda cfg: settings_for(consolidate, cfg, CONSOLIDATE))
 
 
 if __name__ == "__main__":

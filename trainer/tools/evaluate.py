@@ -1,24 +1,26 @@
-"""A trained model's metrics on a split: `python -m ringtrain.tools.evaluate checkpoint=...`.
+"""A trained model's metrics on a split: `ringtrain evaluate checkpoint=...`.
 
-    python -m ringtrain.tools.evaluate checkpoint=outputs/runs/<run>/checkpoints/best.pt
-    python -m ringtrain.tools.evaluate checkpoint=... split=train                  # the training split
-    python -m ringtrain.tools.evaluate checkpoint=... data.path=other.txt          # other data, same kind
-    python -m ringtrain.tools.evaluate checkpoint=... strategy=ddp strategy.nproc_per_node=2
+    ringtrain evaluate checkpoint=outputs/runs/<run>/checkpoints/best.pt
+    ringtrain evaluate checkpoint=... split=train                  # the training split
+    ringtrain evaluate checkpoint=... data.path=other.txt          # other data, same kind
+    ringtrain evaluate checkpoint=... strategy=ddp strategy.nproc_per_node=2
+    ringtrain evaluate -m checkpoint=<run a>/checkpoints/last.pt,<run b>/checkpoints/last.pt
     torchrun --nproc_per_node=2 -m ringtrain.tools.evaluate checkpoint=...
 
 lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model
 and task are rebuilt from the config the checkpoint keeps (the resolved `_target_` nodes
 and the data's sizes, so the run's command line is not needed), with the weights loaded.
 
-Settings (`key=value`): `checkpoint` (required), `split` (val | train), `output` (where the
-metrics go; default `<checkpoint dir>/../eval/metrics.json`, i.e. `<run dir>/eval/`), and
-`strategy` (auto | single | ddp; auto is ddp under torchrun, else single; the run's own
-strategy is not reused, evaluation is cheap). Every other argument is an override of the
-stored config, written as on train.py's command line: `data.path=x` changes a key the
-config has, `+data.x=1` adds one, `~data.x` removes one, in the sections model, data,
-task, trainer (e.g. trainer.val_batch_size, trainer.limit_val_batches, trainer.accelerator,
-trainer.precision) and strategy (strategy.nproc_per_node=N starts N ranks, as train.py
-does). The result is checked like train.py's config (trainer/builders.check_components):
+A Hydra app like every ringtrain command (`python -m ringtrain evaluate ...` is the same):
+the settings are conf/evaluate.yaml (`ringtrain evaluate --help`): `checkpoint` (required),
+`split` (val | train), `output` (where the metrics go; default `<run dir>/eval/metrics.json`)
+and `strategy` (auto | single | ddp; auto is ddp under torchrun, else single; the run's own
+strategy is not reused, evaluation is cheap). The checkpoint's stored sections model, data,
+task and trainer are sections of the config (tools/stored_sections.py), so they are changed
+as on training's command line: `data.path=x` changes a key the config has, `+data.x=1` adds
+one, `~data.x` removes one; e.g. trainer.val_batch_size, trainer.limit_val_batches,
+trainer.accelerator, trainer.precision; strategy.nproc_per_node=N starts N ranks, as
+training does. The result is checked like training's config (config/builders.check_components):
 a mistake is one `error:` line, exit 2, before any data is built. A relative path in the
 stored config (data.path) is read from the current directory, as the run read it; from
 elsewhere, pass data.path=<path>.
@@ -28,50 +30,44 @@ the ranks without padding, per-batch sums and counts all-reduced (data.tasks), a
 `trainer.precision`; so the same checkpoint gives the val/loss the run logged at that step,
 for any number of ranks. Rank 0 prints one `name=value` line per metric on stdout and writes
 `metrics.json`: {"checkpoint", "step", "split", "strategy", "overrides", "output", "world_size",
-"metrics"}.
+"metrics"}. With -m, each job writes its own checkpoint's file.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from ringtrain.data.bundle import DataBundle
+from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
 from ringtrain.config.builders import build_data, check_components, check_task
 from ringtrain.config.components import build
-from ringtrain.config.schema import CONF_DIR, TrainerConfig, build_strategy, check_options, typed_section
-from ringtrain.distributed import (
-    exit_rank,
-    teardown_distributed,
-    under_torchrun,
-)
+from ringtrain.config.compose import PrimaryConfig, composes_a_job, parse_command_line
+from ringtrain.config.compose import CONF_DIR
+from ringtrain.config.schema import TrainerConfig, build_strategy, check_options, trainer_config
+from ringtrain.data.bundle import DataBundle
 from ringtrain.errors import ConfigError, exit_on_user_error
-from ringtrain.tools.keyvalue import REQUIRED, Key, parse_key_values, usage, wants_help
-from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.evaluation import evaluate_model
-from ringtrain.strategies.base import Strategy
+from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.precision import Precision
-from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
+from ringtrain.strategies.base import Strategy
+from ringtrain.tools.app import call_with_settings, run_tool
+from ringtrain.tools.stored_sections import SECTIONS, checkpoints_named, overlay, register_stored_sections, stored_section
 
-PROGRAM = "ringtrain.tools.evaluate"
-KEYS = (
-    Key("checkpoint", str, REQUIRED, "a checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/best.pt"),
-    Key("split", str, "val", "the split to evaluate", choices=("val", "train")),
-    Key("output", str, "", "the metrics file (default: <checkpoint dir>/../eval/metrics.json)"),
-    Key("strategy", str, "auto", "auto (ddp under torchrun), single or ddp", choices=("auto", "single", "ddp")),
+_UNUSED = "evaluation trains nothing, so the {} is not used: drop the override"
+EVALUATE = PrimaryConfig(
+    "evaluate", "ringtrain evaluate", usage="ringtrain evaluate checkpoint=<run>/checkpoints/last.pt",
+    hints={"optimizer": _UNUSED.format("optimizer"), "scheduler": _UNUSED.format("scheduler")},
 )
-OVERRIDE_HINT = "overrides of the stored config such as data.path=other.txt, +data.x=1, trainer.val_batch_size=64"
-# The stored config's sections an override may change; the optimizer and schedule are unused.
-SECTIONS = ("model", "data", "task", "trainer", "strategy")
-_ABSENT = object()
 
 
 @dataclass
@@ -89,96 +85,86 @@ class EvalJob:
     strategy: Strategy
 
 
-def is_override(key: str) -> bool:
-    return "." in key or key.startswith(("+", "~"))
-
-
-def prepare(argv: Sequence[str]) -> tuple[EvalJob, dict[str, Any]]:
-    """Parse and check the command line; return the job and what metrics.json records of it."""
-    options, overrides = parse_key_values(argv, KEYS, PROGRAM, passthrough=is_override, passthrough_hint=OVERRIDE_HINT)
-    path = options["checkpoint"]
-    state = read_checkpoint(path, mmap=True)  # the config and sizes; each rank reads the weights
+def plan(
+    checkpoint: str,
+    split: Literal["val", "train"],
+    output: str | None,
+    strategy: dict,
+    model: dict,
+    data: dict,
+    task: dict,
+    trainer: dict,
+) -> tuple[EvalJob, dict[str, Any]]:
+    """Check the settings (conf/evaluate.yaml, as composed); return the job and what
+    metrics.json records of it. model, data, task and trainer are the checkpoint's stored
+    sections as the command line changed them (tools/stored_sections.py)."""
+    state = read_checkpoint(checkpoint, mmap=True)  # the config and sizes; each rank reads the weights
     stored = state["config"]
-    model_node(state, path)  # refuses a model built in Python: its config cannot rebuild it
-    for section in ("data", "task"):
-        if not isinstance(stored.get(section), Mapping):
-            raise ConfigError(
-                f"checkpoint {path!r} holds no {section} config (trained through the Python API?); "
-                f"evaluate it in Python"
-            )
-    strategy = options["strategy"]
-    if strategy == "auto":
-        strategy = "ddp" if under_torchrun() else "single"
-    config = {
-        "model": stored["model"], "data": stored["data"], "task": stored["task"],
-        # The run's trainer settings (precision, val_batch_size, ...), but never its resume file.
-        "trainer": {**stored.get("trainer", {}), "resume": None},
-        "strategy": OmegaConf.to_container(OmegaConf.load(CONF_DIR / "strategy" / f"{strategy}.yaml")),
-    }
-    config = apply_overrides(config, overrides)
-    trainer = typed_section(config["trainer"], TrainerConfig, "trainer")
-    strategy_config = build_strategy(config["strategy"])
-    check_options(trainer, strategy_config)
-    if under_torchrun() and not strategy_config.spans_processes:
-        raise ConfigError(f"strategy={strategy} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)")
+    model_node(state, checkpoint)  # refuses a model built in Python: its config cannot rebuild it
+    components = {"model": model, "data": data, "task": task}
+    config = {name: overlay(stored_section(stored, name, checkpoint), given) for name, given in components.items()}
+    # The run's trainer settings (precision, val_batch_size, ...), but never its resume file.
+    config["trainer"] = {**overlay(stored.get("trainer") or {}, trainer), "resume": None}
+    trainer_settings = trainer_config(**config["trainer"])
+    strategy_config = evaluation_strategy(strategy)
+    check_options(trainer_settings, strategy_config)
     check_components(config["model"], config["data"], config["task"], None, None, 0)
 
     job = EvalJob(
-        checkpoint=str(Path(path).absolute()), split=options["split"],
+        checkpoint=str(Path(checkpoint).absolute()), split=split,
         model=config["model"], data=config["data"], task=config["task"],
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
-        trainer=trainer, strategy=strategy_config,
+        trainer=trainer_settings, strategy=strategy_config,
     )
-    output = Path(options["output"]) if options["output"] else Path(path).absolute().parent.parent / "eval" / "metrics.json"
+    metrics_file = Path(output) if output else Path(checkpoint).absolute().parent.parent / "eval" / "metrics.json"
     record = {
         "checkpoint": job.checkpoint, "step": (state.get("progress") or {}).get("step"),
-        "split": job.split, "strategy": strategy, "overrides": list(overrides), "output": str(output),
+        "split": split, "strategy": _strategy_option(), "overrides": [], "output": str(metrics_file),
     }
     return job, record
 
 
-def apply_overrides(config: dict, overrides: Sequence[str]) -> dict:
-    """`key=value`, `+key=value` and `~key` on the stored config, with Hydra's rules: `key=`
-    only changes what exists, `+key=` only adds what does not."""
-    cfg = OmegaConf.create(config)
-    for text in overrides:
-        try:
-            _apply_override(cfg, text)
-        except OmegaConfBaseException as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"cannot apply {text!r} ({first}); write section.key=value, e.g. data.path=other.txt") from None
-    return OmegaConf.to_container(cfg)
-
-
-def _apply_override(cfg: DictConfig, text: str) -> None:
-    key, _, raw = text.partition("=")
-    path = key.lstrip("+~")
-    section = path.split(".", 1)[0]
-    if section in ("optimizer", "scheduler"):
-        raise ConfigError(f"{path}: evaluation trains nothing, so the {section} is not used; drop the override")
-    if section not in SECTIONS:
-        raise ConfigError(f"{path}: {section} is not a section of the stored config; the sections are {', '.join(SECTIONS)}")
-    if "." not in path:
-        raise ConfigError(f"{key} would replace the whole {section} section; change its keys instead, e.g. {section}.<key>=<value>")
-    present = OmegaConf.select(cfg, path, default=_ABSENT) is not _ABSENT
-    parent_path, _, leaf = path.rpartition(".")
-    if key.startswith("~"):
-        if not present:
-            raise ConfigError(f"~{path}: the checkpoint's config has no {path} to remove")
-        del OmegaConf.select(cfg, parent_path)[leaf]
-        return
-    if key.startswith("+") and present:
-        raise ConfigError(f"{path} already exists, so +{path}=... cannot add it; change it with {path}=<value>")
-    if not key.startswith("+") and not present:
-        parent = OmegaConf.select(cfg, parent_path, default=None)
-        known = ", ".join(k for k in parent if k != "_target_") if isinstance(parent, DictConfig) else ""
+def evaluation_strategy(section: dict) -> Strategy:
+    """The strategy of strategy=auto|single|ddp with its keys (strategy.nproc_per_node=2)."""
+    strategy = build_strategy(section)
+    if under_torchrun() and not strategy.spans_processes:
         raise ConfigError(
-            f"{path} is not in the checkpoint's config; to pass a new argument write +{path}=<value>, "
-            f"or check the spelling (set now: {known or 'nothing'})"
+            f"strategy={_strategy_option()} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)"
         )
-    # Values are read as on train.py's command line: 3 is an int, 1e-3 a float, [1,2] a list.
-    value = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={raw}"]))["value"] if raw else ""
-    OmegaConf.update(cfg, path, value, merge=False, force_add=True)
+    return strategy
+
+
+def _strategy_option() -> str:
+    """The conf/strategy option chosen (auto: what it stands for), for messages and metrics.json."""
+    chosen = HydraConfig.get().runtime.choices["strategy"]
+    return _auto_option() if chosen == "auto" else chosen
+
+
+def _auto_option() -> str:
+    return "ddp" if under_torchrun() else "single"
+
+
+def section_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command line's changes of the stored config (data.path=..., +data.x=1, ~data.x,
+    strategy.nproc_per_node=2), for metrics.json."""
+    keys = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
+    return [o for o, key in zip(overrides, keys) if "." in key and key.split(".")[0] in (*SECTIONS, "strategy")]
+
+
+def register_evaluation_options(args: Sequence[str]) -> None:
+    """What conf/evaluate.yaml composes from besides its files, registered before Hydra (and
+    the check ahead) compose it: the strategy option `auto`, and the sections of every
+    checkpoint the command line names (tools/stored_sections.py)."""
+    from hydra.core.config_store import ConfigStore
+
+    # strategy=auto: conf/strategy/ddp.yaml's strategy under torchrun, else single.yaml's.
+    auto = OmegaConf.load(CONF_DIR / "strategy" / f"{_auto_option()}.yaml")
+    ConfigStore.instance().store(group="strategy", name="auto", node=OmegaConf.to_container(auto))
+    parsed_args, overrides = parse_command_line(args)
+    paths = checkpoints_named(overrides, parsed_args.multirun)
+    if not paths and composes_a_job(parsed_args):
+        raise ConfigError(f"checkpoint is required: {EVALUATE.usage}")
+    register_stored_sections([read_checkpoint(path, mmap=True).get("config") or {} for path in paths])
 
 
 # --- on each rank -----------------------------------------------------------------------------
@@ -245,21 +231,16 @@ def launch(job: EvalJob) -> EvalResult | None:
 def write_metrics(path: Path, record: dict) -> None:
     """metrics.json, replaced atomically (a reader never sees half a file)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(record, indent=2) + "\n")
     except OSError as err:
         raise ConfigError(f"cannot write {path} ({err.strerror or err}); pass output=<a writable file>") from None
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(usage(PROGRAM, KEYS, extra="[section.key=value ...]") + "\n\n" + __doc__)
-        return
+@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="evaluate")
+def evaluate_app(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        job, record = prepare(argv)
+        job, record = call_with_settings(plan, cfg, EVALUATE)
+        record["overrides"] = section_overrides(list(HydraConfig.get().overrides.task))
         result = launch(job)
         if result is not None:
             write_metrics(Path(record["output"]), {**record, "world_size": result.world_size, "metrics": result.metrics})
@@ -267,7 +248,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, value in result.metrics.items():
             print(f"{name}={value:.6g}")
         print(f"evaluated {record['checkpoint']} (step {record['step']}); metrics in {record['output']}", file=sys.stderr)
-    if under_torchrun():  # as train.py: leave without the interpreter's finalisation (gloo threads)
+
+
+def main() -> None:
+    with exit_on_user_error():
+        register_evaluation_options(sys.argv[1:])
+    run_tool(evaluate_app, EVALUATE, validate=lambda cfg: call_with_settings(plan, cfg, EVALUATE))
+    if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 
 

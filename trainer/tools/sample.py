@@ -1,17 +1,21 @@
-"""Text from a trained language model: `python -m ringtrain.tools.sample checkpoint=... prompt=...`.
+"""Text from a trained language model: `ringtrain sample checkpoint=... prompt=...`.
 
-    python -m ringtrain.tools.sample checkpoint=outputs/runs/<run>/checkpoints/best.pt prompt="ROMEO:" \
+    ringtrain sample checkpoint=outputs/runs/<run>/checkpoints/best.pt prompt="ROMEO:" \
         max_new_tokens=200 temperature=0.8 top_k=200 seed=0 [num_samples=1] [device=auto|cpu|cuda]
+    ringtrain sample -m checkpoint=... seed=0,1,2          # one sample per seed
 
 nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint
-alone (its model node, the data's sizes and the weights; trainer/restore.py) and the text is
-encoded and decoded with the vocabulary the checkpoint keeps, so neither the run's command
+alone (its model node, the data's sizes and the weights; tools/checkpoint_model.py) and the text
+is encoded and decoded with the vocabulary the checkpoint keeps, so neither the run's command
 line nor its data file is needed. Prints the prompt followed by the generated text on stdout
 (samples separated by a line of dashes); everything else goes to stderr.
 
-`temperature=0` is greedy decoding (deterministic); `top_k` keeps the k likeliest tokens
-(`top_k=none` keeps all); `prompt=FILE:path` reads the prompt from a file. The forward passes
-run under the run's `trainer.precision` (float32 on the CPU for a 16-mixed run).
+A Hydra app like every ringtrain command: the settings and their defaults are conf/sample.yaml
+(`ringtrain sample --help`). `temperature=0` is greedy decoding (deterministic); `top_k`
+keeps the k likeliest tokens (`top_k=null` keeps all); `prompt=FILE:path` reads the prompt
+from a file, which also spares quoting a prompt with commas or brackets (Hydra's grammar:
+prompt="'Hello, world'" in a shell). The forward passes run under the run's `trainer.precision` (float32
+on the CPU for a 16-mixed run).
 
 `generate()` works for any model that maps (B, T) token ids to (B, T, vocab) logits; the
 context is cropped to `model.config.block_size` when the model has one.
@@ -19,27 +23,22 @@ context is cropped to `model.config.block_size` when the model has one.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
+import hydra
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
-from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
-from ringtrain.errors import ConfigError
-from ringtrain.tools.keyvalue import REQUIRED, Key, run_tool
 from ringtrain.tools.checkpoint_model import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
+from ringtrain.config.compose import PrimaryConfig
+from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
+from ringtrain.errors import ConfigError, exit_on_user_error
+from ringtrain.tools.app import call_with_settings, run_tool, settings_for
 
-PROGRAM = "ringtrain.tools.sample"
-KEYS = (
-    Key("checkpoint", str, REQUIRED, "a checkpoint of a run, e.g. outputs/runs/<run>/checkpoints/best.pt"),
-    Key("prompt", str, "\n", "the text to continue; FILE:path reads it from a file"),
-    Key("max_new_tokens", int, 200, "tokens to generate per sample"),
-    Key("temperature", float, 0.8, "softmax temperature; 0 is greedy decoding"),
-    Key("top_k", int, 200, "sample from the k likeliest tokens only (none: all)", optional=True),
-    Key("seed", int, 0, "seed of the sampling generator"),
-    Key("num_samples", int, 1, "how many samples to draw"),
-    Key("device", str, "auto", "where the model runs", choices=("auto", "cpu", "cuda")),
+SAMPLE = PrimaryConfig(
+    "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
 )
 SEPARATOR = "\n---------------\n"
 
@@ -120,14 +119,14 @@ def sample(
     top_k: int | None = 200,
     seed: int = 0,
     num_samples: int = 1,
-    device: str = "auto",
+    device: Literal["auto", "cpu", "cuda"] = "auto",
 ) -> list[str]:
     """`num_samples` texts, each the prompt followed by `max_new_tokens` generated characters
     (tokens); see the module docstring. User mistakes raise ConfigError / CheckpointError."""
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0; use 0 for greedy decoding, e.g. 0.8 to sample")
     if top_k is not None and top_k < 1:
-        raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=none for all tokens")
+        raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=null for all tokens")
     if max_new_tokens < 0 or num_samples < 1:
         raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
     state = read_checkpoint(checkpoint)
@@ -156,14 +155,18 @@ def sample(
     return texts
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    texts = run_tool(PROGRAM, KEYS, sample, argv)
-    if texts is None:  # --help
-        return
+@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="sample")
+def sample_app(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        texts = call_with_settings(sample, cfg, SAMPLE)
     # A vocabulary may hold characters the console's encoding lacks: replace those, never crash.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     print(SEPARATOR.join(texts))
+
+
+def main() -> None:
+    run_tool(sample_app, SAMPLE, validate=lambda cfg: settings_for(sample, cfg, SAMPLE))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""A token directory for data=token_file: `ringtrain prepare_tokens input=... output=...`.
+
+    ringtrain prepare_tokens input=input.txt output=my_tokens [vocab=char|byte] [val_fraction=0.1]
+    ringtrain prepare_tokens random_tokens=N vocab_size=V output=my_tokens [seed=0]
+
+Writes train.bin, val.bin and meta.json into `output`, from a UTF-8 text or as random ids;
+the tokenizing is data/prepare_tokens.py's. A Hydra app like every ringtrain command: the
+settings and their defaults are conf/prepare_tokens.yaml (`ringtrain prepare_tokens --help`).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import hydra
+from omegaconf import DictConfig
+
+from ringtrain.config.compose import PrimaryConfig
+from ringtrain.data.prepare_tokens import prepare_random, prepare_text
+from ringtrain.errors import ConfigError, exit_on_user_error
+from ringtrain.tools.app import call_with_settings, run_tool, settings_for
+
+PREPARE_TOKENS = PrimaryConfig(
+    "prepare_tokens", "ringtrain prepare_tokens", usage="ringtrain prepare_tokens input=<text file> output=<token dir>",
+)
+MAX_VOCAB_SIZE = 1 << 32  # the widest token dtype is uint32
+
+
+def prepare_tokens(
+    output: str,
+    input: str | None = None,  # noqa: A002 - the setting's name on the command line
+    vocab: Literal["char", "byte"] = "char",
+    val_fraction: float = 0.1,
+    random_tokens: int | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Write the token directory `output` from the text file `input`, or `random_tokens`
+    random ids below `vocab_size`; returns what meta.json records."""
+    if random_tokens is not None:
+        if input is not None or vocab_size is None:
+            raise ConfigError(
+                "random_tokens=N writes random ids instead of a text: give vocab_size=V and output=DIR, and no input"
+            )
+        if random_tokens < 2 or not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+            raise ConfigError(f"random_tokens must be at least 2 and vocab_size between 1 and {MAX_VOCAB_SIZE}")
+        return prepare_random(output, random_tokens, vocab_size, seed)
+    if input is None:
+        raise ConfigError(f"input is required (or random_tokens=N vocab_size=V): {PREPARE_TOKENS.usage}")
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
+    return prepare_text(input, output, vocab, val_fraction)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="prepare_tokens")
+def prepare_tokens_app(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        meta = call_with_settings(prepare_tokens, cfg, PREPARE_TOKENS)
+    print(f"wrote {cfg.output}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
+          f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
+
+
+def main() -> None:
+    run_tool(prepare_tokens_app, PREPARE_TOKENS, validate=lambda cfg: settings_for(prepare_tokens, cfg, PREPARE_TOKENS))
+
+
+if __name__ == "__main__":
+    main()

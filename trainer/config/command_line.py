@@ -16,7 +16,9 @@ import os
 from pathlib import Path
 
 from ringtrain.checkpoints.rundir import directory_before_restart
-from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS, SECTIONS, check_overrides, option_nodes
+from ringtrain.config import compose
+from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS, SECTIONS, option_nodes
+from ringtrain.config.schema import validate
 from ringtrain.errors import ConfigError
 from ringtrain.distributed import env_rank, under_torchrun
 
@@ -24,6 +26,12 @@ __all__ = [
     "strip_legacy_local_rank_arg", "refuse_multirun_under_torchrun", "check_overrides",
     "hydra_overrides_for_this_rank", "overrides_implied_by_resume",
 ]
+
+
+def check_overrides(args: list[str]) -> None:
+    """Compose and validate every training job the command line asks for (config/compose.py);
+    a mistake is a ConfigError, one line, before Hydra makes a run directory."""
+    compose.check_overrides(args, compose.TRAIN, validate)
 
 
 def strip_legacy_local_rank_arg(argv: list[str]) -> list[str]:

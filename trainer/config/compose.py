@@ -82,12 +82,6 @@ TRAIN = PrimaryConfig(
 )
 
 
-def _validate_training(cfg) -> Any:
-    from ringtrain.config.schema import validate
-
-    return validate(cfg)
-
-
 def parse_command_line(args: Sequence[str]) -> tuple[argparse.Namespace, list[Override]]:
     """Hydra's reading of `args` (the command line without the program): its flags and the
     parsed overrides; an override Hydra cannot read is a ConfigError."""
@@ -119,7 +113,7 @@ def composes_a_job(parsed_args: argparse.Namespace) -> bool:
 
 
 def check_overrides(
-    args: list[str], primary: PrimaryConfig = TRAIN, validate: Callable[[Any], Any] | None = _validate_training,
+    args: list[str], primary: PrimaryConfig = TRAIN, validate: Callable[[Any], Any] | None = None,
 ) -> None:
     """Compose (and `validate`, when given) the config of every job the command line asks
     for; raise ConfigError on a mistake.

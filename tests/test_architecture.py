@@ -1,0 +1,109 @@
+"""docs/ARCHITECTURE.md's rules, held by the code: each package imports only the layers below
+it, no module imports itself back through others, and modules and functions stay small."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+# docs/ARCHITECTURE.md "Packages and what each may import", from the bottom up.
+LAYERS = {
+    "ringtrain.errors": 0,
+    "ringtrain.distributed": 1,
+    "ringtrain.checkpoints": 2,
+    "ringtrain.data": 3, "ringtrain.models": 3, "ringtrain.strategies": 3, "ringtrain.conf": 3,
+    "ringtrain.config": 4,
+    "ringtrain.loop": 5,
+    "ringtrain.run": 6,
+    "ringtrain.trainer": 7,
+    "ringtrain.tools": 8,
+    "ringtrain.__main__": 9, "ringtrain": 9,
+}
+FOLDERS = {"trainer": "ringtrain", "data": "ringtrain.data", "models": "ringtrain.models"}
+MAX_MODULE_LINES = 350
+MAX_FUNCTION_LINES = 60
+# Modules or functions over those sizes, each with the reason it is one piece.
+SIZE_EXCEPTIONS: dict[str, str] = {}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            modules[name] = path
+    return modules
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ringtrain module `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ringtrain"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("ringtrain"))
+    return found
+
+
+def _package(module: str) -> str:
+    """The layer a module belongs to: the longest name in LAYERS that it starts with."""
+    return max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    wrong = []
+    for name, path in _modules().items():
+        own = _package(name)
+        for imported in _imports(path):
+            other = _package(imported)
+            if other != own and LAYERS[other] >= LAYERS[own]:
+                wrong.append(f"{path.relative_to(REPO)} imports {imported} ({other} is not below {own})")
+    assert wrong == []
+
+
+def test_no_module_imports_itself_back_through_others():
+    modules = _modules()
+    graph = {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+    cycles, done = [], set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycles.append(" -> ".join(stack[stack.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for imported in sorted(graph[name]):
+            visit(imported, stack + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert cycles == []
+
+
+def test_modules_and_functions_stay_small():
+    too_big = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES and name not in SIZE_EXCEPTIONS:
+            too_big.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and f"{name}.{node.name}" not in SIZE_EXCEPTIONS:
+                    too_big.append(f"{name}.{node.name}: {length} lines")
+    assert too_big == []
+
+
+def test_the_only_top_level_import_name_is_ringtrain():
+    """pyproject.toml maps every folder into the one package (docs/ARCHITECTURE.md's table)."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {package.split(".")[0] for package in setuptools["packages"]} == {"ringtrain"}
+    assert setuptools["package-dir"] == {"ringtrain": "trainer", "ringtrain.models": "models",
+                                         "ringtrain.data": "data", "ringtrain.conf": "conf"}

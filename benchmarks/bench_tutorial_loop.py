@@ -29,7 +29,6 @@ import torch.optim as optim
 from torch.utils.data import DataLoader, Dataset
 
 
-
 # --- the tutorial, as written (seed 000, section 3 and 4; prints removed) -------------------
 class SimpleDataset(Dataset):
     def __init__(self, size=10000):

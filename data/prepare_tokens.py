@@ -21,12 +21,15 @@ failed run never leaves a directory that looks complete.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import numpy as np
 
+from ringtrain.checkpoints.atomic import open_atomically
 from ringtrain.data.token_file import SPLITS, token_dtype_for, write_meta
 from ringtrain.data.vocab import ByteVocab, CharVocab
 from ringtrain.errors import UserError
@@ -110,36 +113,29 @@ def prepare_random(out_dir: str | os.PathLike, num_tokens: int, vocab_size: int,
 
 
 class _TokenDirectoryWriter:
-    """Open train/val files under temporary names; on a clean exit write meta.json and rename
-    all three into place, on an error remove them."""
+    """train.bin and val.bin, each replaced atomically (checkpoints/atomic.py) when the block
+    ends without an error, then meta.json; on an error nothing is replaced, and a directory
+    this made is removed again."""
 
     def __init__(self, out_dir: str | os.PathLike):
         self.directory = Path(out_dir)
         self.meta: dict | None = None
         self.files: dict[str, BinaryIO] = {}
 
-    def _temporary(self, name: str) -> Path:
-        return self.directory / f".{name}.tmp-{os.getpid()}"
-
     def __enter__(self) -> _TokenDirectoryWriter:
         self.created = not self.directory.exists()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.files = {split: self._temporary(f"{split}.bin").open("wb") for split in SPLITS}
+        self._files = contextlib.ExitStack()
+        self.files = {split: self._files.enter_context(open_atomically(self.directory / f"{split}.bin"))
+                      for split in SPLITS}
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
-        for handle in self.files.values():
-            handle.close()
-        if error_type is None and self.meta is not None:
-            for split in SPLITS:
-                os.replace(self._temporary(f"{split}.bin"), self.directory / f"{split}.bin")
+        self._files.__exit__(error_type, error, traceback)
+        if error_type is None:
             meta = dict(self.meta)
             write_meta(self.directory, meta.pop("dtype"), meta.pop("vocab_size"), meta.pop("vocab", None), **meta)
-        else:
-            for split in SPLITS:
-                self._temporary(f"{split}.bin").unlink(missing_ok=True)
-            if self.created:
-                self.directory.rmdir()
+        elif self.created:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _decoded_chunks(source: Path, chunk_bytes: int) -> Iterator[str]:

@@ -203,7 +203,7 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
     (["split=test"], ["split='test' is not one of val, train"]),
     (["+model.widht=3"], ["takes no argument 'widht'"]),
     (["strategy.nproc_per_node=2"], ["not a setting of strategy=auto", "belongs to strategy=ddp"]),
-    (["strategy=fsdp"], ["strategy='fsdp' is not one of auto, single, ddp"]),
+    (["strategy=fsdp"], ["strategy=fsdp needs a process group", "strategy.nproc_per_node >= 2"]),
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]

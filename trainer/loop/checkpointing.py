@@ -54,12 +54,12 @@ class Checkpointer:
 
 def load_weights_before_set_up(model, state: dict, path: Path) -> None:
     """Full weights load into the bare model before the strategy wraps or shards it; sharded
-    ones once it has (restore)."""
+    ones once it has (load_training_state)."""
     if "shards" not in state:
         load_model_weights(model, state, path)
 
 
-def restore(parts: TrainingParts, state: dict, dist: DistInfo) -> Progress:
+def load_training_state(parts: TrainingParts, state: dict, dist: DistInfo) -> Progress:
     """Put a checkpoint's state back into the set-up parts; return where training stood."""
     if "shards" in state:  # into the set-up model: each rank reads what its shards need
         load_sharded(state["shards"], parts.model, parts.optimizer)

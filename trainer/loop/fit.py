@@ -24,7 +24,7 @@ from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo
-from ringtrain.loop.checkpointing import Checkpointer, load_weights_before_set_up, restore
+from ringtrain.loop.checkpointing import Checkpointer, load_training_state, load_weights_before_set_up
 from ringtrain.loop.evaluation import evaluate_model
 from ringtrain.loop.loaders import Batch
 from ringtrain.loop.logger import RunLogger
@@ -63,7 +63,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     if resumed:
         load_weights_before_set_up(model, resumed, resume_from)
     parts = set_up_training(run, dist, model, data)
-    progress = restore(parts, resumed, dist) if resumed else Progress()
+    progress = load_training_state(parts, resumed, dist) if resumed else Progress()
     agreement = StopAgreement(timeout_minutes=run.strategy.timeout_minutes)
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist.device, uses_scaler=parts.precision.scaler is not None)
     logger = RunLogger(Path(run_dir), dist.is_main, parts.total_steps, cfg.progress_bar)

@@ -50,7 +50,7 @@ from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
 from ringtrain.config.builders import build_data, check_components, check_task
 from ringtrain.config.components import build
-from ringtrain.config.compose import PrimaryConfig, composes_a_job, parse_command_line
+from ringtrain.config.compose import PrimaryConfig, composes_a_job, option_nodes, parse_command_line
 from ringtrain.config.compose import CONF_DIR
 from ringtrain.config.schema import TrainerConfig, build_strategy, check_options, trainer_config
 from ringtrain.data.bundle import DataBundle
@@ -119,7 +119,7 @@ def plan(
     metrics_file = Path(output) if output else Path(checkpoint).absolute().parent.parent / "eval" / "metrics.json"
     record = {
         "checkpoint": job.checkpoint, "step": (state.get("progress") or {}).get("step"),
-        "split": split, "strategy": _strategy_option(), "overrides": [], "output": str(metrics_file),
+        "split": split, "strategy": _strategy_option(strategy), "overrides": [], "output": str(metrics_file),
     }
     return job, record
 
@@ -129,15 +129,16 @@ def evaluation_strategy(section: dict) -> Strategy:
     strategy = build_strategy(section)
     if under_torchrun() and not strategy.spans_processes:
         raise ConfigError(
-            f"strategy={_strategy_option()} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)"
+            f"strategy={_strategy_option(section)} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)"
         )
     return strategy
 
 
-def _strategy_option() -> str:
-    """The conf/strategy option chosen (auto: what it stands for), for messages and metrics.json."""
-    chosen = HydraConfig.get().runtime.choices["strategy"]
-    return _auto_option() if chosen == "auto" else chosen
+def _strategy_option(section: dict) -> str:
+    """The conf/strategy option whose class `section` builds (auto: the one it stands for),
+    for messages and metrics.json."""
+    target = section.get("_target_")
+    return next((name for name, node in option_nodes("strategy") if node.get("_target_") == target), str(target))
 
 
 def _auto_option() -> str:

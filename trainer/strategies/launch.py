@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -94,6 +95,7 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
     # multiprocessing lock, a semaphore this process would leave behind at exit (Python's
     # resource tracker then warns of a leak). A rank is one process: a thread lock will do.
     tqdm.set_lock(threading.RLock())
+    launcher = os.getppid()
     try:
         with exit_on_user_error():  # a mistake is one line from the rank that found it, as under torchrun
             result = pickle.dumps(fn(*pickle.loads(pickled_args)))
@@ -105,6 +107,7 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
         sys.stderr.flush()
         sys.exit(1)
     _leave_without_finalising_after_exit()
+    _end_if_the_launcher_dies(launcher)
     return result
 
 
@@ -117,6 +120,26 @@ def _leave_without_finalising_after_exit() -> None:
     import atexit
 
     atexit.register(os._exit, 0)
+
+
+def _end_if_the_launcher_dies(launcher: int) -> None:
+    """After its last step, a rank hands its result to the launcher and waits for the launcher
+    to read it. If the launcher was killed (SIGKILL, a dying node), the kernel has already
+    stopped the rank cleanly (SIGINT: finish the step, save last.pt), but nobody will read
+    the result: without this, the rank would wait forever. Waits on the launcher's pidfd, an
+    event, where the platform has one."""
+    if os.getppid() != launcher:
+        os._exit(0)
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): the check above must do
+        return
+
+    def wait_for_the_launcher() -> None:
+        select.select([pidfd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=wait_for_the_launcher, name="ringtrain-launcher-watch", daemon=True).start()
 
 
 @contextlib.contextmanager

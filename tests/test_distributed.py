@@ -114,7 +114,7 @@ def test_dp_on_cpu_warns_and_trains(tmp_path):
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """Launcher variables for a 1-rank job in this process: strategy=ddp really wraps in DDP."""
-    from conftest import free_port
+    from helpers import free_port
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():
@@ -274,7 +274,7 @@ os._exit(0)  # a gloo group whose peer is gone aborts at interpreter exit; that 
 
 
 def test_a_rank_whose_peer_died_gets_one_line_instead_of_gloos_traceback():
-    from conftest import free_port
+    from helpers import free_port
 
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONPATH": str(REPO)}

@@ -438,7 +438,7 @@ def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, 
 def _static_rendezvous() -> list[str]:
     """torchrun without --standalone or --rdzv-id: the run id is "none", so the run directory is
     named by the clock and a restart finds it through rank 0's note (trainer/rundir.py)."""
-    from conftest import free_port
+    from helpers import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
             "--max-restarts=1"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from helpers import free_port
 from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from conftest import QUIET, REPO, run_cli
+from helpers import TORCHRUN, job_ok, job_refused, refused, torchrun_static_rendezvous
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 PROGRESS = re.compile(r"^interruptible: rank=(\d+) pid=(\d+) step=(\d+)$")
 
 # A small MLP with dropout (so the RNG state must be restored exactly) and Adam (so must the
@@ -186,12 +186,6 @@ def run_job(args: list[str], launcher: list[str] | None = None, cwd: Path | None
         return job.finish(timeout)
 
 
-def ok(result: tuple[int, str]) -> str:
-    status, output = result
-    assert status == 0, output[-6000:]
-    return output
-
-
 def checkpoint(run_dir: Path, name: str = "last.pt") -> dict:
     return torch.load(run_dir / "checkpoints" / name, weights_only=True)
 
@@ -252,7 +246,7 @@ class References:
         if world_size not in self._dirs:
             run_dir = self._factory.mktemp(f"reference-{world_size}")
             args = (SINGLE if world_size == 1 else DDP) + [f"hydra.run.dir={run_dir}"]
-            ok(run_job(args, launcher=TORCHRUN if world_size == 2 else None))
+            job_ok(run_job(args, launcher=TORCHRUN if world_size == 2 else None))
             self._states[world_size] = checkpoint(run_dir)
             assert self._states[world_size]["progress"]["step"] == STEPS
             self._dirs[world_size] = run_dir
@@ -284,7 +278,7 @@ def test_sigkill_mid_epoch_then_the_same_command_ends_bit_identical(tmp_path, re
     saved = checkpoint(tmp_path / "run")["progress"]["step"]
     assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
 
-    output = ok(run_job(args))  # the same command: trainer.resume=auto is the default
+    output = job_ok(run_job(args))  # the same command: trainer.resume=auto is the default
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(1))
 
@@ -319,7 +313,7 @@ def test_sigterm_saves_the_current_step_exits_143_and_the_same_command_continues
     assert status == 143, output[-4000:]
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 1)
 
-    output = ok(run_job(args))
+    output = job_ok(run_job(args))
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(1))
 
@@ -359,7 +353,7 @@ def test_torchrun_worker_sigkilled_then_the_same_command_ends_bit_identical(tmp_
     saved = checkpoint(tmp_path / "run")["progress"]["step"]
     assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
 
-    output = ok(run_job(args, launcher=TORCHRUN))
+    output = job_ok(run_job(args, launcher=TORCHRUN))
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(2))
 
@@ -369,7 +363,7 @@ def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_p
     from conftest import checkpoint_weights
 
     args = MLP + [f"trainer.max_steps={STEPS}", "strategy=fsdp", "strategy.state_dict_type=sharded"]
-    ok(run_job(args + [f"hydra.run.dir={tmp_path / 'straight'}"], launcher=TORCHRUN))
+    job_ok(run_job(args + [f"hydra.run.dir={tmp_path / 'straight'}"], launcher=TORCHRUN))
     run_args = args + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("fsdp-sigkill", 2)
     with Job(run_args, launcher=TORCHRUN) as job:
@@ -380,7 +374,7 @@ def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_p
     saved = checkpoint(tmp_path / "run")["progress"]["step"]
     assert 0 < saved < STEPS
 
-    output = ok(run_job(run_args, launcher=TORCHRUN))
+    output = job_ok(run_job(run_args, launcher=TORCHRUN))
     assert resumed_from_step(output) == saved
     straight, resumed = checkpoint(tmp_path / "straight"), checkpoint(tmp_path / "run")
     assert resumed["progress"] == straight["progress"]
@@ -400,7 +394,7 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
     assert status != 0, output[-4000:]  # torchrun's own status after a signal (1)
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
 
-    output = ok(run_job(args, launcher=TORCHRUN))
+    output = job_ok(run_job(args, launcher=TORCHRUN))
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(2))
 
@@ -435,18 +429,11 @@ def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, 
     assert_identical(tmp_path / "run", reference(2))
 
 
-def _static_rendezvous() -> list[str]:
-    """torchrun without --standalone or --rdzv-id: the run id is "none", so the run directory is
-    named by the clock and a restart finds it through rank 0's note (trainer/rundir.py)."""
-    from helpers import free_port
-
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
-            "--max-restarts=1"]
-
-
 @pytest.mark.parametrize("rendezvous", ["standalone", pytest.param("static", marks=pytest.mark.slow)])
 def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(tmp_path, reference, rendezvous):
-    launcher = _static_rendezvous() if rendezvous == "static" else None
+    # Static: the run id is "none", so the run directory is named by the clock and a restart
+    # finds it through rank 0's note (trainer/rundir.py).
+    launcher = torchrun_static_rendezvous("--max-restarts=1") if rendezvous == "static" else None
     job_pids: dict = {}
     run_with_a_restart(DDP, tmp_path, "restart-no-dir", launcher=launcher, pids=job_pids)
     runs = list((tmp_path / "outputs" / "runs").iterdir())
@@ -472,7 +459,7 @@ def test_sigterm_to_the_self_launched_parent_is_forwarded_saves_and_exits_143(tm
     assert "received SIGTERM: passed on to the 2 ranks" in output
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
 
-    output = ok(run_job(args))
+    output = job_ok(run_job(args))
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(2))
 
@@ -514,7 +501,7 @@ def test_self_launched_job_sigkilled_then_the_same_command_ends_bit_identical(tm
     else:
         assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
 
-    output = ok(run_job(args))
+    output = job_ok(run_job(args))
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(2))
 
@@ -543,7 +530,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_step_file(tmp_pa
         with open(path, "r+b") as file:
             file.truncate(os.path.getsize(path) // 2)
 
-    output = ok(run_job(SINGLE + [f"hydra.run.dir={run_dir}"]))  # the same command again
+    output = job_ok(run_job(SINGLE + [f"hydra.run.dir={run_dir}"]))  # the same command again
     warnings = [line for line in output.splitlines() if "truncated or corrupt" in line]
     assert len(warnings) == 1, output[-4000:]
     assert "last.pt" in warnings[0] and f"falling back to {run_dir / 'checkpoints' / 'step-00000035.pt'}" in warnings[0]
@@ -567,13 +554,9 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_in_one_line(tmp_pat
     hostile.parent.mkdir(parents=True)
     torch.save({"format": 1, "model": {"w": torch.zeros(2)}, "payload": RunsCode(marker)}, hostile)
 
-    status, output = run_job([f"trainer.resume={hostile}"])
-    assert status == 2, output[-4000:]
+    job_refused(run_job([f"trainer.resume={hostile}"]),
+                f"checkpoint '{hostile}' cannot be read (loading it would run", "which ringtrain refuses")
     assert not marker.exists(), "loading the checkpoint ran its code"
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
-    assert f"checkpoint '{hostile}' cannot be read (loading it would run" in errors[0]
-    assert "which ringtrain refuses" in errors[0]
 
 
 # --- resuming from a checkpoint path alone ------------------------------------------------------
@@ -586,11 +569,11 @@ TINY_LM = [
 
 def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_path):
     run_dir = tmp_path / "lm"
-    ok(run_job(TINY_LM + ["trainer.max_steps=6", f"hydra.run.dir={run_dir}"]))
+    job_ok(run_job(TINY_LM + ["trainer.max_steps=6", f"hydra.run.dir={run_dir}"]))
     last = run_dir / "checkpoints" / "last.pt"
 
     # No model=..., no hydra.run.dir: the checkpoint says what the run is and where it lives.
-    output = ok(run_job([f"trainer.resume={last}", "trainer.max_steps=10"], cwd=tmp_path))
+    output = job_ok(run_job([f"trainer.resume={last}", "trainer.max_steps=10"], cwd=tmp_path))
     assert resumed_from_step(output) if "(step" in output else "resuming from" in output
     state = checkpoint(run_dir)
     assert state["progress"]["step"] == 10
@@ -608,11 +591,8 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
                        "scheduler=constant", "strategy=single"]
     check_overrides(args + implied)
 
-    status, output = run_job([f"trainer.resume={last}", "model.n_layers=3"], cwd=tmp_path)
-    assert status == 2, output[-4000:]
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
-    assert "model.n_layers (1 -> 3) differs from the checkpoint's" in errors[0]
+    job_refused(run_job([f"trainer.resume={last}", "model.n_layers=3"], cwd=tmp_path),
+                "model.n_layers (1 -> 3) differs from the checkpoint's")
     assert checkpoint(run_dir)["progress"]["step"] == 10  # untouched
 
 
@@ -691,12 +671,9 @@ def test_a_save_into_a_full_file_system_fails_in_one_line_and_keeps_last_pt(full
     # About 0.86 MB a checkpoint (weights and Adam's two moments): the 3rd save does not fit.
     args = MLP + ["model.hidden_sizes=[2048]", "trainer.max_steps=40", "trainer.checkpoint_every_n_steps=5",
                   f"hydra.run.dir={directory / 'run'}"]
-    status, output = run_job(args, env=env)
-    assert status == 2, output[-4000:]
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
-    assert re.search(r"cannot save checkpoint \S+step-000000(10|15)\.pt: No space left on device; free space on", errors[0])
-    assert errors[0].endswith("the previous last.pt is intact")
+    error = job_refused(run_job(args, env=env))
+    assert re.search(r"cannot save checkpoint \S+step-000000(10|15)\.pt: No space left on device; free space on", error)
+    assert error.endswith("the previous last.pt is intact")
     state = torch.load(directory / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert state["progress"]["step"] in (5, 10)
     assert not [p.name for p in (directory / "run" / "checkpoints").iterdir() if ".tmp-" in p.name]
@@ -739,12 +716,10 @@ def test_a_second_job_in_a_running_jobs_directory_is_refused_and_the_first_is_un
         job.wait_for_step(5)
         second = run_cli(args)  # the same command again, while the first still trains
         status, output = job.finish()
-    lines = second.stderr.strip().splitlines()
-    assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
-    assert lines[0] == (
+    assert refused(second) == (
         f"error: {tmp_path / 'run'} is in use by another training job (pid {job.proc.pid} on "
         f"{socket.gethostname()}); wait for it to end, stop it, or give this run its own hydra.run.dir"
     )
     assert status == 0, output[-4000:]
     assert_identical(tmp_path / "run", reference(1))  # the refused job wrote nothing
-    ok(run_job(args))  # once the first has ended, the directory is free again (nothing to train)
+    job_ok(run_job(args))  # once the first has ended, the directory is free again (nothing to train)

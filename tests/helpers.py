@@ -4,9 +4,16 @@ tests/conftest.py holds the fixtures and the config and training helpers.
 """
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
+
 
 # --- ports ------------------------------------------------------------------------------------
 
@@ -69,3 +76,131 @@ def job_refused(result: tuple[int, str], *phrases: str) -> str:
     for phrase in phrases:
         assert phrase in errors[0], errors[0]
     return errors[0]
+
+
+# --- watched subprocesses ----------------------------------------------------------------------
+
+# What tests/interruptible_train.py prints after each optimizer step, on every rank.
+STEP_ANNOUNCEMENT = re.compile(r"^interruptible: rank=(\d+) pid=(\d+) step=(\d+)$")
+
+
+class Job:
+    """A command in a subprocess (a session of its own), whose output (stdout and stderr
+    together) is read as it runs: a test waits for a line, or for a rank's step announcement
+    (tests/interruptible_train.py's), then signals the process it wants.
+
+    Leaving the `with` block SIGCONTs and SIGKILLs whatever is left of it: the command's
+    process group and every worker that announced itself (torchrun puts each worker in a
+    session of its own).
+    """
+
+    def __init__(self, command: list[str], cwd: Path | None = None, env: dict[str, str] | None = None):
+        """`env`: the command's whole environment (None: this process's)."""
+        self.command = command
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.steps: dict[int, int] = {}  # rank -> last step announced
+        self.pids: dict[int, int] = {}  # rank -> pid of the worker that announced it
+        self.all_pids: set[int] = set()
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            with self._changed:
+                self.lines.append(line)
+                if match := STEP_ANNOUNCEMENT.match(line):
+                    rank, pid, step = map(int, match.groups())
+                    self.steps[rank], self.pids[rank] = step, pid
+                    self.all_pids.add(pid)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def wait_until(self, condition, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not condition():
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{what} did not happen; output:\n{self.output[-6000:]}")
+                self._changed.wait(min(left, 0.5))
+
+    def wait_for_step(self, step: int, rank: int = 0, timeout: float = 120) -> int:
+        """Wait until `rank` announced `step` (or a later one); returns that rank's pid."""
+        self.wait_until(lambda: self.steps.get(rank, 0) >= step, f"rank {rank} reaching step {step}", timeout)
+        return self.pids[rank]
+
+    def wait_for_line(self, pattern: str, timeout: float = 120) -> str:
+        """Wait until a line matches `pattern` (re.search); returns the first that does."""
+        found: list[str] = []
+
+        def seen() -> bool:
+            found[:] = [line for line in self.lines if re.search(pattern, line)]
+            return bool(found)
+
+        self.wait_until(seen, f"a line matching {pattern!r}", timeout)
+        return found[0]
+
+    def finish(self, timeout: float = 240) -> tuple[int, str]:
+        """The command's exit status and the whole output."""
+        try:
+            status = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job did not end within {timeout} s; output:\n{self.output[-6000:]}") from None
+        self._reader.join(timeout=30)
+        return status, self.output
+
+    def send_signal(self, signum: int) -> None:
+        """`signum` to the process the command started (a launcher: not its workers)."""
+        os.kill(self.proc.pid, signum)
+
+    def newest_step(self) -> int:
+        """The newest step any rank announced so far (the job may be a step or two further)."""
+        with self._changed:
+            return max(self.steps.values(), default=0)
+
+    def kill_leftovers(self) -> list[int]:
+        """SIGCONT + SIGKILL every process of the job still alive; returns their pids."""
+        left = [pid for pid in sorted(self.all_pids | {self.proc.pid}) if alive(pid)]
+        for pid in left:
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        return left
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill_leftovers()
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie or a reaped one is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

@@ -1,8 +1,9 @@
-"""Shared helpers: compose configs like train.py does, train in-process or as a subprocess."""
+"""Fixtures, and the helpers that compose configs like train.py does and train in-process or as a
+subprocess. Helpers for other subprocesses (torchrun, exit statuses, free ports, watched jobs) are
+in tests/helpers.py."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,13 +52,6 @@ def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: f
     module = module if "." in module or module == "ringtrain" else f"ringtrain.tools.{module}"
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    """A TCP port on this machine that nothing listens on now (for a process group's master)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli, train_in_process
+from helpers import TORCHRUN, free_port, ok
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # An MLP without dropout, SGD: one process with batch 2B must equal 2 ranks with batch B each.
 # 129 validation samples: not divisible by 2, so padding would show up as double counting.
 MLP = [
@@ -24,14 +24,9 @@ MLP = [
 ]
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def test_ddp_two_ranks_batch_b_matches_single_process_batch_2b(tmp_path):
-    _ok(run_cli(MLP + ["strategy=ddp", "trainer.batch_size=16", "trainer.max_steps=20",
-                       f"hydra.run.dir={tmp_path / 'ddp'}"], launcher=TORCHRUN))
+    ok(run_cli(MLP + ["strategy=ddp", "trainer.batch_size=16", "trainer.max_steps=20",
+                      f"hydra.run.dir={tmp_path / 'ddp'}"], launcher=TORCHRUN))
     single = train_in_process(MLP + ["trainer.batch_size=32", "trainer.max_steps=20"], tmp_path / "single")
     assert_same_weights(checkpoint_weights(tmp_path / "ddp"), checkpoint_weights(tmp_path / "single"), atol=1e-5)
     # The all-reduced validation metrics equal the single-process ones: no double counting.
@@ -41,18 +36,18 @@ def test_ddp_two_ranks_batch_b_matches_single_process_batch_2b(tmp_path):
 
 
 def test_ddp_with_accumulation_matches_single_process_big_batch(tmp_path):
-    _ok(run_cli(MLP + ["strategy=ddp", "trainer.batch_size=8", "trainer.accumulate_grad_batches=2",
-                       "trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'ddp'}"], launcher=TORCHRUN))
+    ok(run_cli(MLP + ["strategy=ddp", "trainer.batch_size=8", "trainer.accumulate_grad_batches=2",
+                      "trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'ddp'}"], launcher=TORCHRUN))
     train_in_process(MLP + ["trainer.batch_size=32", "trainer.max_steps=12"], tmp_path / "single")
     assert_same_weights(checkpoint_weights(tmp_path / "ddp"), checkpoint_weights(tmp_path / "single"), atol=1e-5)
 
 
 def test_self_launched_ddp_resume_equals_uninterrupted(tmp_path):
     common = MLP + ["strategy=ddp", "strategy.nproc_per_node=2", "trainer.batch_size=16"]
-    _ok(run_cli(common + ["trainer.max_steps=30", f"hydra.run.dir={tmp_path / 'straight'}"]))
-    _ok(run_cli(common + ["trainer.max_steps=13", f"hydra.run.dir={tmp_path / 'first'}"]))
-    _ok(run_cli(common + ["trainer.max_steps=30", f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}",
-                          f"hydra.run.dir={tmp_path / 'second'}"]))
+    ok(run_cli(common + ["trainer.max_steps=30", f"hydra.run.dir={tmp_path / 'straight'}"]))
+    ok(run_cli(common + ["trainer.max_steps=13", f"hydra.run.dir={tmp_path / 'first'}"]))
+    ok(run_cli(common + ["trainer.max_steps=30", f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}",
+                         f"hydra.run.dir={tmp_path / 'second'}"]))
     straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
     for key in straight:
         assert torch.equal(straight[key], resumed[key]), key
@@ -61,8 +56,8 @@ def test_self_launched_ddp_resume_equals_uninterrupted(tmp_path):
 
 
 def test_torchrun_job_writes_one_run_dir_from_rank_0_only(tmp_path):
-    proc = _ok(run_cli(["strategy=ddp", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'run'}"],
-                       cwd=tmp_path, launcher=TORCHRUN))
+    proc = ok(run_cli(["strategy=ddp", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                      cwd=tmp_path, launcher=TORCHRUN))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "another rank wrote a directory"
     run = tmp_path / "run"
     assert len(list(run.glob("events.out.tfevents.*"))) == 1
@@ -102,7 +97,7 @@ def test_multirun_under_torchrun_is_refused(tmp_path):
 
 
 def test_dp_on_cpu_warns_and_trains(tmp_path):
-    proc = _ok(run_cli(["strategy=dp", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}"]))
+    proc = ok(run_cli(["strategy=dp", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path}"]))
     assert "strategy=dp needs 2 or more CUDA GPUs" in proc.stdout + proc.stderr
     weights = checkpoint_weights(tmp_path)
     assert list(weights) == ["linear.weight", "linear.bias"]
@@ -114,8 +109,6 @@ def test_dp_on_cpu_warns_and_trains(tmp_path):
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """Launcher variables for a 1-rank job in this process: strategy=ddp really wraps in DDP."""
-    from conftest import free_port
-
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
@@ -175,8 +168,8 @@ def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, t
 
 
 def test_scale_lr_by_world_size_doubles_the_lr_of_two_ranks(tmp_path):
-    _ok(run_cli(MLP + ["strategy=ddp", "strategy.scale_lr_by_world_size=true", "trainer.max_steps=2",
-                       f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN))
+    ok(run_cli(MLP + ["strategy=ddp", "strategy.scale_lr_by_world_size=true", "trainer.max_steps=2",
+                      f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN))
     state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [pytest.approx(0.1)]  # 2 * 0.05
 
@@ -184,7 +177,7 @@ def test_scale_lr_by_world_size_doubles_the_lr_of_two_ranks(tmp_path):
 def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2"]
     # It passes --local-rank=N to each worker: Hydra would refuse it as an override.
-    _ok(run_cli(["strategy=ddp", "trainer.max_steps=3", f"hydra.run.dir={tmp_path}"], launcher=launch))
+    ok(run_cli(["strategy=ddp", "trainer.max_steps=3", f"hydra.run.dir={tmp_path}"], launcher=launch))
     assert (tmp_path / "checkpoints" / "last.pt").exists()
 
 
@@ -274,8 +267,6 @@ os._exit(0)  # a gloo group whose peer is gone aborts at interpreter exit; that 
 
 
 def test_a_rank_whose_peer_died_gets_one_line_instead_of_gloos_traceback():
-    from conftest import free_port
-
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "PYTHONPATH": str(REPO)}
     ranks = [subprocess.Popen([sys.executable, "-c", PEER_DIES], env={**env, "RANK": str(r)}, cwd=REPO,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fsdp_worker as worker
-from conftest import free_port
+from helpers import free_port
 from ringtrain.checkpoints.state_dicts import (
     full_model_state_dict,
     full_optimizer_state_dict,

@@ -7,14 +7,13 @@ with a hand-written loop; these hold the whole job.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
 from conftest import assert_same_weights, checkpoint_weights, run_cli, run_module
+from helpers import TORCHRUN, ok
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
 # A Transformer without biases: a bias whose true gradient is zero gets pure rounding noise,
 # which Adam scales up to full steps, and that says nothing about sharding.
 SMALL = [
@@ -25,13 +24,8 @@ SMALL = [
 FSDP_2 = ["strategy=fsdp", "strategy.nproc_per_node=2"]
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 def _train(tmp_path, name, overrides, launcher=None):
-    _ok(run_cli(SMALL + overrides + [f"hydra.run.dir={tmp_path / name}"], launcher=launcher))
+    ok(run_cli(SMALL + overrides + [f"hydra.run.dir={tmp_path / name}"], launcher=launcher))
     return checkpoint_weights(tmp_path / name)
 
 
@@ -89,7 +83,7 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
     assert_same_weights(straight, ddp, atol=1e-5)
     # trainer.consolidate makes one plain file of it, from which ddp continues identically.
     consolidated = tmp_path / "consolidated.pt"
-    _ok(run_module("ringtrain.tools.consolidate", [f"checkpoint={checkpoints / 'last.pt'}", f"output={consolidated}"]))
+    ok(run_module("ringtrain.tools.consolidate", [f"checkpoint={checkpoints / 'last.pt'}", f"output={consolidated}"]))
     assert "shards" not in torch.load(consolidated, weights_only=True)
     from_file = _train(tmp_path, "ddp-from-file", ["strategy=ddp", "strategy.nproc_per_node=2", "optimizer=adamw",
                                                    "trainer.batch_size=8", "trainer.max_steps=40",
@@ -113,7 +107,7 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
     assert "model" not in state and "optimizer" not in state and state["shards"] == "step-00000040.shards"
 
     # trainer.evaluate reads a sharded checkpoint in one process, to the run's own last validation.
-    proc = _ok(run_module("ringtrain.tools.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
+    proc = ok(run_module("ringtrain.tools.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
     run_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert proc.stdout.strip() == f"val/loss={run_metrics['final']['val/loss']:.6g}"
 
@@ -123,8 +117,8 @@ def test_compiled_fsdp_with_accumulation_matches_eager_fsdp(tmp_path):
     sync stays on the FSDP root, so accumulation still reduce-scatters once per step."""
     common = FSDP_2 + ["model.dropout=0.0", "optimizer.lr=0.1", "trainer.max_steps=20", "trainer.batch_size=4",
                        "trainer.accumulate_grad_batches=2"]
-    proc = _ok(run_cli(SMALL + common + ["trainer.compile=true", f"hydra.run.dir={tmp_path / 'compiled'}"],
-                       timeout=600))
+    proc = ok(run_cli(SMALL + common + ["trainer.compile=true", f"hydra.run.dir={tmp_path / 'compiled'}"],
+                      timeout=600))
     assert "torch.compile failed" not in proc.stdout + proc.stderr  # it really ran compiled
     assert "leaked semaphore" not in proc.stderr  # compiling uses tqdm, whose lock spawned workers had leaked
     compiled = checkpoint_weights(tmp_path / "compiled")
@@ -133,8 +127,8 @@ def test_compiled_fsdp_with_accumulation_matches_eager_fsdp(tmp_path):
 
 
 def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
-    proc = _ok(run_cli(SMALL + FSDP_2 + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",
-                                         "trainer.max_steps=60", f"hydra.run.dir={tmp_path}"]))
+    proc = ok(run_cli(SMALL + FSDP_2 + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",
+                                        "trainer.max_steps=60", f"hydra.run.dir={tmp_path}"]))
     weights = checkpoint_weights(tmp_path)
     assert all(w.dtype == torch.float32 for w in weights.values())  # the shards stay float32
     assert "val/loss" in proc.stdout + proc.stderr

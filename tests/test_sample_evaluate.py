@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import yaml
 
 from conftest import SHAKESPEARE, run_cli, run_module, train_in_process
+from helpers import ok, refused
 from ringtrain.tools.sample import generate, sample
 
 # A tiny character Transformer: a few seconds on one core, and it sees a context of 16.
@@ -22,20 +22,6 @@ TINY_CHAR_MODEL = [
     "trainer.eval_every_n_steps=20",
 ]
 WORDS = "the king and queen of rome speak to romeo while juliet sleeps under a pale moon".split()
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def _refused(proc: subprocess.CompletedProcess, *phrases: str) -> str:
-    """Exit 2 and exactly one line on stderr, `error: ...`, holding every phrase."""
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +42,8 @@ def vocabulary(char_run) -> str:
 
 def test_sample_prints_the_prompt_and_200_characters_of_the_vocabulary(char_run, vocabulary):
     prompt = "The king"
-    proc = _ok(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"prompt={prompt}",
-                                "max_new_tokens=200", "temperature=0.8", "top_k=200", "seed=0", "device=cpu"]))
+    proc = ok(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"prompt={prompt}",
+                               "max_new_tokens=200", "temperature=0.8", "top_k=200", "seed=0", "device=cpu"]))
     text = proc.stdout.removesuffix("\n")  # print's newline; the sample itself may end in one
     assert text.startswith(prompt) and len(text) == len(prompt) + 200
     assert set(text) <= set(vocabulary)
@@ -105,7 +91,7 @@ def test_generate_crops_the_context_to_block_size_and_works_for_any_logits_model
 
 def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):
     logged = json.loads((char_run / "metrics.json").read_text())["final"]["val/loss"]
-    proc = _ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}"]))
+    proc = ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}"]))
     record = json.loads((char_run / "eval" / "metrics.json").read_text())  # the default output
     assert record["metrics"]["val/loss"] == pytest.approx(logged, abs=1e-6)
     assert record["step"] == 40 and record["split"] == "val" and record["world_size"] == 1
@@ -115,12 +101,12 @@ def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(c
 @pytest.mark.parametrize("launch", ["self-launched", "torchrun"])
 def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
-    _ok(run_module("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
+    ok(run_module("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
     two_ranks = [checkpoint, "split=train", "trainer.val_batch_size=7", f"output={tmp_path / 'two.json'}"]
     if launch == "torchrun":  # strategy=auto is ddp under torchrun
-        _ok(run_module("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "ringtrain.tools.evaluate", *two_ranks]))
+        ok(run_module("torch.distributed.run", ["--standalone", "--nproc_per_node=2", "-m", "ringtrain.tools.evaluate", *two_ranks]))
     else:
-        _ok(run_module("ringtrain.tools.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
+        ok(run_module("ringtrain.tools.evaluate", [*two_ranks, "strategy=ddp", "strategy.nproc_per_node=2"]))
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert two["world_size"] == 2 and two["strategy"] == "ddp"
     assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)
@@ -130,8 +116,8 @@ def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
     """Other data of the same kind (a copy of the text under another name) gives the same loss."""
     data = Path(torch.load(char_run / "checkpoints" / "last.pt", weights_only=True)["config"]["data"]["path"])
     (tmp_path / "copy.txt").write_text(data.read_text(encoding="utf-8"), encoding="utf-8")
-    _ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"data.path={tmp_path / 'copy.txt'}",
-                           "trainer.limit_val_batches=2", f"output={tmp_path / 'm.json'}"]))
+    ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"data.path={tmp_path / 'copy.txt'}",
+                          "trainer.limit_val_batches=2", f"output={tmp_path / 'm.json'}"]))
     record = json.loads((tmp_path / "m.json").read_text())
     assert record["overrides"] == [f"data.path={tmp_path / 'copy.txt'}", "trainer.limit_val_batches=2"]
     assert 0 < record["metrics"]["val/loss"] < 10
@@ -140,8 +126,8 @@ def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
 def test_evaluate_config_is_the_checkpoints_own_changed_with_hydras_grammar(char_run, tmp_path):
     """The stored sections are the config's: key=value changes, ~key removes, +key adds."""
     checkpoint = char_run / "checkpoints" / "last.pt"
-    proc = _ok(run_module("evaluate", ["--cfg", "job", f"checkpoint={checkpoint}", "data.path=other.txt",
-                                       "~data.cache_dir", "+data.extra=1", "trainer.val_batch_size=7"], cwd=tmp_path))
+    proc = ok(run_module("evaluate", ["--cfg", "job", f"checkpoint={checkpoint}", "data.path=other.txt",
+                                      "~data.cache_dir", "+data.extra=1", "trainer.val_batch_size=7"], cwd=tmp_path))
     cfg, stored = yaml.safe_load(proc.stdout), torch.load(checkpoint, weights_only=True)["config"]
     assert cfg["model"] == stored["model"] and cfg["task"] == stored["task"]
     assert cfg["data"] == {**{k: v for k, v in stored["data"].items() if k != "cache_dir"}, "path": "other.txt", "extra": 1}
@@ -161,9 +147,9 @@ def token_checkpoint(tmp_path_factory) -> Path:
 
 
 def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
-    _refused(run_module("sample", [f"checkpoint={token_checkpoint}"]),
-             "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text or "
-             "data=token_file")
+    refused(run_module("sample", [f"checkpoint={token_checkpoint}"]),
+            "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text or "
+            "data=token_file")
 
 
 @pytest.mark.parametrize("args,phrases", [
@@ -174,7 +160,7 @@ def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
     (["seed=x"], ["seed='x' is not an integer"]),
 ])
 def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
-    _refused(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
+    refused(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
 
 
 def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_checkpoint, tmp_path):
@@ -185,8 +171,8 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
         checkpoint.parent.mkdir(parents=True)
         shutil.copy(source, checkpoint)
     (tmp_path / "cwd").mkdir()
-    proc = _ok(run_module("ringtrain", ["evaluate", "-m", f"checkpoint={checkpoints[0]},{checkpoints[1]}",
-                                        "trainer.limit_val_batches=2"], cwd=tmp_path / "cwd"))
+    proc = ok(run_module("ringtrain", ["evaluate", "-m", f"checkpoint={checkpoints[0]},{checkpoints[1]}",
+                                       "trainer.limit_val_batches=2"], cwd=tmp_path / "cwd"))
     records = [json.loads((c.parent.parent / "eval" / "metrics.json").read_text()) for c in checkpoints]
     assert [r["checkpoint"] for r in records] == [str(c) for c in checkpoints]
     assert [r["step"] for r in records] == [40, 2] and all(r["overrides"] == ["trainer.limit_val_batches=2"] for r in records)
@@ -207,7 +193,7 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]
-    _refused(run_module("evaluate", checkpoint + args + [f"output={tmp_path / 'm.json'}"]), *phrases)
+    refused(run_module("evaluate", checkpoint + args + [f"output={tmp_path / 'm.json'}"]), *phrases)
     assert not (tmp_path / "m.json").exists()
 
 
@@ -216,11 +202,11 @@ def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_
 def test_shakespeare_char_then_sample_200_characters(tmp_path):
     """The issue's acceptance 6: train the preset on Tiny Shakespeare, then sample from it."""
     run = tmp_path / "run"
-    _ok(run_cli(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}", f"data.cache_dir={tmp_path / 'cache'}",
-                 f"hydra.run.dir={run}"], timeout=1800))
+    ok(run_cli(["experiment=shakespeare_char", f"data.path={SHAKESPEARE}", f"data.cache_dir={tmp_path / 'cache'}",
+                f"hydra.run.dir={run}"], timeout=1800))
     vocab = torch.load(run / "checkpoints" / "best.pt", weights_only=True)["vocab"]["chars"]
-    proc = _ok(run_module("sample", [f"checkpoint={run / 'checkpoints/best.pt'}", "prompt=ROMEO:", "max_new_tokens=200",
-                                "temperature=0.8", "top_k=200", "seed=0"]))
+    proc = ok(run_module("sample", [f"checkpoint={run / 'checkpoints/best.pt'}", "prompt=ROMEO:", "max_new_tokens=200",
+                               "temperature=0.8", "top_k=200", "seed=0"]))
     text = proc.stdout.removesuffix("\n")
     assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 200 and set(text) <= set(vocab)
     # A trained model writes words and lines, not noise: mostly letters and spaces.

@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import REPO
+from helpers import Job, free_port
 from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
 
-REPO = Path(__file__).resolve().parents[1]
+# Seconds a line or an exit may take: these processes do nothing slow.
+WAIT = 20
 
 # A training loop stand-in: each "step" sleeps, then polls like the Trainer does.
 LOOP = r"""
@@ -65,65 +63,18 @@ FIRST_SIGNAL_LINE = re.compile(
 )
 
 
-class Process:
-    """A `python -c` subprocess whose output lines can be awaited while it runs."""
-
-    def __init__(self, script: str, args: list[str] = (), env: dict[str, str] | None = None):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", script, *args], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, pattern: str, timeout: float = 20) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return line
-        self.kill()
-        raise AssertionError(f"no line matching {pattern!r}; output so far:\n" + "\n".join(self.lines))
-
-    def finish(self, timeout: float = 20) -> tuple[int, str]:
-        """Exit status and the whole output."""
-        try:
-            status = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError("did not exit in time; output:\n" + "\n".join(self.lines)) from None
-        while (line := self._queue.get(timeout=5)) is not None:
-            self.lines.append(line)
-        return status, "\n".join(self.lines)
-
-    def signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def python_job(script: str, args: list[str] = (), env: dict[str, str] | None = None) -> Job:
+    """`python -c SCRIPT ARGS` as a watched Job."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return Job([sys.executable, "-c", script, *args], cwd=REPO, env=env)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=lambda s: s.name)
 def test_stop_signal_finishes_the_step_and_exits_with_the_documented_status(signum):
-    process = Process(LOOP, ["0.3", "2.0"])
-    process.wait_for("^finished step 2$")
-    process.signal(signum)
-    status, output = process.finish()
+    with python_job(LOOP, ["0.3", "2.0"]) as process:
+        process.wait_for_line("^finished step 2$", WAIT)
+        process.send_signal(signum)
+        status, output = process.finish(WAIT)
 
     assert status == STOPPED_BY_SIGNAL_EXIT == 143, output
     announced = FIRST_SIGNAL_LINE.search(output)
@@ -135,14 +86,14 @@ def test_stop_signal_finishes_the_step_and_exits_with_the_documented_status(sign
 
 
 def test_second_signal_exits_at_once_with_128_plus_signum():
-    process = Process(LOOP, ["8.0", "0.2"])  # steps far longer than the test waits
-    process.wait_for("^ready$")
-    process.signal(signal.SIGTERM)
-    process.wait_for("received SIGTERM: finishing step 1")
-    time.sleep(0.4)  # past the repeat grace
-    sent = time.monotonic()
-    process.signal(signal.SIGINT)
-    status, output = process.finish(timeout=5)
+    with python_job(LOOP, ["8.0", "0.2"]) as process:  # steps far longer than the test waits
+        process.wait_for_line("^ready$", WAIT)
+        process.send_signal(signal.SIGTERM)
+        process.wait_for_line("received SIGTERM: finishing step 1", WAIT)
+        time.sleep(0.4)  # past the repeat grace
+        sent = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        status, output = process.finish(timeout=5)
 
     assert status == 128 + signal.SIGINT, output
     assert time.monotonic() - sent < 3, "the second signal did not exit at once"
@@ -152,12 +103,12 @@ def test_second_signal_exits_at_once_with_128_plus_signum():
 
 def test_repeat_within_the_grace_is_the_same_request():
     """Ctrl-C reaches torchrun's workers directly and again through torchrun: one request."""
-    process = Process(LOOP, ["0.5", "2.0"])
-    process.wait_for("^ready$")
-    process.signal(signal.SIGINT)
-    process.wait_for("received SIGINT: finishing step")
-    process.signal(signal.SIGINT)
-    status, output = process.finish()
+    with python_job(LOOP, ["0.5", "2.0"]) as process:
+        process.wait_for_line("^ready$", WAIT)
+        process.send_signal(signal.SIGINT)
+        process.wait_for_line("received SIGINT: finishing step", WAIT)
+        process.send_signal(signal.SIGINT)
+        status, output = process.finish(WAIT)
 
     assert status == STOPPED_BY_SIGNAL_EXIT, output
     assert "taken as the same stop request" in output
@@ -167,16 +118,16 @@ def test_repeat_within_the_grace_is_the_same_request():
 def test_two_ranks_stop_at_the_same_step_when_only_one_gets_the_signal():
     port = free_port()
     ranks = [
-        Process(RANK, env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        python_job(RANK, env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         for rank in range(2)
     ]
     try:
-        ranks[1].wait_for("^finished step 5$")
-        ranks[1].signal(signal.SIGTERM)
-        results = [rank.finish() for rank in ranks]
+        ranks[1].wait_for_line("^finished step 5$", WAIT)
+        ranks[1].send_signal(signal.SIGTERM)
+        results = [rank.finish(WAIT) for rank in ranks]
     finally:
         for rank in ranks:
-            rank.kill()
+            rank.kill_leftovers()
 
     stopped = []
     for rank, (status, output) in enumerate(results):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import run_cli
+from helpers import free_port
 
 LRS, BATCHES = (0.01, 0.05), (32, 64)
 SCALAR_TAGS = {"train/loss", "val/loss", "lr", "grad_norm", "throughput/samples_per_sec"}
@@ -96,12 +96,6 @@ def test_event_files_hold_every_runs_scalars_and_hparams(sweep_2x2):
         assert "final/val/loss" in events.Tags()["scalars"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get_json(url: str):
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
@@ -109,7 +103,7 @@ def _get_json(url: str):
 
 def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
     sweep_dir, _ = sweep_2x2
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(sweep_dir), "--host", "127.0.0.1",
          "--port", str(port), "--reload_interval", "1"],

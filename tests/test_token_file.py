@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import run_module
+from helpers import refused
 from ringtrain.data.bundle import DataError
 from ringtrain.data.prepare_tokens import PrepareError, prepare_random, prepare_text
 from ringtrain.data.tensors import windows_of
@@ -111,15 +112,12 @@ def test_the_command_writes_a_directory_that_decodes_on_its_own(text_file, tmp_p
 
 def test_unusable_inputs_end_the_command_with_one_line_and_exit_2(tmp_path):
     missing = run_module("prepare_tokens", [f"input={tmp_path / 'nope.txt'}", f"output={tmp_path / 'out'}"])
-    assert missing.returncode == 2 and missing.stdout == ""
-    assert missing.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
-    ]
+    assert refused(missing) == f"error: {tmp_path / 'nope.txt'} does not exist or is not a file; pass a UTF-8 text file"
+    assert missing.stdout == ""
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("ab".encode() * 50 + "café".encode("latin-1") + b"z" * 100)
-    refused = run_module("prepare_tokens", [f"input={latin1}", f"output={tmp_path / 'out'}", "vocab=char"])
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
-    assert "is not UTF-8 text (byte 103); convert it to UTF-8 first" in refused.stderr
+    not_utf8 = run_module("prepare_tokens", [f"input={latin1}", f"output={tmp_path / 'out'}", "vocab=char"])
+    refused(not_utf8, "is not UTF-8 text (byte 103); convert it to UTF-8 first")
     with pytest.raises(PrepareError, match=r"is not UTF-8 text \(byte 103\); convert it to UTF-8 first"):
         prepare_text(latin1, tmp_path / "out", "byte")
     assert not (tmp_path / "out").exists()  # nothing half-written is left behind

@@ -1,0 +1,67 @@
+"""The loop's own cost per optimizer step, counted in device ops rather than timed.
+
+On a small model the work of a step (forward, loss, backward, optimizer step) is a few dozen
+microseconds, and every tensor op the loop adds around it (a gradient norm, an isfinite, a
+torch.where, a stack) costs a few microseconds of dispatch: issue 21 measured the loop's
+bookkeeping at several times the model's work. Counting the `aten::` ops torch.profiler
+records catches such an op the day it is added, with no timing and so no flakiness.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import train_in_process
+
+# Device ops a plain step (no log, no evaluation, no save) may add to the bare work of
+# forward + loss + backward + optimizer.step + zero_grad. See the test's docstring.
+MAX_EXTRA_OPS_PER_STEP = 1
+PROFILED_STEP = 3  # default job: logs every 50 steps, evaluates and saves at each epoch's end
+
+
+def _aten_ops(run) -> Counter:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run()
+    return Counter(e.name for e in profiler.events() if e.name.startswith("aten::"))
+
+
+def _extra_ops_of_a_plain_step(monkeypatch, tmp_path) -> Counter:
+    """The aten ops of one whole optimizer step of the default job (single, fp32) as the loop
+    runs it, minus those of the same model's bare step on the same batch."""
+    import ringtrain.loop.fit as loop
+
+    counted: dict[str, Counter] = {}
+    original = loop._train_one_step
+
+    def profiled(state, progress, micro_batches, speed):
+        if progress.step + 1 != PROFILED_STEP:
+            return original(state, progress, micro_batches, speed)
+        result: list = []
+        counted["loop"] = _aten_ops(lambda: result.append(original(state, progress, micro_batches, speed)))
+        parts = state.parts
+
+        def bare_step():
+            for inputs, targets in micro_batches:
+                state.task.loss(parts.module(inputs), targets).backward()
+            parts.optimizer.step()
+            parts.optimizer.zero_grad(set_to_none=True)
+
+        counted["bare"] = _aten_ops(bare_step)
+        return result[0]
+
+    monkeypatch.setattr(loop, "_train_one_step", profiled)
+    train_in_process(["trainer.max_steps=5", "strategy=single", "trainer.precision=32"], tmp_path)
+    return counted["loop"] - counted["bare"]
+
+
+def test_a_plain_step_adds_at_most_a_few_device_ops(monkeypatch, tmp_path):
+    """A step that neither logs, evaluates nor saves dispatches at most
+    MAX_EXTRA_OPS_PER_STEP (1) aten op beyond the bare step of the same model, with the
+    defaults (on_nonfinite=stop, constant schedule): the loss's detach for the meter, and one
+    op that folds it into the run's non-finite watch. Before issue 21 the count was 36: a
+    gradient norm every step, isfinite, where, and more."""
+    extra = _extra_ops_of_a_plain_step(monkeypatch, tmp_path)
+    print("extra ops:", sum(extra.values()), sorted(extra.items()))
+    assert sum(extra.values()) <= MAX_EXTRA_OPS_PER_STEP, sorted(extra.items())

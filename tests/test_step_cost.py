@@ -63,5 +63,4 @@ def test_a_plain_step_adds_at_most_a_few_device_ops(monkeypatch, tmp_path):
     op that folds it into the run's non-finite watch. Before issue 21 the count was 36: a
     gradient norm every step, isfinite, where, and more."""
     extra = _extra_ops_of_a_plain_step(monkeypatch, tmp_path)
-    print("extra ops:", sum(extra.values()), sorted(extra.items()))
     assert sum(extra.values()) <= MAX_EXTRA_OPS_PER_STEP, sorted(extra.items())

@@ -44,5 +44,8 @@ def optimizer_step(parts: TrainingParts, task, micro_batches: list[Batch], meter
     elif precision.step(parts.optimizer) is False:
         progress.skipped_steps += 1  # GradScaler found inf/NaN gradients and skipped
     parts.scheduler.step()
-    parts.optimizer.zero_grad(set_to_none=True)
+    # What optimizer.zero_grad(set_to_none=True) does, without its ~8 us of Python a step
+    # (a profiler range and per-device grouping); it also clears parameters the optimizer lacks.
+    for param in parts.params:
+        param.grad = None
     return grad_norm

@@ -64,3 +64,43 @@ def test_a_plain_step_adds_at_most_a_few_device_ops(monkeypatch, tmp_path):
     gradient norm every step, isfinite, where, and more."""
     extra = _extra_ops_of_a_plain_step(monkeypatch, tmp_path)
     assert sum(extra.values()) <= MAX_EXTRA_OPS_PER_STEP, sorted(extra.items())
+
+
+# --- what the cheap non-finite watch still guarantees ------------------------------------------
+
+
+def _poison_gradients_at(step: int, monkeypatch) -> None:
+    """NaN gradients at optimizer step `step`, whose loss stays finite: only the update is bad."""
+    from ringtrain.loop.precision import Precision
+
+    original, calls = Precision.unscale_, []
+
+    def unscale_then_poison(self, optimizer):
+        original(self, optimizer)
+        calls.append(None)
+        if len(calls) == step:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad.fill_(float("nan"))
+
+    monkeypatch.setattr(Precision, "unscale_", unscale_then_poison)
+
+
+def test_a_nonfinite_update_on_a_saving_step_is_caught_before_the_save(monkeypatch, tmp_path, caplog):
+    """Step 4 saves last.pt (checkpoint_every_n_steps=4) and neither logs nor measures its
+    gradient norm; its update is the first bad one and its loss was finite, so only the
+    weights' check at the save can catch it: the run stops naming step 4, saving nothing."""
+    _poison_gradients_at(4, monkeypatch)
+    result = train_in_process(["trainer.max_steps=10", "trainer.checkpoint_every_n_steps=4"], tmp_path)
+    assert result.stopped == "non-finite" and result.steps == 4
+    assert "at step 4; stopped at step 4 (nothing was saved)" in caplog.text
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))
+
+
+def test_a_nonfinite_update_between_checks_is_named_by_the_next_loss(monkeypatch, tmp_path, caplog):
+    """Step 2's update is bad, with a finite loss, and nothing checks it (no log, no save):
+    step 3's loss is the first non-finite value, found at step 3's save, which never happens."""
+    _poison_gradients_at(2, monkeypatch)
+    result = train_in_process(["trainer.max_steps=10", "trainer.checkpoint_every_n_steps=3"], tmp_path)
+    assert result.stopped == "non-finite" and result.steps == 3
+    assert "at step 3; stopped at step 3 (nothing was saved)" in caplog.text

@@ -7,8 +7,10 @@
           weights non-finite, which the next step's loss shows; the update of the step being
           checked has no next loss yet, so `check` also reads that step's gradient norm when
           it was measured (logging steps) or else the weights' norm. So no checkpoint
-          (best.pt included) ever holds weights a non-finite update touched. The run exits
-          with status 3; in a sweep the job scores the worst value.
+          (best.pt included) ever holds weights a non-finite update touched. The step named
+          is the first whose loss (or checked gradient or weights) was non-finite: for a
+          non-finite gradient between checks, the step after it. The run exits with status 3;
+          in a sweep the job scores the worst value.
   skip    skip that optimizer update (the schedule still advances), count it
           (`train/skipped_steps` in TensorBoard and metrics.json) and go on. Deciding needs
           the gradient norm and one flag read, a host sync, per step.

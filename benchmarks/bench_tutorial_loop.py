@@ -8,7 +8,8 @@ TensorBoard scalars every 50 steps, and the non-finite watch, on_nonfinite=stop)
 
 A third loop shows where the time goes: `hand-written` is what a careful user writes without
 a framework: batches gathered once per epoch, `loss.backward()`, `optimizer.step()`, nothing
-else. This is a record of where ringtrain stands on the tutorial's job, not a speed target.
+else. Issue 21's targets: ringtrain faster than the tutorial, and at most 2x the hand-written
+loop's time.
 
     python benchmarks/bench_tutorial_loop.py [--repeats 7] [--threads 1]
 

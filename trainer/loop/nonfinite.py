@@ -69,6 +69,8 @@ class NonFiniteWatch:
         if not self.uses_scaler:  # the update of `step`: its gradient, else what it made
             losses.append((grad_norm if grad_norm is not None else weight_norm()).float().to(self.device))
             steps.append(step)
+        if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
+            return False
         values = torch.stack(losses)
         finite = torch.isfinite(values)
         if bool(finite.all()):

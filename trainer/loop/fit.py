@@ -113,7 +113,7 @@ def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Bat
     cfg, parts = state.config.trainer, state.parts
     step, total_steps = progress.step + 1, parts.total_steps
     log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
-    lr_used = parts.scheduler.get_last_lr()[0]
+    lr_used = parts.scheduler.get_last_lr()[0] if log_now else None
     grad_norm = optimizer_step(parts, state.task, micro_batches, state.meter, state.nonfinite, progress, step,
                                cfg.grad_clip_norm, measure_grad_norm=log_now or state.nonfinite.needs_grad_norm)
     epoch_done = progress.finish_step(len(micro_batches), len(parts.train_loader))
@@ -122,12 +122,9 @@ def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Bat
     checkpoint_now = not evaluate_now and cfg.checkpoint and cfg.checkpoint_every_n_steps > 0 \
         and step % cfg.checkpoint_every_n_steps == 0
 
-    # stop: the first non-finite step is read (one sync) only where it matters: before values
-    # are logged or weights evaluated or saved.
-    if (log_now or evaluate_now or checkpoint_now) and state.nonfinite.first_bad_step() is not None:
-        state.stopped = "non-finite"
-        state.logger.error(state.nonfinite.stop_message(progress.step, state.checkpointer.last))
-        state.metrics = {state.task.monitor: float("nan")}
+    # on_nonfinite=stop: the losses since the last check, and this step's update, are read
+    # (one sync) only where it matters: before values are logged or weights evaluated or saved.
+    if (log_now or evaluate_now or checkpoint_now) and _found_nonfinite(state, progress, grad_norm):
         return True
     if log_now:
         values = {**state.meter.read(state.dist), "lr": lr_used, "grad_norm": float(grad_norm)}
@@ -149,15 +146,29 @@ def _stop_if_signalled(state: FitState, progress: Progress, saved: bool) -> None
     """A stop signal on any rank (agreed on by all): save last.pt unless just saved, and end."""
     if state.stop is None or not state.agreement.should_stop(state.stop.poll(progress.step)):
         return
-    state.stopped = state.stop.received or "a stop signal on another rank"
     checkpoint = state.config.trainer.checkpoint
     if checkpoint and not saved:
+        if _found_nonfinite(state, progress, grad_norm=None):  # this step's update is not checked yet
+            return
         state.checkpointer.save(state.parts, progress, best=False)
+    state.stopped = state.stop.received or "a stop signal on another rank"
     state.logger.info(
         f"stopped by {state.stopped} after step {progress.step}"
         + ("; last.pt saved: the same command continues the run" if checkpoint else
            " (trainer.checkpoint=false: nothing saved)")
     )
+
+
+def _found_nonfinite(state: FitState, progress: Progress, grad_norm) -> bool:
+    """on_nonfinite=stop: whether a non-finite value showed up by this step (then the run
+    stops here, naming the first one, before anything logs, evaluates or saves it)."""
+    parts = state.parts
+    if not state.nonfinite.check(progress.step, grad_norm, lambda: parts.strategy.weight_norm(parts.params)):
+        return False
+    state.stopped = "non-finite"
+    state.logger.error(state.nonfinite.stop_message(progress.step, state.checkpointer.last))
+    state.metrics = {state.task.monitor: float("nan")}
+    return True
 
 
 def evaluate(state: FitState) -> dict[str, float]:

@@ -1,60 +1,91 @@
 """What to do when a loss or gradient norm is NaN or infinite: trainer.on_nonfinite.
 
-  stop    (default) end the run, naming the first non-finite step. Sync-free: the step is
-          tracked on the device and read only where values are about to be logged, evaluated
-          or saved, so no checkpoint (best.pt included) ever holds weights a non-finite update
-          touched. The run exits with status 3; in a sweep the job scores the worst value.
+  stop    (default) end the run, naming the first non-finite step. It costs a step nothing
+          on the device: each micro-batch's loss (the detached tensor the meter keeps anyway)
+          goes on a list, and the list is read, with one host sync, only where values are
+          about to be logged, evaluated or saved (`check`). A non-finite gradient makes the
+          weights non-finite, which the next step's loss shows; the update of the step being
+          checked has no next loss yet, so `check` also reads that step's gradient norm when
+          it was measured (logging steps) or else the weights' norm. So no checkpoint
+          (best.pt included) ever holds weights a non-finite update touched. The step named
+          is the first whose loss (or checked gradient or weights) was non-finite: for a
+          non-finite gradient between checks, the step after it. The run exits with status 3;
+          in a sweep the job scores the worst value.
   skip    skip that optimizer update (the schedule still advances), count it
-          (`train/skipped_steps` in TensorBoard and metrics.json) and go on. Deciding costs one
-          flag read, a host sync, per step.
+          (`train/skipped_steps` in TensorBoard and metrics.json) and go on. Deciding needs
+          the gradient norm and one flag read, a host sync, per step.
   ignore  apply every update, as a plain loop would.
-Every rank decides alike: the decision uses the gradient norm after DDP's all-reduce, which
-is the same on every rank. With 16-mixed, GradScaler already skips overflowing steps (that is
-its job: a float16 overflow is expected now and then) and those skips are counted the same
-way; on_nonfinite then watches the loss only.
+Every rank decides alike: the losses checked are each rank's own, but the gradient norm is
+taken after DDP's all-reduce and the weights' norm is the global one, the same on every rank;
+a loss made non-finite by non-finite weights is non-finite on every rank. With 16-mixed,
+GradScaler already skips overflowing steps (that is its job: a float16 overflow is expected
+now and then) and those skips are counted the same way; on_nonfinite then watches the loss only.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
+
 
 class NonFiniteWatch:
     def __init__(self, policy: str, device: torch.device, uses_scaler: bool):
         self.policy = policy
         self.uses_scaler = uses_scaler
-        # The first optimizer step with a non-finite value, 0 while there is none (on device).
-        self._first_bad = torch.zeros((), dtype=torch.long, device=device)
-        self._bad_value = torch.zeros((), device=device)
+        self.device = device
+        # stop: (step, loss) of every micro-batch since the last check, read at the next one.
+        self._unchecked: list[tuple[int, torch.Tensor]] = []
+        self._first_bad: int | None = None  # the first non-finite step found
+        self._bad_value = float("nan")
 
     @property
     def needs_grad_norm(self) -> bool:
-        return self.policy != "ignore" and not self.uses_scaler
+        """Whether every step must measure the gradient norm (skip decides on it each step)."""
+        return self.policy == "skip" and not self.uses_scaler
 
-    def is_bad(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
-        """A 0-dim bool tensor on the device: this step's loss or gradient norm is non-finite."""
-        bad = ~torch.isfinite(loss.detach().float())
-        if grad_norm is not None and not self.uses_scaler:
-            bad = bad | ~torch.isfinite(grad_norm.detach().float())
-        return bad
+    def allows_update(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> bool:
+        """After the backward of `step` (its micro-batches' detached `losses`): whether to
+        apply the update. stop only notes the losses (no device op); skip reads one flag."""
+        if self.policy == "stop":
+            self._unchecked.extend((step, loss) for loss in losses)
+            return True
+        if self.policy == "skip":
+            bad = ~torch.isfinite(torch.stack(losses).float()).all()
+            if grad_norm is not None and not self.uses_scaler:
+                bad = bad | ~torch.isfinite(grad_norm.float())
+            return not bool(bad)  # the one host sync skip costs
+        return True
 
-    def record(self, bad: torch.Tensor, step: int, value: torch.Tensor) -> None:
-        """Remember `step` if it is the first bad one (no host sync)."""
-        first = bad & (self._first_bad == 0)
-        self._first_bad = torch.where(first, torch.full_like(self._first_bad, step), self._first_bad)
-        self._bad_value = torch.where(first, value.detach().float(), self._bad_value)
+    def check(self, step: int, grad_norm: torch.Tensor | None, weight_norm: Callable[[], torch.Tensor]) -> bool:
+        """stop, before values of `step` are logged, evaluated or saved: whether a loss since
+        the last check, or the update of `step` itself, was non-finite (one host sync; every
+        rank calls it, `weight_norm` may all-reduce). `grad_norm`: that of `step`, if measured."""
+        if self.policy != "stop" or self._first_bad is not None:
+            return self._first_bad is not None
+        steps = [s for s, _ in self._unchecked]
+        losses = [loss.float() for _, loss in self._unchecked]
+        self._unchecked = []
+        if not self.uses_scaler:  # the update of `step`: its gradient, else what it made
+            losses.append((grad_norm if grad_norm is not None else weight_norm()).float().to(self.device))
+            steps.append(step)
+        if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
+            return False
+        values = torch.stack(losses)
+        finite = torch.isfinite(values)
+        if bool(finite.all()):
+            return False
+        first = int((~finite).nonzero()[0])
+        self._first_bad, self._bad_value = steps[first], float(values[first])
+        return True
 
     def first_bad_step(self) -> int | None:
-        """The first non-finite step so far (reads one number from the device), or None."""
-        if self.policy != "stop":
-            return None
-        step = int(self._first_bad)
-        return step or None
+        """The first non-finite step found by `check` so far, or None."""
+        return self._first_bad
 
     def stop_message(self, step: int, last_checkpoint: Path) -> str:
-        first = self.first_bad_step()
         saved = f"{last_checkpoint} is from before it" if last_checkpoint.exists() else "nothing was saved"
         return (
-            f"non-finite loss or gradient norm ({float(self._bad_value)}) at step {first}; stopped at step {step} "
+            f"non-finite loss or gradient norm ({self._bad_value}) at step {self._first_bad}; stopped at step {step} "
             f"({saved}): lower optimizer.lr, clip with trainer.grad_clip_norm, or set trainer.on_nonfinite=skip"
         )

@@ -79,6 +79,11 @@ class Strategy:
         grads = [p.grad for p in params if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
+    def weight_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
+        """The global norm of all weights (every rank calls it): non-finite when any weight is."""
+        weights = [p.detach() for p in params]
+        return torch.nn.utils.get_total_norm(weights) if weights else torch.zeros(())
+
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients to a global norm of at most `max_norm`; return the norm before."""
         params = [p for p in params if p.grad is not None]

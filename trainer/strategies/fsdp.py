@@ -101,6 +101,10 @@ class FSDP(ProcessGroupStrategy):
     def gradient_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
         return sharded_grad_norm(params)
 
+    def weight_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
+        weights = [p.detach() for p in params]  # each rank's shards: the norm all-reduces
+        return _total_norm(weights, 2.0) if weights else torch.zeros(())
+
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         return clip_sharded_grad_norm(params, max_norm)
 

@@ -1,0 +1,107 @@
+"""The loop's own cost per optimizer step, counted in device ops rather than timed.
+
+On a small model the work of a step (forward, loss, backward, optimizer step) is a few dozen
+microseconds, and every tensor op the loop adds around it (a gradient norm, an isfinite, a
+torch.where, a stack) costs a few microseconds of dispatch: issue 21 measured the loop's
+bookkeeping at several times the model's work. Counting the `aten::` ops torch.profiler
+records catches such an op the day it is added, with no timing and so no flakiness.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import train_in_process
+
+# Device ops a plain step (no log, no evaluation, no save) may add to the bare work of
+# forward + loss + backward + optimizer.step + zero_grad: the loss's detach (see the test).
+MAX_EXTRA_OPS_PER_STEP = 1
+PROFILED_STEP = 3  # default job: logs every 50 steps, evaluates and saves at each epoch's end
+
+
+def _aten_ops(run) -> Counter:
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run()
+    return Counter(e.name for e in profiler.events() if e.name.startswith("aten::"))
+
+
+def _extra_ops_of_a_plain_step(monkeypatch, tmp_path) -> Counter:
+    """The aten ops of one whole optimizer step of the default job (single, fp32) as the loop
+    runs it, minus those of the same model's bare step on the same batch."""
+    import ringtrain.loop.fit as loop
+
+    counted: dict[str, Counter] = {}
+    original = loop._train_one_step
+
+    def profiled(state, progress, micro_batches, speed):
+        if progress.step + 1 != PROFILED_STEP:
+            return original(state, progress, micro_batches, speed)
+        result: list = []
+        counted["loop"] = _aten_ops(lambda: result.append(original(state, progress, micro_batches, speed)))
+        parts = state.parts
+
+        def bare_step():
+            for inputs, targets in micro_batches:
+                state.task.loss(parts.module(inputs), targets).backward()
+            parts.optimizer.step()
+            parts.optimizer.zero_grad(set_to_none=True)
+
+        counted["bare"] = _aten_ops(bare_step)
+        return result[0]
+
+    monkeypatch.setattr(loop, "_train_one_step", profiled)
+    train_in_process(["trainer.max_steps=5", "strategy=single", "trainer.precision=32"], tmp_path)
+    return counted["loop"] - counted["bare"]
+
+
+def test_a_plain_step_adds_at_most_a_few_device_ops(monkeypatch, tmp_path):
+    """A step that neither logs, evaluates nor saves dispatches at most
+    MAX_EXTRA_OPS_PER_STEP (1) aten op beyond the bare step of the same model, with the
+    defaults (on_nonfinite=stop, constant schedule): the `detach` of each micro-batch's loss,
+    which the meter and the non-finite watch share (both only list it). Any op added to every
+    step fails this test: a `loss.neg()` makes it 2, a `torch.isfinite(loss)` 12. Before
+    issue 21 the count was 64: a gradient norm every step, isfinite, where, and more."""
+    extra = _extra_ops_of_a_plain_step(monkeypatch, tmp_path)
+    assert sum(extra.values()) <= MAX_EXTRA_OPS_PER_STEP, sorted(extra.items())
+
+
+# --- what the cheap non-finite watch still guarantees ------------------------------------------
+
+
+def _poison_gradients_at(step: int, monkeypatch) -> None:
+    """NaN gradients at optimizer step `step`, whose loss stays finite: only the update is bad."""
+    from ringtrain.loop.precision import Precision
+
+    original, calls = Precision.unscale_, []
+
+    def unscale_then_poison(self, optimizer):
+        original(self, optimizer)
+        calls.append(None)
+        if len(calls) == step:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad.fill_(float("nan"))
+
+    monkeypatch.setattr(Precision, "unscale_", unscale_then_poison)
+
+
+def test_a_nonfinite_update_on_a_saving_step_is_caught_before_the_save(monkeypatch, tmp_path, caplog):
+    """Step 4 saves last.pt (checkpoint_every_n_steps=4) and neither logs nor measures its
+    gradient norm; its update is the first bad one and its loss was finite, so only the
+    weights' check at the save can catch it: the run stops naming step 4, saving nothing."""
+    _poison_gradients_at(4, monkeypatch)
+    result = train_in_process(["trainer.max_steps=10", "trainer.checkpoint_every_n_steps=4"], tmp_path)
+    assert result.stopped == "non-finite" and result.steps == 4
+    assert "at step 4; stopped at step 4 (nothing was saved)" in caplog.text
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))
+
+
+def test_a_nonfinite_update_between_checks_is_named_by_the_next_loss(monkeypatch, tmp_path, caplog):
+    """Step 2's update is bad, with a finite loss, and nothing checks it (no log, no save):
+    step 3's loss is the first non-finite value, found at step 3's save, which never happens."""
+    _poison_gradients_at(2, monkeypatch)
+    result = train_in_process(["trainer.max_steps=10", "trainer.checkpoint_every_n_steps=3"], tmp_path)
+    assert result.stopped == "non-finite" and result.steps == 3
+    assert "at step 3; stopped at step 3 (nothing was saved)" in caplog.text

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import train_in_process

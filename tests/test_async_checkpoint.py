@@ -72,6 +72,17 @@ def test_the_copy_shares_no_memory_with_the_live_state_and_keeps_tied_tensors_on
     assert copy["progress"] == {"step": 7} and copy["pair"] == (1, "a") and copy.keys() == expected.keys()
 
 
+def test_a_copy_reuses_the_memory_of_the_previous_one_where_it_fits():
+    weight = torch.randn(4, 3)
+    state = {"model": {"embedding": weight, "head": weight}, "rng": [torch.zeros(2)], "step": 1}
+    first = detached_copy(state)
+    weight.add_(1.0)
+    second = detached_copy({**state, "rng": [torch.zeros(5)], "step": 2}, reuse=first)
+    assert second["model"]["embedding"] is first["model"]["embedding"] is second["model"]["head"]
+    assert torch.equal(second["model"]["embedding"], weight) and second["model"]["embedding"] is not weight
+    assert second["rng"][0].shape == (5,) and second["step"] == 2  # a new shape gets new memory
+
+
 def test_the_writer_runs_one_write_at_a_time_in_order_and_returns_a_failure_once():
     writer, order, release = BackgroundWriter(), [], threading.Event()
 

@@ -3,7 +3,7 @@ CPU memory; torch.save, the fsyncs, linking last.pt / best.pt and rotation run i
 thread.
 
   * `detached_copy` copies a state (nested dicts, lists, tuples of tensors and plain values)
-    into fresh CPU tensors. On CPU a full state dict's tensors share storage with the live
+    into CPU tensors of its own (reusing those of the previous copy where they fit). On CPU a full state dict's tensors share storage with the live
     parameters and the optimizer's moments, which the next optimizer step changes in place:
     a write that read them later would save a mix of two steps.
   * `BackgroundWriter` runs one write at a time in its thread. A write submitted while the
@@ -24,27 +24,43 @@ from typing import Any
 import torch
 
 
-def detached_copy(state: Any) -> Any:
+def detached_copy(state: Any, reuse: Any = None) -> Any:
     """`state` with every tensor copied to a fresh CPU tensor (no autograd history, no storage
     shared with anything live), containers copied, other values as they are (a checkpoint's
     plain values: numbers, strings, None). Tensors that are the same view of the same memory
-    (a tied embedding and head under both names) stay one tensor, so the file holds it once."""
-    return _copy(state, {})
+    (a tied embedding and head under both names) stay one tensor, so the file holds it once.
+
+    `reuse`: an earlier copy of a state of the same structure whose write has ended; its
+    tensors of the same place, shape and dtype are overwritten instead of allocated. Memory
+    freshly allocated for a whole model is paid for in page faults on its first touch, which
+    took most of the stop (0.4-0.8 s of a 29.5 M-parameter model's 0.05 s copy on a 2-core VM).
+    """
+    return _copy(state, reuse, {}, set())
 
 
-def _copy(state: Any, copies: dict[tuple, torch.Tensor]) -> Any:
+def _copy(state: Any, reuse: Any, copies: dict[tuple, torch.Tensor], used: set[int]) -> Any:
     if isinstance(state, torch.Tensor):
         key = (state.device, state.data_ptr(), state.dtype, tuple(state.shape), state.stride())
         if key not in copies:
-            copies[key] = state.detach().to("cpu", copy=True)
+            copies[key] = _tensor_copy(state, reuse, used)
         return copies[key]
     if isinstance(state, dict):
-        return {key: _copy(value, copies) for key, value in state.items()}
-    if isinstance(state, list):
-        return [_copy(value, copies) for value in state]
-    if isinstance(state, tuple):
-        return tuple(_copy(value, copies) for value in state)
+        earlier = reuse if isinstance(reuse, dict) else {}
+        return {key: _copy(value, earlier.get(key), copies, used) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        earlier = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(state) else [None] * len(state)
+        copied = [_copy(value, old, copies, used) for value, old in zip(state, earlier)]
+        return copied if isinstance(state, list) else tuple(copied)
     return state
+
+
+def _tensor_copy(tensor: torch.Tensor, reuse: Any, used: set[int]) -> torch.Tensor:
+    fits = (isinstance(reuse, torch.Tensor) and reuse.device.type == "cpu" and reuse.dtype == tensor.dtype
+            and reuse.shape == tensor.shape and reuse.is_contiguous() and id(reuse) not in used)
+    if not fits:
+        return tensor.detach().to("cpu", copy=True)
+    used.add(id(reuse))
+    return reuse.copy_(tensor.detach())
 
 
 class BackgroundWriter:

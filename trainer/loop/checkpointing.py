@@ -41,6 +41,7 @@ class Checkpointer:
         self.description = {"config": run.resolved, "monitor": task.monitor,
                             "data_dims": dict(data.dims), "vocab": data.vocab}
         self.writer = BackgroundWriter() if run.trainer.async_checkpoint else None
+        self._snapshot: dict[str, Any] | None = None  # the last copy written in the background
 
     @property
     def last(self) -> Path:
@@ -87,7 +88,8 @@ class Checkpointer:
             return None
         # A deep copy: on CPU the state's tensors are the live parameters and optimizer moments,
         # which the next step changes in place while the thread writes.
-        snapshot = detached_copy(state)
+        # The previous copy's write has ended (save waited for it): its memory is reused.
+        snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
         self.writer.submit(lambda: self.store.save(snapshot, step, best))
         return None
 

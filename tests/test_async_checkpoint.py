@@ -178,3 +178,41 @@ def test_a_full_disk_during_a_background_write_stops_every_rank_in_one_line_and_
     state = torch.load(directory / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert state["progress"]["step"] in (5, 10)
     assert not [p.name for p in (directory / "run" / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+
+def test_an_exception_waits_for_the_write_in_flight_before_leaving_the_checkpointer(tmp_path):
+    from types import SimpleNamespace
+
+    from ringtrain.distributed import DistInfo
+    from ringtrain.loop.checkpointing import Checkpointer
+    from ringtrain.loop.progress import Progress
+    from ringtrain.strategies.single import Single
+
+    run = SimpleNamespace(trainer=SimpleNamespace(keep_last_k=1, async_checkpoint=True), resolved={})
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    checkpointer = Checkpointer(run, dist, tmp_path, SimpleNamespace(dims={}, vocab=None), SimpleNamespace(monitor="m"))
+    model = torch.nn.Linear(3, 2)
+    parts = SimpleNamespace(strategy=Single(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            state_dict=lambda: {"scheduler": {}, "scaler": {}})
+    release, save = threading.Event(), checkpointer.store.save
+
+    def held_save(*args, **kwargs):
+        release.wait()
+        return save(*args, **kwargs)
+
+    checkpointer.store.save = held_save
+    wait = checkpointer.writer.wait
+
+    def release_then_wait():  # the write finishes only for one who waits for it
+        release.set()
+        return wait()
+
+    progress = Progress()
+    progress.step = 3
+    with pytest.raises(RuntimeError, match="a crash"), checkpointer:
+        checkpointer.save(parts, progress, best=False)
+        assert checkpointer.writer.busy
+        checkpointer.writer.wait = release_then_wait
+        raise RuntimeError("a crash")
+    assert not checkpointer.writer.busy
+    assert torch.load(checkpointer.last, weights_only=True)["progress"]["step"] == 3

@@ -20,6 +20,15 @@ delivered the announcements of five steps at once).
 
 RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES=N makes the atomic writes (checkpoints, metrics.json) fail
 with ENOSPC as on a file system of N bytes (for machines where a test cannot mount a small tmpfs).
+
+RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP=N holds every write of a step file of step N or later after
+its bytes are written, before its fsync and rename, for RINGTRAIN_TEST_SLOW_WRITE_SECONDS
+(default 600), having announced
+
+    interruptible: writing step=<step>
+
+so a test can act while a (background) checkpoint write is in flight, and once the file is
+renamed into place and its directory fsynced, `interruptible: written step=<step>`.
 """
 import os
 import sys
@@ -83,7 +92,39 @@ def _fill_the_disk_after(limit: int) -> None:
     atomic.remove_if_present = store.remove_if_present = remove
 
 
+def _announce(line: str) -> None:
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
+def _slow_down_step_file_writes(from_step: int, seconds: float) -> None:
+    """Hold each step file's write of `from_step` or later between its last byte and its rename."""
+    import contextlib
+    import re
+
+    import ringtrain.checkpoints.files as files
+
+    original = files.open_atomically
+
+    @contextlib.contextmanager
+    def open_then_hold(path):
+        step = re.fullmatch(r"step-(\d+)\.pt", os.path.basename(path))
+        held = step is not None and int(step.group(1)) >= from_step
+        with original(path) as file:
+            yield file
+            if held:
+                _announce(f"interruptible: writing step={int(step.group(1))}")
+                time.sleep(seconds)
+        if held:
+            _announce(f"interruptible: written step={int(step.group(1))}")
+
+    files.open_atomically = open_then_hold
+
+
 _announce_and_slow_down_every_step()
+if os.environ.get("RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP"):
+    _slow_down_step_file_writes(int(os.environ["RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP"]),
+                                float(os.environ.get("RINGTRAIN_TEST_SLOW_WRITE_SECONDS", "600")))
 if os.environ.get("RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES"):
     _fill_the_disk_after(int(os.environ["RINGTRAIN_TEST_DISK_FULL_AFTER_BYTES"]))
 

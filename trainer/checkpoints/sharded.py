@@ -3,6 +3,14 @@ with torch.distributed.checkpoint, nothing is gathered, so a model too large for
 memory still saves. CheckpointStore (ringtrain/checkpoints) keeps the rest of the state
 (schedule, progress, rng, config) in a small step-<N>.pt beside the shards directory,
 written only after the directory is complete.
+
+The shards are written synchronously even with trainer.async_checkpoint (only rank 0's step
+file goes to the background writer, checkpoints/background.py). Why not DCP's async_save: the
+directory becomes a checkpoint only when every rank's shards are complete and rank 0 has
+renamed it, which needs every rank's outcome at one collective point; in the background that
+agreement would have to wait for the next save, each rank would hold a staged CPU copy of its
+shards meanwhile, and a failure on one rank would have to be carried to the others later. The
+shards are each rank's own slice, so their synchronous write costs a 1/N share of the model.
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ class TrainerConfig:
     checkpoint: bool
     checkpoint_every_n_steps: int
     keep_last_k: int
+    async_checkpoint: bool
     resume: Any  # "auto", a checkpoint path, or None
     on_nonfinite: str
     stop_signals: list[str]

@@ -69,7 +69,8 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     logger = RunLogger(Path(run_dir), dist.is_main, parts.total_steps, cfg.progress_bar)
     state = FitState(run, dist, parts, task, Checkpointer(run, dist, run_dir, data, task), logger, stop, agreement, nonfinite)
 
-    with logger, _profiler(cfg.profile_steps, dist, Path(run_dir)) as profiler, agreement:
+    # The checkpointer last: on an exception it waits for a background write before the rest closes.
+    with logger, _profiler(cfg.profile_steps, dist, Path(run_dir)) as profiler, agreement, state.checkpointer:
         logger.config(run.resolved)
         logger.advance(progress.step)
         if stop is not None:
@@ -94,6 +95,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
                     break
                 if profiler:
                     profiler.step()
+        state.checkpointer.flush()  # the final save, or a stop signal's, is on disk before fit returns
         train_seconds = time.perf_counter() - started
         logger.hparams(run.resolved, state.metrics, progress.step)
         logger.summary({

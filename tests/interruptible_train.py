@@ -49,6 +49,9 @@ def _announce_and_slow_down_every_step() -> None:
     delay = float(os.environ.get("RINGTRAIN_TEST_STEP_SECONDS", "0.05"))
     hold_step = int(os.environ.get("RINGTRAIN_TEST_HOLD_AT_STEP", "0"))
     hold = float(os.environ.get("RINGTRAIN_TEST_HOLD_SECONDS", "3"))
+    # A file whose appearance ends the hold at hold_step (an event the test makes), instead of
+    # the seconds above; bounded, so a test that never makes it cannot hang the job.
+    release = os.environ.get("RINGTRAIN_TEST_HOLD_UNTIL_FILE")
 
     def step_then_announce(parts, task, micro_batches, meter, nonfinite, progress, step, *args, **kwargs):
         result = original(parts, task, micro_batches, meter, nonfinite, progress, step, *args, **kwargs)
@@ -57,7 +60,12 @@ def _announce_and_slow_down_every_step() -> None:
         # neither (seen on 2 ranks for every other step), and the test missed the step it waited for.
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), f"interruptible: rank={os.environ.get('RANK', '0')} pid={os.getpid()} step={step}\n".encode())
-        time.sleep(hold if step == hold_step else delay)
+        if step == hold_step and release:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            time.sleep(hold if step == hold_step else delay)
         return result
 
     step_then_announce._interruptible = True

@@ -599,9 +599,13 @@ def test_a_stalled_rank_ends_the_job_and_is_named(tmp_path):
 
 def test_a_second_job_in_a_running_jobs_directory_is_refused_and_the_first_is_unharmed(tmp_path, reference):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
-    with training_job(args, step_seconds=0.1) as job:
+    release = tmp_path / "release-the-first-job"
+    # The first job holds at step 5 until the second has ended: on a loaded machine the second's
+    # start-up could otherwise outlast the first job.
+    with training_job(args, hold_at_step=5, env={"RINGTRAIN_TEST_HOLD_UNTIL_FILE": str(release)}) as job:
         job.wait_for_step(5)
         second = run_cli(args)  # the same command again, while the first still trains
+        release.touch()
         status, output = job.finish()
     assert refused(second) == (
         f"error: {tmp_path / 'run'} is in use by another training job (pid {job.proc.pid} on "

@@ -17,21 +17,19 @@ import pytest
 import torch
 
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
-from test_resilience import (  # noqa: F401  (reference is a fixture)
+from helpers import TORCHRUN, job_ok
+from test_resilience import (  # noqa: F401  (reference and full_file_system are fixtures)
     DDP,
     SIGNAL_STEP_SECONDS,
     SINGLE,
-    TORCHRUN,
-    Job,
-    _assert_equal,
     assert_identical,
     assert_stopped_at_current_step,
     checkpoint,
     full_file_system,
-    ok,
     reference,
     resumed_from_step,
     run_job,
+    training_job,
 )
 
 # Single process: 32 steps an epoch, saves at 7, 14, 21, 28, 32, 35 and 40.
@@ -111,7 +109,7 @@ def test_the_writer_runs_one_write_at_a_time_in_order_and_returns_a_failure_once
 def test_sigkill_while_a_background_write_is_in_flight_resumes_the_previous_checkpoint_bit_identical(
         tmp_path, reference):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
-    with Job(args, env=_slow_writes(HELD)) as job:
+    with training_job(args, env=_slow_writes(HELD)) as job:
         job.wait_for_line(_writing(HELD))
         # Training goes on while step 14's file is written: the write is in the background.
         job.wait_for_step(HELD + 1)
@@ -124,7 +122,7 @@ def test_sigkill_while_a_background_write_is_in_flight_resumes_the_previous_chec
     assert not (checkpoints / f"step-{HELD:08d}.pt").exists()
     assert checkpoint(tmp_path / "run")["progress"]["step"] == 7
 
-    output = ok(run_job(args))  # the same command
+    output = job_ok(run_job(args))  # the same command
     assert resumed_from_step(output) == 7
     assert_identical(tmp_path / "run", reference(1))
 
@@ -133,7 +131,7 @@ def test_sigterm_during_background_writes_waits_for_them_and_exits_143_with_a_lo
         tmp_path, reference):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
     # Every write from step 14 on is held a second: the stop's own save is in flight at the exit.
-    with Job(args, step_seconds=SIGNAL_STEP_SECONDS, env=_slow_writes(HELD, seconds=1)) as job:
+    with training_job(args, step_seconds=SIGNAL_STEP_SECONDS, env=_slow_writes(HELD, seconds=1)) as job:
         job.wait_for_line(_writing(HELD))
         job.wait_for_step(HELD + 1)
         os.kill(job.proc.pid, signal.SIGTERM)
@@ -147,7 +145,7 @@ def test_sigterm_during_background_writes_waits_for_them_and_exits_143_with_a_lo
     state = checkpoint(tmp_path / "run")  # loads with weights_only=True, complete
     assert state["progress"]["step"] == saved
 
-    output = ok(run_job(args))
+    output = job_ok(run_job(args))
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(1))
 

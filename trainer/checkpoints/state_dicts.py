@@ -6,26 +6,24 @@ they all-gather) and return the complete state on rank 0; `load_full_model_state
 `load_full_optimizer_state_dict` are called on every rank and take rank 0's state. The
 optimizer state is keyed by parameter name (FQN), not by position, which is what makes it
 portable between strategies. torch.distributed.checkpoint's state-dict functions do the work
-for plain, DDP, compiled and FSDP2 models alike.
+for DDP and FSDP2 models, with a process group.
+
+Without a process group (single, dp, and the tools), the same format comes from the model's
+and the optimizer's own state_dict(), renamed by parameter name: importing DCP costs about
+half a second at start-up (it pulls in DTensor and dynamo), more than the whole training of
+the seed tutorial's job (benchmarks/bench_process.py); tests/test_checkpoint_files.py holds
+the two ways to the same output.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-# Full (unsharded) state dicts as plain CPU tensors. With a process group, only rank 0 gets
-# them (the others get {}), so N ranks never hold N full copies in host memory at once.
-_GATHER_TO_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 
 
@@ -38,13 +36,20 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     On a CPU model without FSDP the tensors share storage with the live parameters, as
     state_dict()'s do: save them before the next optimizer step.
     """
-    return get_model_state_dict(without_data_parallel(model), options=_GATHER_TO_RANK0)
+    model = without_data_parallel(model)
+    if not distributed():
+        return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_gather_to_rank0())
 
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full weights (from `full_model_state_dict` or a bare model's state_dict()) into a
     plain, DDP or FSDP2 model, strictly. Call it on every rank; with a process group rank 0's
     `state` is broadcast and the other ranks' is ignored (they may pass {})."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
     set_model_state_dict(without_data_parallel(model), _rank0_only(state), options=_load_options())
 
 
@@ -58,7 +63,10 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     (Adam(W): step=1, zero moments). That is taken back from `optimizer`, so saving never
     changes training, but the returned state holds it: save after the first step.
     """
-    return optimizer_state_dict(without_data_parallel(model), optimizer, _GATHER_TO_RANK0)
+    model = without_data_parallel(model)
+    if not distributed():
+        return _named_optimizer_state(model, optimizer)
+    return optimizer_state_dict(model, optimizer, _gather_to_rank0())
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -66,6 +74,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
     """DCP's name-keyed optimizer state, leaving `optimizer` as it was. DCP creates missing
     state with a zero-lr step; for Adam(W) that sets step=1, which would change the bias
     correction of the real first step, so state made that way is forgotten again."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     fresh = not optimizer.state
     state = get_optimizer_state_dict(model, optimizer, options=options)
     if fresh:
@@ -92,11 +102,54 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         for group, saved in zip(optimizer.param_groups, groups or []):
             group.update({key: value for key, value in saved.items() if key != "params"})
         return
-    set_optimizer_state_dict(without_data_parallel(model), optimizer, _rank0_only(state), options=_load_options())
+    model = without_data_parallel(model)
+    if not distributed():
+        optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state))
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, _rank0_only(state), options=_load_options())
+
+
+def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its state_dict's index order; a
+    tied parameter under its first name, as DCP names it."""
+    names = {param: name for name, param in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    return [names[param] for group in optimizer.param_groups for param in group["params"]]
+
+
+def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """optimizer.state_dict() keyed by parameter name, with CPU tensors: DCP's full format."""
+    names = _parameter_names(model, optimizer)
+    indexed = optimizer.state_dict()
+    state = {names[index]: {key: value.cpu() if torch.is_tensor(value) else value for key, value in values.items()}
+             for index, values in indexed["state"].items()}
+    groups = [{**group, "params": [names[index] for index in group["params"]]} for group in indexed["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
+    """A name-keyed optimizer state (any strategy's) as `optimizer.load_state_dict` takes it."""
+    index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
+    return {
+        "state": {index[name]: values for name, values in state["state"].items()},
+        "param_groups": [{**saved, "params": [index[name] for name in saved["params"]]}
+                         for saved in state["param_groups"]],
+    }
+
+
+def _gather_to_rank0() -> StateDictOptions:
+    # Full (unsharded) state dicts as plain CPU tensors. With a process group, only rank 0 gets
+    # them (the others get {}), so N ranks never hold N full copies in host memory at once.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _load_options() -> StateDictOptions:
     # broadcast_from_rank0 needs a process group; one process simply loads its own state.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     return StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed())
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, CheckpointError, load_model_weights, rng_state, set_rng_state
-from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.checkpoints.store import CheckpointStore
 from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
@@ -125,6 +124,8 @@ def load_weights_before_set_up(model, state: dict, path: Path) -> None:
 def load_training_state(parts: TrainingParts, state: dict, dist: DistInfo) -> Progress:
     """Put a checkpoint's state back into the set-up parts; return where training stood."""
     if "shards" in state:  # into the set-up model: each rank reads what its shards need
+        from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
+
         load_sharded(state["shards"], parts.model, parts.optimizer)
     else:
         parts.strategy.load_optimizer_state(parts.model, parts.optimizer, state["optimizer"])

@@ -2,8 +2,8 @@
 tutorial's own script run the same way, interleaved, plus where ringtrain's start-up goes.
 
 The tutorial (seed 000, single-process section): y = 2x + 3 + noise, 10 000 samples,
-DataLoader(batch_size=32, shuffle=True), SGD lr 0.01, 10 epochs, a loss print every 100
-steps. ringtrain's default job trains the same, and also validates, checkpoints (durably) and
+DataLoader(batch_size=32, shuffle=True), SGD lr 0.01, 10 epochs, `loss.item()` every step
+(bench_tutorial_loop.py's copy of it, run as a script). ringtrain's default job trains the same, and also validates, checkpoints (durably) and
 logs to TensorBoard every epoch. Both run as fresh processes with one CPU thread.
 
     python benchmarks/bench_process.py [--repeats 5]
@@ -15,6 +15,7 @@ the config ahead of Hydra, and the job's own training seconds (its metrics.json)
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -26,51 +27,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-TUTORIAL = '''
-import torch
-import torch.nn as nn
-import torch.optim as optim
-from torch.utils.data import DataLoader, Dataset
+from bench_tutorial_loop import SimpleDataset, SimpleModel, tutorial_loop  # noqa: E402  (this folder)
 
-
-class SimpleDataset(Dataset):
-    def __init__(self, size=10000):
-        self.x = torch.randn(size, 1)
-        self.y = 2 * self.x + 3 + 0.1 * torch.randn(size, 1)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, idx):
-        return self.x[idx], self.y[idx]
-
-
-class SimpleModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(1, 1)
-
-    def forward(self, x):
-        return self.linear(x)
-
-
-dataloader = DataLoader(SimpleDataset(size=10000), batch_size=32, shuffle=True)
-model = SimpleModel()
-criterion = nn.MSELoss()
-optimizer = optim.SGD(model.parameters(), lr=0.01)
-for epoch in range(10):
-    running_loss = 0.0
-    for i, (inputs, labels) in enumerate(dataloader):
-        optimizer.zero_grad()
-        loss = criterion(model(inputs), labels)
-        loss.backward()
-        optimizer.step()
-        running_loss += loss.item()
-        if i % 100 == 99:
-            print(f"Epoch [{epoch + 1}/10], Step [{i + 1}], Loss: {running_loss / 100:.4f}")
-            running_loss = 0.0
-print(f"w={model.linear.weight.item():.4f} b={model.linear.bias.item():.4f}")
-'''
+# The tutorial as a script of its own: the same classes and loop bench_tutorial_loop.py times.
+TUTORIAL = "\n\n".join([
+    "import time\nimport torch\nimport torch.nn as nn\nimport torch.optim as optim\n"
+    "from torch.utils.data import DataLoader, Dataset",
+    inspect.getsource(SimpleDataset), inspect.getsource(SimpleModel), inspect.getsource(tutorial_loop),
+    "print('w={1:.4f} b={2:.4f}'.format(*tutorial_loop()))\n",
+])
 
 # Phases of ringtrain's start-up, each timed in a fresh process after the one before it.
 STARTUP = '''

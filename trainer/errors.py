@@ -22,6 +22,8 @@ USER_ERROR_EXIT = 2
 
 
 NONFINITE_EXIT = 3
+# A stop signal ended the run after last.pt was saved (ringtrain/loop/signals.py says why 143).
+STOPPED_BY_SIGNAL_EXIT = 143
 
 
 class UserError(Exception):

@@ -38,14 +38,14 @@ from ringtrain.distributed import (
     peer_lost,
     teardown_distributed,
 )
-from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped
+from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, ConfigError, TrainingStopped
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.loop.fit import fit
 from ringtrain.loop.progress import FitResult
 from ringtrain.checkpoints.resume import checkpoint_to_resume
 from ringtrain.config.continuation import config_to_continue
 from ringtrain.checkpoints.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
-from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
+from ringtrain.loop.signals import StopSignals
 
 log = logging.getLogger("ringtrain")
 

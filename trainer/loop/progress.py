@@ -54,3 +54,8 @@ class FitResult:
     skipped_steps: int = 0  # updates skipped for non-finite values (on_nonfinite=skip, fp16 scaler)
     # The trained weights, only when a spawned rank 0 hands them back to a Python caller.
     model_state: dict | None = None
+
+    @property
+    def stopped_by_signal(self) -> bool:
+        """Ended early by a stop signal (last.pt saved), not by a non-finite value."""
+        return self.stopped not in (None, "non-finite")

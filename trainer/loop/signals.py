@@ -73,7 +73,8 @@ from types import FrameType, TracebackType
 import torch
 import torch.distributed as dist
 
-STOPPED_BY_SIGNAL_EXIT = 128 + signal.SIGTERM  # 143; see the module docstring for why
+from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT  # noqa: F401  (the status this module's stops exit with)
+
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 # A repeat this soon after the first signal is a launcher forwarding it, not a person insisting.
 REPEAT_GRACE_SECONDS = 2.0

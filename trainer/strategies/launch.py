@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
-from ringtrain.errors import ConfigError, TrainingStopped, exit_on_user_error
+from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT, ConfigError, TrainingStopped, exit_on_user_error
 from ringtrain.distributed import WorkerFailedError
 
 # Signals elastic's agent itself turns into SignalException and passes on to the ranks.
@@ -59,6 +59,9 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
         with _quiet_elastic_logs(), _other_stop_signals_reach_ranks(stop_signals):
             results = elastic_launch(config, _run_rank)(fn, pickled_args)
     except ChildFailedError as err:
+        if all(failure.exitcode == STOPPED_BY_SIGNAL_EXIT for failure in err.failures.values()):
+            # A signal to the ranks alone (not to this process): they agreed, saved and stopped.
+            raise TrainingStopped("stopped by a stop signal; last.pt saved", STOPPED_BY_SIGNAL_EXIT) from None
         rank, failure = min(err.failures.items())
         status = failure.exitcode if failure.exitcode > 0 else 128 + -failure.exitcode
         how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {status}"
@@ -98,7 +101,7 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
     launcher = os.getppid()
     try:
         with exit_on_user_error():  # a mistake is one line from the rank that found it, as under torchrun
-            result = pickle.dumps(fn(*pickle.loads(pickled_args)))
+            outcome = fn(*pickle.loads(pickled_args))
     except Exception:
         # A crash: its traceback is what a developer needs. torch.multiprocessing would send it
         # to the launcher, whose report keeps only the exit status: print it here, as a
@@ -106,9 +109,15 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
         traceback.print_exc()
         sys.stderr.flush()
         sys.exit(1)
+    if getattr(outcome, "stopped_by_signal", False):
+        # Stopped by a signal, last.pt saved. A launcher told to stop reads no results: a rank
+        # that waited to hand its over would wait for elastic's 30-second shutdown deadline.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(STOPPED_BY_SIGNAL_EXIT)
     _leave_without_finalising_after_exit()
     _end_if_the_launcher_dies(launcher)
-    return result
+    return pickle.dumps(outcome)
 
 
 def _leave_without_finalising_after_exit() -> None:

@@ -236,7 +236,7 @@ def test_torchrun_worker_sigkilled_then_the_same_command_ends_bit_identical(tmp_
         seen = job.newest_step()
         status, output = job.finish(timeout=120)
         assert status != 0, output[-4000:]
-        assert not job.kill_leftovers(), "torchrun left workers behind"
+        assert not job.kill_leftovers(), "the launcher left workers behind"
     saved = checkpoint(tmp_path / "run")["progress"]["step"]
     assert 0 < saved <= seen + 3  # the step in flight, and output not yet read
 
@@ -257,7 +257,7 @@ def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_p
         os.kill(job.wait_for_step(step, rank=1), signal.SIGKILL)
         status, output = job.finish(timeout=120)
         assert status != 0, output[-4000:]
-        assert not job.kill_leftovers(), "torchrun left workers behind"
+        assert not job.kill_leftovers(), "the launcher left workers behind"
     saved = checkpoint(tmp_path / "run")["progress"]["step"]
     assert 0 < saved < STEPS
 
@@ -277,7 +277,7 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
         job.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
         seen = job.newest_step()
         status, output = job.finish(timeout=120)
-        assert not job.kill_leftovers(), "torchrun left workers behind"
+        assert not job.kill_leftovers(), "the launcher left workers behind"
     assert status != 0, output[-4000:]  # torchrun's own status after a signal (1)
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
 
@@ -291,7 +291,8 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
 
 def run_with_a_restart(args: list[str], cwd: Path, seed: str, launcher: list[str] | None = None,
                        pids: dict | None = None) -> str:
-    """A torchrun job allowed one restart, one worker SIGKILLed mid-run; returns its output
+    """A job allowed one restart (torchrun's by default; `launcher=[sys.executable]` for a
+    self-launched one, whose args allow it), one worker SIGKILLed mid-run; returns its output
     (and the launcher's pid in `pids`)."""
     launcher = launcher or (TORCHRUN + ["--max-restarts=1"])
     step = interrupt_step(seed, 2)
@@ -305,7 +306,7 @@ def run_with_a_restart(args: list[str], cwd: Path, seed: str, launcher: list[str
         status, output = job.finish(timeout=180)
         assert status == 0, output[-6000:]
         assert job.pids[victim] != first, "the workers were not restarted"
-        assert not job.kill_leftovers(), "torchrun left workers behind"
+        assert not job.kill_leftovers(), "the launcher left workers behind"
     resumed_from_step(output)
     return output
 
@@ -355,16 +356,7 @@ def test_self_launched_max_restarts_heals_a_sigkilled_rank_bit_identical(tmp_pat
     """strategy.max_restarts: torch's elastic launcher restarts every rank after one is
     SIGKILLed (the OOM killer), and they resume from last.pt."""
     args = SELF_LAUNCHED + ["strategy.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"]
-    step = interrupt_step("self-launched-restart", 2)
-    victim = random.Random("self-launched-restart-rank").choice([0, 1])
-    with training_job(args) as job:
-        first = job.wait_for_step(step, rank=victim)
-        os.kill(first, signal.SIGKILL)
-        status, output = job.finish(timeout=180)
-        assert status == 0, output[-6000:]
-        assert job.pids[victim] != first, "the ranks were not restarted"
-        assert not job.kill_leftovers(), "ranks were left behind"
-    resumed_from_step(output)
+    run_with_a_restart(args, tmp_path, "self-launched-restart", launcher=[sys.executable])
     assert_identical(tmp_path / "run", reference(2))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from conftest import CONF_DIR, compose_config, run_cli
 from helpers import refused
@@ -118,6 +119,16 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
         (["model=mlp", "+model.in_features=5"], "model.in_features=5 but the data has in_features=3072"),
         (["model=transformer", "data.seq_len=128"], "data.seq_len=128 exceeds model.block_size=64"),
         (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
+        # Which of the strategy's sizes is wrong, and its value.
+        (["strategy=ddp", "strategy.nproc_per_node=0"], "strategy.nproc_per_node=0 must be positive"),
+        (["strategy=ddp", "strategy.timeout_minutes=-1"], "strategy.timeout_minutes=-1 must be positive"),
+        (["strategy=ddp", "strategy.bucket_cap_mb=0"], "strategy.bucket_cap_mb=0 must be positive"),
+        # A function target is held against its signature and return annotation, not called.
+        (["scheduler._target_=builtins.print"],
+         "scheduler._target_='builtins.print' takes no argument 'optimizer', which ringtrain passes it"),
+        (["optimizer._target_=builtins.print"], "takes no argument 'params', which ringtrain passes it"),
+        (["model._target_=test_config.make_a_dataset"],
+         "model._target_='test_config.make_a_dataset' returns a torch.utils.data.Dataset, not a torch.nn.Module"),
     ],
 )
 def test_bad_config_gives_one_clear_error(overrides, message):
@@ -125,6 +136,36 @@ def test_bad_config_gives_one_clear_error(overrides, message):
         validate(compose_config(overrides))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+# Function targets the next test follows: each notes that it was called.
+CALLED: list[str] = []
+
+
+def make_a_linear_model(in_features: int, out_features: int) -> torch.nn.Module:
+    CALLED.append("model")
+    return torch.nn.Linear(in_features, out_features)
+
+
+def make_an_sgd(params, lr: float, **options) -> torch.optim.Optimizer:
+    CALLED.append("optimizer")
+    return torch.optim.SGD(params, lr=lr, **options)
+
+
+def make_a_dataset() -> torch.utils.data.Dataset:
+    raise AssertionError("the pre-check called a function target")
+
+
+def test_the_pre_check_calls_no_function_target_and_the_run_builds_it(tmp_path):
+    from conftest import train_in_process
+
+    overrides = ["model._target_=test_config.make_a_linear_model", "optimizer._target_=test_config.make_an_sgd",
+                 "trainer.max_steps=3", "data.num_samples=64"]
+    CALLED.clear()
+    validate(compose_config(overrides))
+    assert CALLED == []  # a function may do anything when called: only the run calls it
+    result = train_in_process(overrides, tmp_path / "run")
+    assert CALLED == ["model", "optimizer"] and result.steps == 3
 
 
 def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):

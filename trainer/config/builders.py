@@ -14,6 +14,7 @@ Where the data's sizes come from:
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,26 +41,30 @@ def check_components(model: Mapping | None, data: Mapping | None, task: Mapping 
     Cheap constructions run as well, so that the components' own argument checks fire now:
     the data component (its constructor only checks, by contract), the task, the optimizer
     and schedule on a stand-in parameter, and the model on the meta device (no memory, no
-    initialisation) when all its sizes are known.
+    initialisation) when all its sizes are known. Only classes are constructed here: a
+    function `_target_` may do anything when called (print, load files, train), so it is
+    held against its signature alone and first called when the rank builds it.
     """
     dims = check_data(data) if data is not None else {}
-    if task is not None:
-        check(task, "task")
+    if task is not None and inspect.isclass(check(task, "task")):
         check_task(build(task, "task"))
     if model is not None:
         known = None if dims is None else list(dims)
         source = f"the data ({data.get('_target_', 'data.train/val')}, which gives {', '.join(dims) or 'no sizes'})"
-        check(model, "model", kind=nn.Module, provided=known, provided_by=source if dims is not None else "")
-        if dims is not None and all(value is not None for value in dims.values()):
+        target = check(model, "model", kind=nn.Module, provided=known, provided_by=source if dims is not None else "")
+        if inspect.isclass(target) and dims is not None and all(value is not None for value in dims.values()):
             _dry_build_model(model, dims)
+    optimizer_class = scheduler_class = False
     if isinstance(optimizer, Mapping):
-        check(optimizer, "optimizer", kind=torch.optim.Optimizer, provided={"params"}, reserved=OPTIMIZER_KEYS)
+        optimizer_class = inspect.isclass(check(optimizer, "optimizer", kind=torch.optim.Optimizer, provided={"params"},
+                                                reserved=OPTIMIZER_KEYS, passed={"params"}))
     if isinstance(scheduler, Mapping):
-        check(scheduler, "scheduler", kind=LRScheduler, provided={"optimizer", "total_steps"}, reserved=SCHEDULER_KEYS)
-    if isinstance(optimizer, Mapping):
+        scheduler_class = inspect.isclass(check(scheduler, "scheduler", kind=LRScheduler, provided={"optimizer", "total_steps"},
+                                                reserved=SCHEDULER_KEYS, passed={"optimizer"}))
+    if optimizer_class:
         stand_in = nn.Linear(2, 2)
         built = check_built(build_optimizer(optimizer, stand_in, torch.device("cpu")), "optimizer", torch.optim.Optimizer)
-        if scheduler is None or isinstance(scheduler, Mapping):
+        if scheduler is None or scheduler_class:
             check_built(build_scheduler(scheduler, built, max(max_steps, 1000)), "scheduler", LRScheduler)
 
 

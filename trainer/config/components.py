@@ -94,6 +94,7 @@ def check(
     provided: Iterable[str] | None = (),
     reserved: Iterable[str] = (),
     provided_by: str = "",
+    passed: Iterable[str] = (),
 ) -> Callable:
     """Hold `node` against its target's signature; return the target. See the module docstring.
 
@@ -102,17 +103,15 @@ def check(
     fills by name (None: not known yet, so a missing argument is left to the build).
     `reserved`: ringtrain's own keys in this node, not passed to the target. `provided_by`
     says who fills `provided` (for the message when a required argument is missing).
+    `passed`: arguments ringtrain always passes by name, so the target must take them. A
+    function target is never called here (_check_interface).
     """
     if not isinstance(node, Mapping) or "_target_" not in node:
         raise ConfigError(
             f"{key} has no _target_; give the class to build, e.g. {key}._target_=my_pkg.MyThing"
         )
     target = locate(node["_target_"], key)
-    if kind is not None and inspect.isclass(target) and not _is_kind(target, kind):
-        raise ConfigError(
-            f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
-            f"point {key}._target_ at one"
-        )
+    _check_interface(node, key, target, kind, passed)
     parameters = _parameters(target)
     if parameters is None or node.get("_partial_"):
         return target  # a builtin without a signature, or a partial that gets the rest later
@@ -147,6 +146,32 @@ def check(
                 f"{_annotation_name(annotation)}; pass a value of that type"
             )
     return target
+
+
+def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passed: Iterable[str]) -> None:
+    """The kind a class target is, or a function target returns where it says so (it is not
+    called to find out: calling may do anything), and the arguments ringtrain passes it."""
+    if kind is not None and inspect.isclass(target) and not _is_kind(target, kind):
+        raise ConfigError(
+            f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
+            f"point {key}._target_ at one"
+        )
+    if kind is not None and not inspect.isclass(target):
+        returns = _type_hints(target).get("return")
+        if inspect.isclass(returns) and not _is_kind(returns, kind):
+            raise ConfigError(
+                f"{key}._target_={node['_target_']!r} returns a {_public_name(returns)}, not {_kind_name(kind)}; "
+                f"point {key}._target_ at one"
+            )
+    if _parameters(target) is None or node.get("_partial_"):
+        return
+    for name in passed:
+        if not accepts(target, name):
+            wanted = _kind_name(kind) if kind is not None else f"a callable taking {name}"
+            raise ConfigError(
+                f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes it; "
+                f"point {key}._target_ at {wanted}"
+            )
 
 
 def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:

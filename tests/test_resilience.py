@@ -205,6 +205,53 @@ def test_sigterm_saves_the_current_step_exits_143_and_the_same_command_continues
     assert_identical(tmp_path / "run", reference(1))
 
 
+def continue_as_printed(output: str, cwd: Path) -> tuple[int, str]:
+    """Run the command a stopped job printed as the one that continues it, as a user pastes it
+    into a shell in the directory it names (steps not slowed down)."""
+    printed = re.findall(rf"to continue this run, in {re.escape(str(cwd))}: (.+)$", output, re.MULTILINE)
+    assert len(printed) == 1, output[-4000:]  # once, by rank 0
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RINGTRAIN_TEST_STEP_SECONDS": "0"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(printed[0], shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_run_stopped_without_hydra_run_dir_prints_the_command_that_continues_it(tmp_path, reference):
+    """No hydra.run.dir: the same command started again would open a new time-stamped
+    directory; the printed one continues this run from the step the stop saved."""
+    step = interrupt_step("single-printed-command", 1)
+    with training_job(SINGLE, cwd=tmp_path, step_seconds=SIGNAL_STEP_SECONDS, hold_at_step=step) as job:
+        job.wait_for_step(step)
+        job.send_signal(signal.SIGTERM)
+        seen = job.newest_step()
+        status, output = job.finish()
+    assert status == 143, output[-4000:]
+    [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
+    saved = assert_stopped_at_current_step(run_dir, output, step, seen, 1)
+
+    output = job_ok(continue_as_printed(output, tmp_path))
+    assert resumed_from_step(output) == saved
+    assert [run_dir] == list((tmp_path / "outputs" / "runs").iterdir())  # no second directory
+    assert_identical(run_dir, reference(1))
+
+
+def test_the_continuing_command_points_resume_at_this_runs_last_pt_and_keeps_everything_else(tmp_path, monkeypatch):
+    from ringtrain.tools.continue_command import continue_command
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # as `python train.py` (not pytest's -m)
+    run_dir = tmp_path / "outputs" / "runs" / "a b"
+    argv = ["train.py", "--config-dir", "my conf", "model=mlp", "hydra.run.dir=old", "trainer.resume=null"]
+    assert continue_command(argv, "outputs/runs/a b", None).endswith(
+        f"train.py --config-dir 'my conf' model=mlp trainer.resume=auto 'hydra.run.dir={run_dir}'")
+    # A step file given to trainer.resume would go back to that step: this run's last.pt instead.
+    argv = ["train.py", "trainer.resume=old/checkpoints/step-7.pt", "trainer.max_steps=90"]
+    assert continue_command(argv, str(run_dir), "old/checkpoints/step-7.pt").endswith(
+        f"train.py trainer.max_steps=90 'trainer.resume={run_dir}/checkpoints/last.pt' 'hydra.run.dir={run_dir}'")
+    assert continue_command(["train.py", "trainer.resume=auto"], str(run_dir), "auto").endswith(
+        f"train.py trainer.resume=auto 'hydra.run.dir={run_dir}'")
+
+
 def test_ctrl_c_five_seconds_in_stops_cleanly_with_143(tmp_path):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
     with training_job(args, step_seconds=0.1) as job:
@@ -281,7 +328,7 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
     assert status != 0, output[-4000:]  # torchrun's own status after a signal (1)
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
 
-    output = job_ok(run_job(args, launcher=TORCHRUN))
+    output = job_ok(continue_as_printed(output, REPO))  # the torchrun command, as printed by rank 0
     assert resumed_from_step(output) == saved
     assert_identical(tmp_path / "run", reference(2))
 

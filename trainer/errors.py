@@ -7,7 +7,8 @@ Exit statuses of `python train.py` (and of each rank):
        where it can be
   3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
   143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the
-       same command continues the run (trainer/signals.py says why 143)
+       log's last line is the command that continues the run (tools/continue_command.py;
+       loop/signals.py says why 143)
 The error classes' bases live here, importing nothing of ringtrain, so that every module
 can raise one and `exit_on_user_error` can catch them all without importing those modules.
 """

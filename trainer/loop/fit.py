@@ -156,7 +156,7 @@ def _stop_if_signalled(state: FitState, progress: Progress, saved: bool) -> None
     state.stopped = state.stop.received or "a stop signal on another rank"
     state.logger.info(
         f"stopped by {state.stopped} after step {progress.step}"
-        + ("; last.pt saved: the same command continues the run" if checkpoint else
+        + ("; last.pt saved" if checkpoint else
            " (trainer.checkpoint=false: nothing saved)")
     )
 

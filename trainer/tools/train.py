@@ -23,6 +23,7 @@ from ringtrain.config.command_line import (
     strip_legacy_local_rank_arg,
 )
 from ringtrain.config.resolvers import register_resolvers
+from ringtrain.tools.continue_command import told_how_to_continue
 from ringtrain.errors import exit_on_user_error
 from ringtrain.run import run
 from ringtrain.distributed import exit_rank, under_torchrun
@@ -31,24 +32,28 @@ from ringtrain.distributed import exit_rank, under_torchrun
 # shaped the composition (config/command_line.py overrides_implied_by_resume) and changes
 # nothing stored.
 _implied_by_resume: list[str] = []
+# The command line as given (set by main()), for the command that continues a stopped run.
+_command_line: list[str] = []
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="train")
 def train(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     overrides = [o for o in hydra_cfg.overrides.task if o not in _implied_by_resume]
-    with exit_on_user_error():
-        return run(cfg, hydra_cfg.runtime.output_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+    run_dir = hydra_cfg.runtime.output_dir
+    with exit_on_user_error(), told_how_to_continue(_command_line, run_dir, cfg.trainer.resume, cfg.trainer.checkpoint):
+        return run(cfg, run_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
 
 
 def main() -> None:
     """Check the command line, then hand it to Hydra; on a torchrun rank, exit as a rank does."""
-    global _implied_by_resume
+    global _implied_by_resume, _command_line
     # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
     # script or `python train.py` puts only its own folder on the path).
     sys.path.insert(1, os.getcwd())
     with exit_on_user_error():
         argv = strip_legacy_local_rank_arg(sys.argv)
+        _command_line = list(argv)
         refuse_multirun_under_torchrun(argv)
         _implied_by_resume = overrides_implied_by_resume(argv[1:])
         check_overrides(argv[1:] + _implied_by_resume)

@@ -39,6 +39,7 @@ from ringtrain.distributed import (
     teardown_distributed,
 )
 from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, ConfigError, TrainingStopped
+from ringtrain.checkpoints.initial_weights import load_initial_weights
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.loop.fit import fit
 from ringtrain.loop.progress import FitResult
@@ -142,6 +143,7 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
         # masks differ between ranks (the data order is the sampler's business, not this RNG's).
         torch.manual_seed(run.trainer.seed)
         model = built.model if built else build_model(run.model, data.dims)
+        _load_starting_weights(model, run.trainer.init_from, resume_from, dist)
         torch.manual_seed(run.trainer.seed + dist.rank)
 
         result = fit(run, dist, shared_dir, stop, model, data, task, resume_from)
@@ -163,6 +165,21 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
     finally:
         directory_lock.release()
         teardown_distributed(clean_exit)
+
+
+def _load_starting_weights(model: nn.Module, init_from: str | None, resume_from: Path | None,
+                           dist: DistInfo) -> None:
+    """trainer.init_from's weights into the bare model, on every rank, before the strategy
+    wraps it; a run that resumes takes its weights from the checkpoint instead."""
+    if init_from is None:
+        return
+    if resume_from is not None:
+        if dist.is_main:
+            log.info(f"trainer.init_from={init_from} ignored: this run resumes from {resume_from}")
+        return
+    count = load_initial_weights(model, init_from)
+    if dist.is_main:
+        log.info(f"starting from the weights in {init_from} ({count} tensors)")
 
 
 def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:

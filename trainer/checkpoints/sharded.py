@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -94,6 +95,17 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
         if fresh and not state["optimizer"]["state"]:
             optimizer.state.clear()  # nothing saved (SGD without momentum): forget the template's
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def sharded_model_shapes(directory: str | Path) -> dict[str, list[int]]:
+    """The full shape of each model tensor a `save_sharded` directory holds, from its
+    metadata alone (no tensor is read): what a model must have to load it."""
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    return {
+        key.removeprefix("model."): list(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
 
 
 @contextlib.contextmanager

@@ -56,6 +56,7 @@ class TrainerConfig:
     keep_last_k: int
     async_checkpoint: bool
     resume: Any  # "auto", a checkpoint path, or None
+    init_from: Optional[str]  # starting weights (checkpoints/initial_weights.py), or None
     on_nonfinite: str
     stop_signals: list[str]
     seed: int
@@ -264,6 +265,13 @@ def _check_run_control(t: TrainerConfig) -> None:
                 f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
                 f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null"
             )
+    # A continued run (trainer.resume=<path>) ignores init_from: its file may be gone by then.
+    resuming_a_file = t.resume not in (None, "auto")
+    if t.init_from is not None and not resuming_a_file and not os.path.isfile(t.init_from):
+        raise ConfigError(
+            f"trainer.init_from={t.init_from!r} is not a file; pass a checkpoint (.pt) or a .safetensors "
+            f"file to start from, or null"
+        )
     if t.keep_last_k < 1:
         raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
     if t.on_nonfinite not in NONFINITE_POLICIES:

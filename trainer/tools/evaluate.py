@@ -103,8 +103,9 @@ def plan(
     model_node(state, checkpoint)  # refuses a model built in Python: its config cannot rebuild it
     components = {"model": model, "data": data, "task": task}
     config = {name: overlay(stored_section(stored, name, checkpoint), given) for name, given in components.items()}
-    # The run's trainer settings (precision, val_batch_size, ...), but never its resume file.
-    config["trainer"] = {**overlay(stored.get("trainer") or {}, trainer), "resume": None}
+    # The run's trainer settings (precision, val_batch_size, ...), but never its resume file
+    # nor its starting weights: the checkpoint's own weights are evaluated.
+    config["trainer"] = {**overlay(stored.get("trainer") or {}, trainer), "resume": None, "init_from": None}
     trainer_settings = trainer_config(**config["trainer"])
     strategy_config = evaluation_strategy(strategy)
     check_options(trainer_settings, strategy_config)

@@ -1,0 +1,103 @@
+"""A new run's starting weights from a file: `trainer.init_from=<path>` (fine-tuning).
+
+    trainer.init_from=outputs/runs/<run>/checkpoints/best.pt     a ringtrain checkpoint (plain or sharded)
+    trainer.init_from=weights.safetensors                         a safetensors file (`ringtrain export`'s)
+    trainer.init_from=state_dict.pt                               torch.save(model.state_dict(), ...)
+
+Weights only: the run starts at step 0 with a fresh optimizer, schedule and data order, and
+its own config decides the model (which must have the file's tensor names and shapes). This
+is not resuming: a run that resumes (trainer.resume, or auto finding this run directory's
+own checkpoint) continues from that checkpoint and ignores init_from, so a restarted
+fine-tuning run never goes back to the pretrained weights.
+
+The weights are loaded into the bare model after it is built (same seed on every rank) and
+before the strategy wraps or shards it, so every rank starts from the same file. A model
+whose tensors differ from the file's is refused in one line naming the tensor and both
+shapes; a tensor tied to another (a language model's output layer and token embedding) may
+be stored once, as safetensors files store it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
+from ringtrain.errors import ConfigError
+
+
+def load_initial_weights(model: nn.Module, path: str | Path) -> int:
+    """Load the weights in `path` into the bare `model`, checked against it first; returns the
+    number of tensors loaded. A mismatch is a ConfigError naming the tensor."""
+    path = str(path)
+    if path.endswith(".safetensors"):
+        weights = _read_safetensors(path)
+    else:
+        state = _read_torch_file(path)
+        if "shards" in state:  # a sharded fsdp checkpoint: DCP reads its shards into the model
+            from ringtrain.checkpoints.sharded import load_sharded, sharded_model_shapes
+
+            check_shapes_fit(model, sharded_model_shapes(state["shards"]), f"trainer.init_from={path}")
+            load_sharded(state["shards"], model)
+            return len(model.state_dict())
+        weights = state["model"]
+    check_shapes_fit(model, {name: tensor.shape for name, tensor in weights.items()}, f"trainer.init_from={path}")
+    model.load_state_dict(weights, strict=False)  # strict in substance: check_shapes_fit
+    return len(weights)
+
+
+def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], source: str) -> None:
+    """Every tensor named in `shapes` is one of `model`'s with that shape, and every tensor of
+    the model is named, or tied to one that is; else one ConfigError line."""
+    expected = model.state_dict(keep_vars=True)
+    fix = "start from weights of the same model, or set the model's sizes to the file's"
+    for name, shape in shapes.items():
+        if name not in expected:
+            raise ConfigError(f"{source} holds {name!r}, which this model has not; {fix}")
+        want, have = list(expected[name].shape), list(shape)
+        if want != have:
+            raise ConfigError(f"{source}: {name} has shape {have} there but {want} in this model; {fix}")
+    loaded = {id(expected[name]) for name in shapes}  # a tied tensor is one object under two names
+    missing = [name for name, tensor in expected.items() if name not in shapes and id(tensor) not in loaded]
+    if missing:
+        raise ConfigError(
+            f"{source} holds no {missing[0]!r} ({len(missing)} of this model's {len(expected)} tensors are "
+            f"missing); {fix}"
+        )
+
+
+def _read_torch_file(path: str) -> dict:
+    """A ringtrain checkpoint (through the loader every tool uses, with its checks), else a
+    plain `torch.save(model.state_dict())` file as {"model": ...}."""
+    try:
+        return load_checkpoint(path, "cpu")
+    except CheckpointError as err:
+        refusal = err
+    try:
+        plain = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        plain = None
+    if isinstance(plain, dict) and plain and all(isinstance(v, torch.Tensor) for v in plain.values()):
+        return {"model": plain}
+    raise ConfigError(
+        f"trainer.init_from={path} is neither a ringtrain checkpoint nor a state_dict file ({refusal}); pass "
+        f"a checkpoint, a torch.save(model.state_dict()) file or a .safetensors file"
+    ) from None
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ConfigError(
+            f"trainer.init_from={path} is a safetensors file but safetensors is not installed; "
+            f"pip install 'ringtrain[hf]' (or safetensors)"
+        ) from None
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError) as err:
+        detail = " ".join(str(err).split())[:200]
+        raise ConfigError(f"trainer.init_from={path} cannot be read as safetensors ({detail}); pass a .safetensors file") from None

@@ -521,6 +521,17 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
                 "model.n_layers (1 -> 3) differs from the checkpoint's")
     assert checkpoint(run_dir)["progress"]["step"] == 10  # untouched
 
+    # Another model option: named as such, before anything is written (it used to suggest
+    # +model.in_features=<value>, composed on the checkpoint's data).
+    files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    assert refused(run_cli([f"trainer.resume={last}", "model=mlp"], cwd=tmp_path)) == (
+        f"error: {last} is a checkpoint of ringtrain.models.transformer.Transformer, but model=mlp is "
+        f"ringtrain.models.mlp.MLPClassifier; a continued run keeps its model: drop model=mlp to continue it, "
+        f"or drop trainer.resume to start a new run with model=mlp"
+    )
+    assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
+    assert not (tmp_path / "outputs").exists()
+
 
 # --- 6. trainer.on_nonfinite with a learning rate that blows up ----------------------------------
 

@@ -122,6 +122,7 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     except CheckpointError:
         return []
     chosen = {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}
+    _refuse_another_model(args, stored, resume[-1])
     implied = []
     for group in _RESUMED_GROUPS:
         if group in chosen or (group in PRESET_SECTIONS and chosen & set(PRESET_GROUPS)):
@@ -132,3 +133,18 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
         if len(matches) == 1:
             implied.append(f"{group}={matches[0]}")
     return implied
+
+
+def _refuse_another_model(args: list[str], stored: dict, checkpoint: str) -> None:
+    """`model=<option>` whose class is not the checkpoint's: a continued run keeps its model.
+    (Composed on that option, the checkpoint's data would only make the model's sizes look
+    missing, and the message would suggest adding them.)"""
+    option = next((a.split("=", 1)[1] for a in reversed(args) if a.split("=", 1)[0].lstrip("+") == "model"), None)
+    kept = (stored.get("model") or {}).get("_target_")
+    chosen = dict(option_nodes("model")).get(option) if option else None
+    if chosen is None or kept is None or chosen.get("_target_") == kept:
+        return
+    raise ConfigError(
+        f"{checkpoint} is a checkpoint of {kept}, but model={option} is {chosen.get('_target_')}; a continued run "
+        f"keeps its model: drop model={option} to continue it, or drop trainer.resume to start a new run with model={option}"
+    )

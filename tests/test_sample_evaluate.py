@@ -92,10 +92,16 @@ def test_generate_crops_the_context_to_block_size_and_works_for_any_logits_model
 def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):
     logged = json.loads((char_run / "metrics.json").read_text())["final"]["val/loss"]
     proc = ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}"]))
-    record = json.loads((char_run / "eval" / "metrics.json").read_text())  # the default output
+    record = json.loads((char_run / "eval" / "last-val.json").read_text())  # the default output
     assert record["metrics"]["val/loss"] == pytest.approx(logged, abs=1e-6)
     assert record["step"] == 40 and record["split"] == "val" and record["world_size"] == 1
     assert proc.stdout.strip().splitlines() == [f"val/loss={record['metrics']['val/loss']:.6g}"]
+
+    # The training split writes a file of its own: the validation result stays.
+    ok(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", "split=train"]))
+    train = json.loads((char_run / "eval" / "last-train.json").read_text())
+    assert train["split"] == "train" and list(train["metrics"]) == ["train/loss"]
+    assert json.loads((char_run / "eval" / "last-val.json").read_text()) == record
 
 
 @pytest.mark.parametrize("launch", ["self-launched", "torchrun"])
@@ -165,7 +171,7 @@ def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
 
 def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_checkpoint, tmp_path):
     """`python -m ringtrain evaluate -m checkpoint=a,b`: one job per checkpoint (here of two kinds
-    of data), each writing its own run's eval/metrics.json; nothing lands where it runs."""
+    of data), each writing its own run's eval/last-val.json; nothing lands where it runs."""
     checkpoints = [tmp_path / name / "checkpoints" / "last.pt" for name in ("a", "b")]
     for source, checkpoint in zip((char_run / "checkpoints" / "last.pt", token_checkpoint), checkpoints):
         checkpoint.parent.mkdir(parents=True)
@@ -173,7 +179,7 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
     (tmp_path / "cwd").mkdir()
     proc = ok(run_module("ringtrain", ["evaluate", "-m", f"checkpoint={checkpoints[0]},{checkpoints[1]}",
                                        "trainer.limit_val_batches=2"], cwd=tmp_path / "cwd"))
-    records = [json.loads((c.parent.parent / "eval" / "metrics.json").read_text()) for c in checkpoints]
+    records = [json.loads((c.parent.parent / "eval" / "last-val.json").read_text()) for c in checkpoints]
     assert [r["checkpoint"] for r in records] == [str(c) for c in checkpoints]
     assert [r["step"] for r in records] == [40, 2] and all(r["overrides"] == ["trainer.limit_val_batches=2"] for r in records)
     assert proc.stdout.strip().splitlines() == [f"val/loss={r['metrics']['val/loss']:.6g}" for r in records]

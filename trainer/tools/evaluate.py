@@ -13,7 +13,8 @@ and the data's sizes, so the run's command line is not needed), with the weights
 
 A Hydra app like every ringtrain command (`python -m ringtrain evaluate ...` is the same):
 the settings are conf/evaluate.yaml (`ringtrain evaluate --help`): `checkpoint` (required),
-`split` (val | train), `output` (where the metrics go; default `<run dir>/eval/metrics.json`)
+`split` (val | train), `output` (where the metrics go; default `<run dir>/eval/<checkpoint>-<split>.json`,
+e.g. eval/best-val.json: one file per checkpoint and split, so evaluating another never replaces it)
 and `strategy` (auto | single | ddp; auto is ddp under torchrun, else single; the run's own
 strategy is not reused, evaluation is cheap). The checkpoint's stored sections model, data,
 task and trainer are sections of the config (tools/stored_sections.py), so they are changed
@@ -117,12 +118,19 @@ def plan(
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
         trainer=trainer_settings, strategy=strategy_config,
     )
-    metrics_file = Path(output) if output else Path(checkpoint).absolute().parent.parent / "eval" / "metrics.json"
+    metrics_file = Path(output) if output else default_output(checkpoint, split)
     record = {
         "checkpoint": job.checkpoint, "step": (state.get("progress") or {}).get("step"),
         "split": split, "strategy": _strategy_option(strategy), "overrides": [], "output": str(metrics_file),
     }
     return job, record
+
+
+def default_output(checkpoint: str, split: str) -> Path:
+    """<run dir>/eval/<checkpoint>-<split>.json: evaluating the train split, or best.pt after
+    last.pt, writes a file of its own (one eval/metrics.json for all lost the earlier result)."""
+    path = Path(checkpoint).absolute()
+    return path.parent.parent / "eval" / f"{path.stem}-{split}.json"
 
 
 def evaluation_strategy(section: dict) -> Strategy:

@@ -213,6 +213,19 @@ def test_command_line_checks_accept_valid_runs_and_sweeps():
     check_overrides(["--cfg", "job"])
 
 
+def test_cli_yaml_syntax_error_in_a_users_config_names_file_line_and_column(tmp_path):
+    broken = tmp_path / "my_conf" / "model" / "broken.yaml"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("# @package _global_\nmodel:\n  _target_: ringtrain.models.linear.LinearRegression\n  sizes: [1, 2\n")
+    proc = run_cli(["--config-dir", str(tmp_path / "my_conf"), "model=broken", f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path)
+    assert refused(proc) == (
+        f"error: {broken}, line 5, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow "
+        f"sequence that starts at line 4, column 10); fix the YAML syntax there"
+    )
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
 def test_cli_unknown_override_key_exits_2_with_one_line(tmp_path):
     proc = run_cli(["trainer.bach_size=4", f"hydra.run.dir={tmp_path}"])
     assert refused(proc).startswith("error: trainer.bach_size is not a setting of trainer")

@@ -156,13 +156,27 @@ def jobs_of(overrides: list[Override], multirun: bool, primary: PrimaryConfig = 
 def compose_or_explain(overrides: list[str], config_dir: str | None = None, primary: PrimaryConfig = TRAIN) -> DictConfig:
     """The composed config for `overrides`, or a ConfigError saying what is wrong and the fix."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
+    from yaml import YAMLError
 
     try:
         return _compose(overrides, config_dir, primary.name)
+    except YAMLError as err:  # a config file that is not YAML: PyYAML's multi-line report
+        raise ConfigError(yaml_error_message(err)) from None
     except MissingConfigException as err:
         raise ConfigError(_missing_option_message(err, primary)) from None
     except ConfigCompositionException as err:
         raise ConfigError(_composition_message(err, overrides, config_dir, primary)) from None
+
+
+def yaml_error_message(err: Exception) -> str:
+    """PyYAML's report as one line: the file, the line and column, what is wrong there."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or problem is None:
+        return f"a config file is not valid YAML ({' '.join(str(err).split())}); fix its syntax"
+    started = getattr(err, "context_mark", None)
+    context = getattr(err, "context", None)
+    where = f" ({context} that starts at line {started.line + 1}, column {started.column + 1})" if context and started else ""
+    return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {problem}{where}; fix the YAML syntax there"
 
 
 def _compose(overrides: list[str], config_dir: str | None, config_name: str, with_hydra: bool = False) -> DictConfig:

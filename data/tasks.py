@@ -9,8 +9,13 @@ is a tensor on the targets' device, so the sums of a batch stack and all-reduce 
 `monitor` names the metric a sweep optimises and best.pt is chosen by, `mode` its direction;
 both are constructor arguments, so `task.monitor=val/loss task.mode=min` overrides them.
 
-A user's own task is any object with `loss`, `eval_sums`, `monitor` and `mode`; for a plain
-loss function, `LossTask(loss=..., metrics={...})` builds one.
+Every task also says how a batch meets the model (data/batches.py): `input_keys` and
+`target_key` for dict batches, `output_key` for a model that returns a dict, tuple or
+ModelOutput, and `model_loss` to train on the loss the model computes itself (Hugging Face
+models given `labels=`). Keyword-only, so `task.target_key=label` overrides them.
+
+A user's own task is any object with `loss`, `eval_sums`, `monitor` and `mode` (the batch
+settings are optional); for a plain loss function, `LossTask(loss=..., metrics={...})` builds one.
 """
 from __future__ import annotations
 
@@ -21,8 +26,26 @@ import torch
 import torch.nn.functional as F
 
 
+# F.cross_entropy's default ignore_index, and Hugging Face's padding label.
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings:
+    """How a batch meets the model (data/batches.py); None: the defaults described there."""
+
+    input_keys: tuple[str, ...] | None = None  # dict batches: the model's keyword inputs
+    target_key: str | None = None  # dict batches: the target (default labels, else label)
+    output_key: str | int | None = None  # the output the task reads (default logits / first)
+    model_loss: bool = False  # train on the model's own loss, given the target as labels=
+
+    def __post_init__(self) -> None:
+        if self.input_keys is not None:
+            object.__setattr__(self, "input_keys", tuple(self.input_keys))
+
+
 @dataclass(frozen=True)
-class RegressionTask:
+class RegressionTask(BatchSettings):
     """Mean squared error; outputs and targets are (N, out_features)."""
 
     monitor: str = "val/loss"
@@ -37,7 +60,7 @@ class RegressionTask:
 
 
 @dataclass(frozen=True)
-class ClassificationTask:
+class ClassificationTask(BatchSettings):
     """Cross-entropy on logits (N, classes) against class ids (N,); accuracy is monitored."""
 
     monitor: str = "val/acc"
@@ -56,11 +79,18 @@ class ClassificationTask:
 
 
 @dataclass(frozen=True)
-class LanguageModelTask:
-    """Next-token cross-entropy: logits (B, T, vocab) against token ids (B, T), per token."""
+class LanguageModelTask(BatchSettings):
+    """Next-token cross-entropy: logits (B, T, vocab) against token ids (B, T), per token.
+
+    The targets are the next tokens already (ringtrain's text data); `shift_labels=True`
+    reads Hugging Face's convention instead (labels equal to the input ids: position t's
+    logits predict label t+1). Targets of -100 (padding) count neither in the loss nor in
+    the token count.
+    """
 
     monitor: str = "val/loss"
     mode: str = "min"
+    shift_labels: bool = False
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # No extra copy of the logits (B x T x vocab, the largest tensor of a GPT step): on
@@ -69,15 +99,19 @@ class LanguageModelTask:
         # same single float32 copy itself (nanoGPT's plain F.cross_entropy(logits, ...) gives
         # the identical loss, tests/test_speed_features.py). Outside autocast, a model that
         # returns bf16 logits still gets a float32 loss.
+        if self.shift_labels:
+            outputs, targets = outputs[:, :-1], targets[:, 1:]
         return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten())
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.shift_labels:
+            outputs, targets = outputs[:, :-1], targets[:, 1:]
         loss = F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten(), reduction="sum")
-        return {"loss": loss, "count": torch.tensor(float(targets.numel()), device=targets.device)}
+        return {"loss": loss, "count": (targets != IGNORE_INDEX).sum().double()}
 
 
 @dataclass(frozen=True)
-class LossTask:
+class LossTask(BatchSettings):
     """A user's loss callable (and optional metric callables), e.g. `torch.nn.SmoothL1Loss()`.
 
     Each callable takes (outputs, targets) and returns the batch *mean*; validation weights
@@ -91,6 +125,7 @@ class LossTask:
     mode: str = "min"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name, fn in {"loss": self.loss, **dict(self.metrics)}.items():
             if not callable(fn):
                 raise ValueError(f"task.{name} must be callable (outputs, targets) -> mean, got {fn!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtrain.data.batches import predictions
 from ringtrain.data.tasks import metrics_from_sums
 from ringtrain.distributed import DistInfo, all_reduce_sum
 from ringtrain.loop.loaders import BatchLoader
@@ -20,9 +21,9 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     with strategy.inference(model):
-        for inputs, targets in loader.batches():
+        for batch in loader.batches():
             with precision.autocast():
-                outputs = model(inputs)
+                outputs, targets = predictions(task, model, batch)
             for key, value in task.eval_sums(outputs, targets).items():
                 sums[key] = sums.get(key, 0) + value.double()
     keys = sorted(sums)  # the same task, so the same keys on every rank

@@ -1,5 +1,9 @@
 """Batches in sampler order, gathered many batches at a time.
 
+A batch is what the data gives: ringtrain's own data sets give (inputs, target) tensor pairs,
+a user's Dataset whatever its collate makes (tuples, dicts of tensors: data/batches.py says
+how the model meets them), moved to the device tensor by tensor.
+
 Every built-in data set is an in-memory tensor with `get_batch(indices)`. The loader gathers
 the samples of GATHER_BATCHES batches with one indexing operation and splits the result into
 batch views, instead of `batch_size` Python `__getitem__` calls plus a collate per batch: for
@@ -22,16 +26,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ringtrain.data.batches import to_device
 
 # Batches per gather: amortises the indexing call while bounding the extra memory to a few
 # dozen batches.
 GATHER_BATCHES = 32
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+# (inputs, target) tensors on the fast path; a tuple or dict of tensors from a DataLoader.
+Batch = Any
 
 
 class ShuffledShards:
@@ -169,8 +176,8 @@ class BatchLoader:
                 persistent_workers=w.persistent_workers and w.num_workers > 0,
                 prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
             )
-        for inputs, targets in self._loader:
-            yield inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        for batch in self._loader:
+            yield to_device(batch, self.device)
 
 
 def build_train_loader(

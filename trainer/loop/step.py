@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ringtrain.data.batches import samples_in, split_batch, training_loss
 from ringtrain.loop.loaders import Batch
 from ringtrain.loop.meter import TrainMeter
 from ringtrain.loop.nonfinite import NonFiniteWatch
@@ -20,19 +21,19 @@ def optimizer_step(parts: TrainingParts, task, micro_batches: list[Batch], meter
     needs it (computing it costs a pass over all gradients: most steps leave it out).
     """
     strategy, precision = parts.strategy, parts.precision
-    total = sum(inputs.shape[0] for inputs, _ in micro_batches)
+    total = 0 if len(micro_batches) == 1 else sum(samples_in(split_batch(task, batch)[1]) for batch in micro_batches)
     last = len(micro_batches) - 1
     losses = []
-    for i, (inputs, targets) in enumerate(micro_batches):
+    for i, batch in enumerate(micro_batches):
         with strategy.no_sync(parts.module, enabled=i == last):
             with precision.autocast():
-                loss = task.loss(parts.module(inputs), targets)
+                loss, targets = training_loss(task, parts.module, batch)
             # Weight each micro-batch by its share of samples, so K micro-batches of B give
             # exactly the gradient of one batch of K*B (also when the last batch is short).
-            share = inputs.shape[0] / total
-            precision.backward(loss if share == 1 else loss * share)
+            samples = samples_in(targets)
+            precision.backward(loss if not total else loss * (samples / total))
         loss = loss.detach()  # the one device op the loop adds: the meter and the watch share it
-        meter.add(loss, inputs.shape[0], targets.numel() if targets.dim() > 1 else 0)
+        meter.add(loss, samples, targets.numel() if targets.dim() > 1 else 0)
         losses.append(loss)
     precision.unscale_(parts.optimizer)
     if grad_clip_norm > 0:

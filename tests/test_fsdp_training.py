@@ -92,6 +92,16 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
         assert torch.equal(ddp[key], from_file[key]), key
     refused = run_module("ringtrain.tools.consolidate", [f"checkpoint={consolidated}"])
     assert refused.returncode == 2 and "is already one plain file" in refused.stderr
+    # ringtrain export reads the shards too: the same weights as a safetensors file.
+    from safetensors.torch import load_file
+
+    exported = tmp_path / "sharded.safetensors"
+    ok(run_module("ringtrain", ["export", f"checkpoint={checkpoints / 'last.pt'}", f"output={exported}"]))
+    full = torch.load(consolidated, weights_only=True)["model"]
+    tensors = load_file(exported)
+    assert set(tensors) == set(full) - {"token_embedding.weight"}  # tied to lm_head.weight: stored once
+    for key, tensor in tensors.items():
+        assert torch.equal(tensor, full[key]), key
     # ... and the same command with more steps continues from it, bit for bit.
     resumed = _train(tmp_path, "run", sharded + ["trainer.max_steps=40"])
     for key in straight:

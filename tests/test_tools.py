@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from conftest import CONF_DIR, run_module
 from helpers import refused
 
-TOOLS = ("evaluate", "sample", "consolidate", "prepare_tokens")
+TOOLS = ("evaluate", "sample", "consolidate", "export", "prepare_tokens")
 
 
 def _settings(tool: str) -> list[str]:

@@ -4,6 +4,7 @@
     ringtrain evaluate checkpoint=...     a checkpoint's validation metrics
     ringtrain sample checkpoint=...       text from a language model's checkpoint
     ringtrain consolidate checkpoint=...  a sharded fsdp checkpoint as one plain file
+    ringtrain export checkpoint=...       the trained weights as safetensors or a Hugging Face directory
     ringtrain prepare_tokens input=...    a text file as token files for data=token_file
 
 Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 
-TOOLS = ("train", "evaluate", "sample", "consolidate", "prepare_tokens")
+TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens")
 
 
 def _interrupted_outside_training(signum, frame):

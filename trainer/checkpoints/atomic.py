@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -82,6 +83,20 @@ def replace_atomically(path: str | os.PathLike, make: Callable[[Path], None]) ->
         make(temp)
         os.replace(temp, path)
     fsync_directory(path.parent)
+
+
+def replace_directory(partial: Path, directory: Path) -> None:
+    """Rename the complete directory `partial` to `directory`, replacing an older one of that
+    name, and make the renames durable. A directory cannot replace another in one rename: the
+    old one moves aside to `.<name>.previous` first, so a crash between the two renames leaves
+    that and no `directory`, never a half-written one under the name."""
+    previous = directory.with_name(f".{directory.name}.previous")
+    if directory.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(directory, previous)
+    os.replace(partial, directory)
+    fsync_directory(directory.parent)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def temp_path(path: Path) -> Path:

@@ -15,7 +15,6 @@ shards are each rank's own slice, so their synchronous write costs a 1/N share o
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ringtrain.checkpoints.atomic import fsync_directory
+from ringtrain.checkpoints.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
 
@@ -63,7 +62,7 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
         except dcp.CheckpointException as err:
             failure = _shard_write_failure(directory, err)
     if failure is None:
-        failure = _on_rank0(lambda: _replace_directory(partial, directory), directory)
+        failure = _on_rank0(lambda: replace_directory(partial, directory), directory)
     if failure is not None:
         _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
         raise CheckpointError(failure)
@@ -120,19 +119,6 @@ def _single_process_is_intended() -> Iterator[None]:
 def _fresh_directory(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)  # left by a crash mid-save
     path.mkdir(parents=True)
-
-
-def _replace_directory(partial: Path, directory: Path) -> None:
-    # A directory cannot replace another in one rename: the old one moves aside first. A
-    # crash between the two renames leaves `.previous` and no `directory`; the store then
-    # falls back to an older checkpoint (trainer/checkpoint.py).
-    previous = directory.with_name(f".{directory.name}.previous")
-    if directory.exists():
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(directory, previous)
-    os.replace(partial, directory)
-    fsync_directory(directory.parent)
-    shutil.rmtree(previous, ignore_errors=True)
 
 
 def _on_rank0(action, directory: Path) -> str | None:

@@ -1,6 +1,6 @@
 """What the tools' Hydra apps share: the command line checked ahead, and typed settings.
 
-evaluate, sample, consolidate and prepare_tokens are each a Hydra app with a primary config
+evaluate, sample, consolidate, export and prepare_tokens are each a Hydra app with a primary config
 conf/<tool>.yaml (its settings, their defaults and its --help), which starts from
 conf/hydra/tool.yaml (nothing written into the current directory). So `--help`, `--cfg job`,
 `key=value`, `+key`, `~key`, `--config-dir` and `-m` are training's, in every tool.

@@ -1,4 +1,4 @@
-"""A trained model back from its checkpoint alone, for `ringtrain sample`, `evaluate` and `consolidate`.
+"""A trained model back from its checkpoint alone, for `ringtrain sample`, `evaluate`, `consolidate` and `export`.
 
 A ringtrain checkpoint holds what rebuilds the model without the run's command line: the
 resolved model node (`config["model"]`, a `_target_` plus its arguments), the sizes the data

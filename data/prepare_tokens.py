@@ -7,10 +7,14 @@ The command is `ringtrain prepare_tokens` (ringtrain/tools/prepare_tokens.py):
 
 From a UTF-8 text (`prepare_text`): the first (1 - val_fraction) of the tokens train, the rest
 validate, the split data/text.py makes. The `char` vocabulary gives one id per distinct
-character (sorted by code point); `byte` one per UTF-8 byte (256 ids, any text). The
+character (sorted by code point); `byte` one per UTF-8 byte (256 ids, any text); `bpe` a
+`tokenizers` tokenizer's ids (data/bpe.py: trained on the input, or read from a
+tokenizer.json), whose tokenizer.json is written into the directory as well. The
 vocabulary goes into meta.json, so the directory alone decodes samples. The text is streamed
 in chunks, never read whole: the byte vocabulary needs one pass, the character vocabulary
-two (the first finds the alphabet, the second encodes).
+two (the first finds the alphabet, the second encodes), and so does BPE (the first counts the
+tokens). BPE chunks end at a single newline between two non-space characters, where GPT-2's
+byte-level pre-tokenizer splits anyway, so the ids are those of the whole text encoded at once.
 
 `prepare_random` writes N uniform random ids (and a small val.bin) in chunks: a corpus of any
 size in seconds, for measuring memory and loader speed, not for learning anything.
@@ -23,15 +27,17 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from ringtrain.checkpoints.atomic import open_atomically
+from ringtrain.checkpoints.atomic import open_atomically, write_text_atomically
+from ringtrain.data.bpe import TOKENIZER_FILE, train_bpe
 from ringtrain.data.token_file import SPLITS, token_dtype_for, write_meta
-from ringtrain.data.vocab import ByteVocab, CharVocab
+from ringtrain.data.vocab import BPEVocab, ByteVocab, CharVocab, Vocab
 from ringtrain.errors import UserError
 
 # Text read per step: big enough that per-chunk overhead vanishes, small enough that the
@@ -39,6 +45,9 @@ from ringtrain.errors import UserError
 CHUNK_BYTES = 4 << 20
 RANDOM_CHUNK_TOKENS = 16 << 20
 UNICODE_SIZE = 0x110000
+# Where a BPE chunk may end: after a newline with a non-space character on either side (a
+# longer run of white space is one pre-token when it ends a text, several inside one).
+_LINE_START = re.compile(r"(?<=\S)\n(?=\S)")
 
 
 class PrepareError(UserError):
@@ -47,11 +56,14 @@ class PrepareError(UserError):
 
 def prepare_text(
     input_path: str | os.PathLike, out_dir: str | os.PathLike, vocab_kind: str = "char",
-    val_fraction: float = 0.1, chunk_bytes: int = CHUNK_BYTES,
+    val_fraction: float = 0.1, chunk_bytes: int = CHUNK_BYTES, tokenizer: BPEVocab | None = None,
 ) -> dict:
-    """Tokenize a UTF-8 text file into `out_dir`; returns what meta.json records."""
-    if vocab_kind not in ("char", "byte"):
-        raise ValueError(f"vocab_kind={vocab_kind!r} must be 'char' or 'byte'")
+    """Tokenize a UTF-8 text file into `out_dir`; returns what meta.json records. `tokenizer`:
+    the BPE vocabulary of vocab_kind "bpe" (data/bpe.py's train_bpe or read_tokenizer)."""
+    if vocab_kind not in ("char", "byte", "bpe"):
+        raise ValueError(f"vocab_kind={vocab_kind!r} must be 'char', 'byte' or 'bpe'")
+    if (vocab_kind == "bpe") != (tokenizer is not None):
+        raise ValueError("vocab_kind='bpe' takes its tokenizer (a BPEVocab), and only it does")
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
     source = Path(input_path)
@@ -68,9 +80,12 @@ def prepare_text(
             seen |= np.bincount(codepoints, minlength=UNICODE_SIZE).astype(bool)
             num_tokens += len(codepoints)
         vocab = CharVocab("".join(map(chr, np.flatnonzero(seen).tolist())))
-    else:
+    elif vocab_kind == "byte":
         vocab = ByteVocab()
         num_tokens = source.stat().st_size  # one token per byte; the pass below checks UTF-8
+    else:
+        vocab = tokenizer
+        num_tokens = sum(len(vocab.encode(text)) for text in _encoded_chunks(source, chunk_bytes, vocab))
 
     split = int(num_tokens * (1 - val_fraction))
     counts = {"train": split, "val": num_tokens - split}
@@ -83,7 +98,7 @@ def prepare_text(
     dtype = np.dtype(token_dtype_for(vocab.size))
     with _TokenDirectoryWriter(out_dir) as writer:
         written = 0
-        for text in _decoded_chunks(source, chunk_bytes):
+        for text in _encoded_chunks(source, chunk_bytes, vocab):
             ids = vocab.encode_array(text).astype(dtype)
             cut = min(max(split - written, 0), len(ids))
             writer.files["train"].write(ids[:cut].tobytes())
@@ -92,6 +107,8 @@ def prepare_text(
         meta = {"dtype": str(dtype), "vocab_size": vocab.size, "vocab": vocab.to_state(),
                 "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source.name}
         writer.meta = meta
+    if isinstance(vocab, BPEVocab):  # the tokenizer itself, for data.tokenizer and other tools
+        write_text_atomically(Path(out_dir) / TOKENIZER_FILE, vocab.tokenizer_json)
     return meta
 
 
@@ -136,6 +153,35 @@ class _TokenDirectoryWriter:
             write_meta(self.directory, meta.pop("dtype"), meta.pop("vocab_size"), meta.pop("vocab", None), **meta)
         elif self.created:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def train_tokenizer(input_path: str | os.PathLike, vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> BPEVocab:
+    """A byte-level BPE tokenizer of `vocab_size` ids (data/bpe.py) trained on a UTF-8 text
+    file, streamed as prepare_text streams it."""
+    source = Path(input_path)
+    if not source.is_file() or source.stat().st_size == 0:
+        raise PrepareError(f"{input_path} does not exist, is not a file or is empty; pass a UTF-8 text file")
+    return train_bpe(_line_start_chunks(source, chunk_bytes), vocab_size)
+
+
+def _encoded_chunks(source: Path, chunk_bytes: int, vocab: Vocab) -> Iterator[str]:
+    """The pieces of text to encode one at a time: for BPE, cut at line starts (module docstring)."""
+    return _line_start_chunks(source, chunk_bytes) if isinstance(vocab, BPEVocab) else _decoded_chunks(source, chunk_bytes)
+
+
+def _line_start_chunks(source: Path, chunk_bytes: int) -> Iterator[str]:
+    """The decoded chunks, each cut back to its last line start, the rest carried into the next."""
+    carried = ""
+    for text in _decoded_chunks(source, chunk_bytes):
+        text = carried + text
+        cut = 0
+        for match in _LINE_START.finditer(text):
+            cut = match.end()
+        if cut:
+            yield text[:cut]
+        carried = text[cut:]
+    if carried:
+        yield carried
 
 
 def _decoded_chunks(source: Path, chunk_bytes: int) -> Iterator[str]:

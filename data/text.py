@@ -1,12 +1,14 @@
-"""Character-level language modelling over any UTF-8 text file.
+"""Language modelling over any UTF-8 text file, by characters or with a BPE tokenizer.
 
     python train.py model=transformer data=text data.path=../shared/data/tinyshakespeare.txt
+    python train.py model=transformer data=text data.path=input.txt data.tokenizer=tokenizer.json
 
-The vocabulary is the set of characters in the file (sorted by code point). The first
-(1 - val_fraction) of the characters train, the rest validate. Samples are non-overlapping
-windows of seq_len + 1 characters. The encoded file is cached under `cache_dir` (keyed by
-the file's path, size and modification time), so later runs and the other ranks of a DDP
-job skip the encoding; set `cache_dir` to "" to turn the cache off.
+The vocabulary is the set of characters in the file (sorted by code point), or, with
+`tokenizer` (a tokenizers tokenizer.json, data/bpe.py), that tokenizer's ids. The first
+(1 - val_fraction) of the tokens train, the rest validate. Samples are non-overlapping
+windows of seq_len + 1 tokens. The encoded file is cached under `cache_dir` (keyed by the
+file's path, size and modification time, and the tokenizer), so later runs and the other
+ranks of a DDP job skip the encoding; set `cache_dir` to "" to turn the cache off.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from pathlib import Path
 import torch
 
 from ringtrain.checkpoints.atomic import open_atomically
+from ringtrain.data.bpe import read_tokenizer
 from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.tensors import SequenceDataset, windows_of
+from ringtrain.data.vocab import BPEVocab
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +63,17 @@ def encode_text(text: str) -> tuple[str, torch.Tensor]:
     return vocab, ids.to(dtype)
 
 
-def load_encoded(path: str, cache_dir: str) -> tuple[str, torch.Tensor]:
-    """The file's vocabulary and ids, from the cache when the file has not changed."""
+def encode_with_tokenizer(text: str, tokenizer: BPEVocab) -> torch.Tensor:
+    """The tokenizer's ids of `text`, in the narrowest dtype that holds them."""
+    dtype = torch.uint8 if tokenizer.size <= 256 else torch.int16 if tokenizer.size <= 1 << 15 else torch.int32
+    return torch.from_numpy(tokenizer.encode_array(text)).to(dtype)
+
+
+def load_encoded(path: str, cache_dir: str, tokenizer: BPEVocab | None = None) -> tuple[str, torch.Tensor]:
+    """The file's vocabulary (its characters; "" with a tokenizer) and ids, from the cache when
+    neither the file nor the tokenizer has changed."""
     file = Path(path).expanduser().resolve()
-    cache = _cache_path(file, cache_dir)
+    cache = _cache_path(file, cache_dir, tokenizer)
     if cache is not None and cache.exists():
         try:
             state = torch.load(cache, weights_only=True)
@@ -76,45 +87,54 @@ def load_encoded(path: str, cache_dir: str) -> tuple[str, torch.Tensor]:
         raise DataError(
             f"data.path={path!r} is not UTF-8 text (byte {err.start}); convert it to UTF-8 first"
         ) from None
-    vocab, ids = encode_text(text)
+    vocab, ids = encode_text(text) if tokenizer is None else ("", encode_with_tokenizer(text, tokenizer))
     if cache is not None:
         _write_cache(cache, {"format": _CACHE_FORMAT, "vocab": vocab, "ids": ids})
     return vocab, ids
 
 
 class CharText(DataModule):
-    """Character-level windows of a UTF-8 file; `vocab_size` and the vocabulary come from it."""
+    """Windows of a UTF-8 file's characters (or its `tokenizer`'s ids); `vocab_size` and the
+    vocabulary come from the file (or the tokenizer)."""
 
-    def __init__(self, path: str, seq_len: int = 64, val_fraction: float = 0.1, cache_dir: str = "~/.cache/ringtrain"):
+    def __init__(self, path: str, seq_len: int = 64, val_fraction: float = 0.1, cache_dir: str = "~/.cache/ringtrain",
+                 tokenizer: str | None = None):
         self.path, self.seq_len, self.val_fraction, self.cache_dir = path, seq_len, val_fraction, cache_dir
         check_positive_ints(self, "seq_len")
         if not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
         check_text_file(path)
-        self.dims = {"vocab_size": None}  # given, but known only once setup() has read the file
+        self.tokenizer = read_tokenizer(tokenizer) if tokenizer else None  # null or "": characters
+        # Characters: given, but known only once setup() has read the file.
+        self.dims = {"vocab_size": self.tokenizer.size if self.tokenizer else None}
 
     def setup(self) -> None:
-        vocab, ids = load_encoded(self.path, self.cache_dir)
+        vocab, ids = load_encoded(self.path, self.cache_dir, self.tokenizer)
+        unit = "tokens" if self.tokenizer else "characters"
         split = int(len(ids) * (1 - self.val_fraction))
         train_ids, val_ids = ids[:split], ids[split:]
         for name, part in (("training", train_ids), ("validation", val_ids)):
             if len(part) < self.seq_len + 1:
                 raise DataError(
-                    f"data.path={self.path!r} gives {len(part)} {name} characters, fewer than one "
+                    f"data.path={self.path!r} gives {len(part)} {name} {unit}, fewer than one "
                     f"window of data.seq_len + 1 = {self.seq_len + 1}; use a longer file, a smaller "
                     f"seq_len (model.block_size) or another data.val_fraction"
                 )
         self.train = SequenceDataset(windows_of(train_ids, self.seq_len))
         self.val = SequenceDataset(windows_of(val_ids, self.seq_len))
-        self.dims = {"vocab_size": len(vocab)}
-        self.vocab = {"kind": "char", "chars": vocab}
+        if self.tokenizer is not None:
+            self.vocab = self.tokenizer.to_state()
+        else:
+            self.dims = {"vocab_size": len(vocab)}
+            self.vocab = {"kind": "char", "chars": vocab}
 
 
-def _cache_path(file: Path, cache_dir: str) -> Path | None:
+def _cache_path(file: Path, cache_dir: str, tokenizer: BPEVocab | None) -> Path | None:
     if not cache_dir:
         return None
     stat = file.stat()
-    key = hashlib.sha256(f"{file}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    encoding = "chars" if tokenizer is None else hashlib.sha256(tokenizer.tokenizer_json.encode()).hexdigest()
+    key = hashlib.sha256(f"{file}|{stat.st_size}|{stat.st_mtime_ns}|{encoding}".encode()).hexdigest()[:24]
     return Path(cache_dir).expanduser() / f"text-{file.stem}-{key}.pt"
 
 

@@ -3,13 +3,17 @@
 A vocabulary travels with the data it encoded (token_file's meta.json) and with the model
 trained on it (the checkpoint), so it is stored as plain data: `to_state()` gives a dict of
 strings that `torch.load(weights_only=True)` and json both accept, and `vocab_from_state`
-rebuilds the vocabulary from it. No pickled classes, no tokenizer library.
+rebuilds the vocabulary from it. No pickled classes.
 
 - CharVocab(chars): one id per character, ids in the order of `chars` (data/text.py and
   `ringtrain prepare_tokens vocab=char` sort them by code point).
 - ByteVocab(): 256 ids, the UTF-8 bytes of the text; any text encodes, nothing is unknown.
+- BPEVocab(tokenizer_json): a Hugging Face `tokenizers` tokenizer (the byte-level BPE that
+  `ringtrain prepare_tokens vocab=bpe` trains, or any tokenizer.json), kept as the text of its
+  tokenizer.json, so a checkpoint decodes with it alone. Needs the `tokenizers` library
+  (`pip install 'ringtrain[hf]'`), imported only when such a vocabulary is used.
 
-Both decode ids they do not know (a model whose output layer is padded past the vocabulary
+All decode ids they do not know (a model whose output layer is padded past the vocabulary
 can sample them) as U+FFFD, the replacement character, instead of failing mid-sample.
 """
 from __future__ import annotations
@@ -114,10 +118,73 @@ class ByteVocab:
         return "ByteVocab()"
 
 
-VOCAB_KINDS = ("char", "byte")
+class BPEVocab:
+    """A `tokenizers` tokenizer, from the text of its tokenizer.json. Ids are encoded without
+    special tokens (a text's ids are its own); `size` is the highest id plus one."""
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer_json: str):
+        if not isinstance(tokenizer_json, str) or not tokenizer_json.strip():
+            raise ValueError("a 'bpe' vocabulary needs 'tokenizer_json', the text of a tokenizer.json")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError("a 'bpe' vocabulary needs the tokenizers library; pip install 'ringtrain[hf]'") from None
+        try:
+            self._tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as err:  # tokenizers raises its own Exception type for a bad file
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"not a tokenizers tokenizer.json ({first})") from None
+        self.tokenizer_json = tokenizer_json
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError("the tokenizer.json has an empty vocabulary")
+        self.size = max(ids) + 1
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_tensor(self, text: str) -> torch.Tensor:
+        """int64 ids of `text`, as a 1-D tensor."""
+        return torch.from_numpy(self.encode_array(text))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text. One call each, not tokenizers' encode_batch: its thread pool,
+        once used, makes every later fork (DataLoader workers) print a warning and run it serially."""
+        return [self._tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+
+    def decode(self, ids: Ids) -> str:
+        # tokenizers skips an id it does not know without a word: decode the runs of known
+        # ids and put U+FFFD where an unknown one was, as the other vocabularies do.
+        pieces, run = [], []
+        for i in _int_list(ids):
+            if 0 <= i < self.size and self._tokenizer.id_to_token(i) is not None:
+                run.append(i)
+                continue
+            pieces.append(self._tokenizer.decode(run, skip_special_tokens=False) + REPLACEMENT_CHARACTER)
+            run = []
+        pieces.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(pieces)
+
+    def to_state(self) -> dict:
+        return {"kind": self.kind, "tokenizer_json": self.tokenizer_json}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BPEVocab) and other.tokenizer_json == self.tokenizer_json
+
+    def __repr__(self) -> str:
+        return f"BPEVocab({self.size} ids)"
 
 
-def vocab_from_state(state: dict) -> CharVocab | ByteVocab:
+VOCAB_KINDS = ("char", "byte", "bpe")
+Vocab = CharVocab | ByteVocab | BPEVocab
+
+
+def vocab_from_state(state: dict) -> Vocab:
     """The vocabulary `to_state()` described."""
     if not isinstance(state, dict):
         raise ValueError(f"a vocabulary state is a dict such as {{'kind': 'byte'}}, got {type(state).__name__}")
@@ -129,6 +196,8 @@ def vocab_from_state(state: dict) -> CharVocab | ByteVocab:
         return CharVocab(chars)
     if kind == "byte":
         return ByteVocab()
+    if kind == "bpe":
+        return BPEVocab(state.get("tokenizer_json"))
     raise ValueError(f"unknown vocabulary kind {kind!r}; expected one of {', '.join(VOCAB_KINDS)}")
 
 

@@ -66,8 +66,8 @@ def test_vocab_states_are_plain_data_that_weights_only_loads(tmp_path):
         state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["vocab"]
         assert vocab_from_state(state) == vocab and json.loads(json.dumps(state)) == state
     assert CharVocab("ab").to_state() == {"kind": "char", "chars": "ab"} and ByteVocab().to_state() == {"kind": "byte"}
-    with pytest.raises(ValueError, match="unknown vocabulary kind 'bpe'; expected one of char, byte"):
-        vocab_from_state({"kind": "bpe"})
+    with pytest.raises(ValueError, match="unknown vocabulary kind 'wordpiece'; expected one of char, byte, bpe"):
+        vocab_from_state({"kind": "wordpiece"})
 
 
 @pytest.mark.parametrize("vocab_kind", ["char", "byte"])
@@ -190,8 +190,8 @@ TOKENS = np.arange(1000, dtype=np.uint16) % 100
      "meta.json has dtype='int16'; set it to \"uint16\" or \"uint32\""),
     (lambda d: _write(d, "meta.json", b'{"dtype": "uint16"}'), "meta.json has vocab_size=None; set it to the number"),
     (lambda d: _write(d, "meta.json", b"{dtype: uint16"), "meta.json is not valid JSON"),
-    (lambda d: _write(d, "meta.json", b'{"dtype": "uint16", "vocab_size": 100, "vocab": {"kind": "bpe"}}'),
-     "meta.json's vocab is unusable (unknown vocabulary kind 'bpe'"),
+    (lambda d: _write(d, "meta.json", b'{"dtype": "uint16", "vocab_size": 100, "vocab": {"kind": "wordpiece"}}'),
+     "meta.json's vocab is unusable (unknown vocabulary kind 'wordpiece'"),
     (lambda d: _write(d, "train.bin", TOKENS.tobytes() + b"\x01"),
      "train.bin is 2001 bytes, not a whole number of uint16 tokens (2 bytes each)"),
     (lambda d: _write(d, "val.bin", TOKENS[:16].tobytes()),

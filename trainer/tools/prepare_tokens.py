@@ -1,10 +1,14 @@
 """A token directory for data=token_file: `ringtrain prepare_tokens input=... output=...`.
 
     ringtrain prepare_tokens input=input.txt output=my_tokens [vocab=char|byte] [val_fraction=0.1]
+    ringtrain prepare_tokens input=input.txt output=my_tokens vocab=bpe vocab_size=2048
+    ringtrain prepare_tokens input=input.txt output=my_tokens vocab=bpe tokenizer=tokenizer.json
     ringtrain prepare_tokens random_tokens=N vocab_size=V output=my_tokens [seed=0]
 
 Writes train.bin, val.bin and meta.json into `output`, from a UTF-8 text or as random ids;
-the tokenizing is data/prepare_tokens.py's. A Hydra app like every ringtrain command: the
+the tokenizing is data/prepare_tokens.py's. vocab=bpe trains a byte-level BPE tokenizer of
+vocab_size ids on the input (data/bpe.py), or uses the given tokenizer.json, and writes it
+into `output` as tokenizer.json too. A Hydra app like every ringtrain command: the
 settings and their defaults are conf/prepare_tokens.yaml (`ringtrain prepare_tokens --help`).
 """
 from __future__ import annotations
@@ -15,7 +19,8 @@ import hydra
 from omegaconf import DictConfig
 
 from ringtrain.config.compose import PrimaryConfig
-from ringtrain.data.prepare_tokens import prepare_random, prepare_text
+from ringtrain.data.bpe import read_tokenizer
+from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.tools.app import call_with_settings, run_tool, settings_for
 
@@ -28,11 +33,12 @@ MAX_VOCAB_SIZE = 1 << 32  # the widest token dtype is uint32
 def prepare_tokens(
     output: str,
     input: str | None = None,  # noqa: A002 - the setting's name on the command line
-    vocab: Literal["char", "byte"] = "char",
+    vocab: Literal["char", "byte", "bpe"] = "char",
     val_fraction: float = 0.1,
     random_tokens: int | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    tokenizer: str | None = None,
 ) -> dict:
     """Write the token directory `output` from the text file `input`, or `random_tokens`
     random ids below `vocab_size`; returns what meta.json records."""
@@ -48,7 +54,27 @@ def prepare_tokens(
         raise ConfigError(f"input is required (or random_tokens=N vocab_size=V): {PREPARE_TOKENS.usage}")
     if not 0 < val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
-    return prepare_text(input, output, vocab, val_fraction)
+    if vocab != "bpe":
+        if tokenizer is not None:
+            raise ConfigError(f"tokenizer is a setting of vocab=bpe, not of vocab={vocab}; add vocab=bpe or drop it")
+        if vocab_size is not None:
+            raise ConfigError(f"vocab_size is a setting of vocab=bpe or random_tokens, not of vocab={vocab}; "
+                              f"add vocab=bpe or drop it")
+        return prepare_text(input, output, vocab, val_fraction)
+    return prepare_text(input, output, "bpe", val_fraction, tokenizer=bpe_tokenizer(input, tokenizer, vocab_size))
+
+
+def bpe_tokenizer(input: str, tokenizer: str | None, vocab_size: int | None):  # noqa: A002
+    """The tokenizer of vocab=bpe: read from `tokenizer`, or trained on `input`."""
+    if (tokenizer is None) == (vocab_size is None):
+        raise ConfigError("vocab=bpe needs vocab_size=N (train a tokenizer of N ids on the input) or "
+                          "tokenizer=path/to/tokenizer.json (use that one), one of the two")
+    if tokenizer is not None:
+        return read_tokenizer(tokenizer, key="tokenizer")
+    try:
+        return train_tokenizer(input, vocab_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="prepare_tokens")

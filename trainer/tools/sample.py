@@ -6,7 +6,8 @@
 
 nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint
 alone (its model node, the data's sizes and the weights; tools/checkpoint_model.py) and the text
-is encoded and decoded with the vocabulary the checkpoint keeps, so neither the run's command
+is encoded and decoded with the vocabulary the checkpoint keeps (characters, bytes, or a BPE
+tokenizer's whole tokenizer.json; data/vocab.py), so neither the run's command
 line nor its data file is needed. Prints the prompt followed by the generated text on stdout
 (samples separated by a line of dashes); everything else goes to stderr.
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from ringtrain.tools.checkpoint_model import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
 from ringtrain.config.compose import PrimaryConfig
-from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
+from ringtrain.data.vocab import CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.tools.app import call_with_settings, run_tool, settings_for
 
@@ -87,7 +88,7 @@ def generate(
     return idx
 
 
-def encode_prompt(vocab: CharVocab | ByteVocab, prompt: str) -> torch.Tensor:
+def encode_prompt(vocab: Vocab, prompt: str) -> torch.Tensor:
     """The prompt's ids; refuses characters the model never saw, naming all of them."""
     if not prompt:
         raise ConfigError('prompt is empty; give the text to continue, e.g. prompt="ROMEO:"')
@@ -98,7 +99,10 @@ def encode_prompt(vocab: CharVocab | ByteVocab, prompt: str) -> torch.Tensor:
                 f"prompt has characters the model's vocabulary lacks: {', '.join(map(repr, unknown))}; "
                 f"use only the {vocab.size} characters of the training text"
             )
-    return vocab.encode_tensor(prompt)
+    ids = vocab.encode_tensor(prompt)
+    if not len(ids):
+        raise ConfigError(f"prompt={prompt!r} encodes to no tokens with the model's tokenizer; give some text")
+    return ids
 
 
 def read_prompt(prompt: str) -> str:

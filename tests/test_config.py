@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 
 import pytest
 import torch
@@ -224,6 +226,46 @@ def test_cli_yaml_syntax_error_in_a_users_config_names_file_line_and_column(tmp_
         f"sequence that starts at line 4, column 10); fix the YAML syntax there"
     )
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+@pytest.fixture
+def read_only_directory(tmp_path):
+    """A directory nothing can be written in: a read-only tmpfs where mounting is allowed
+    (root), else one without write permission (which root would ignore)."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory)],
+                                 capture_output=True).returncode == 0
+    except FileNotFoundError:
+        mounted = False
+    if mounted:
+        yield directory
+        subprocess.run(["umount", str(directory)], check=False)
+    elif os.geteuid() == 0:
+        pytest.skip("root without mount: no directory it cannot write in")
+    else:
+        directory.chmod(0o555)
+        yield directory
+        directory.chmod(0o755)
+
+
+def test_cli_a_run_directory_that_cannot_be_made_is_one_line_before_any_work(tmp_path, read_only_directory):
+    from ringtrain.config.command_line import check_overrides
+
+    line = refused(run_cli([f"hydra.run.dir={read_only_directory / 'run'}"], cwd=tmp_path))
+    assert line.startswith(f"error: the run directory {read_only_directory / 'run'} (hydra.run.dir) cannot be "
+                           f"created: nothing can be written in {read_only_directory} ("), line
+    assert list(read_only_directory.iterdir()) == [] and not (tmp_path / "outputs").exists()
+    # The same check, in process: a path through a file (Hydra's NotADirectoryError), a sweep's directory.
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(ConfigError) as info:
+        check_overrides([f"hydra.run.dir={a_file / 'run'}"])
+    assert str(info.value) == (f"the run directory {a_file / 'run'} (hydra.run.dir) cannot be created: {a_file} is a "
+                               f"file, not a directory; set hydra.run.dir to a directory you can write to")
+    with pytest.raises(ConfigError, match=r"\(hydra.sweep.dir\) cannot be created: .* is a file, not a directory"):
+        check_overrides(["-m", "optimizer.lr=0.1,0.2", f"hydra.sweep.dir={a_file / 'sweep'}"])
 
 
 def test_cli_unknown_override_key_exits_2_with_one_line(tmp_path):

@@ -648,19 +648,28 @@ def test_a_stalled_rank_ends_the_job_and_is_named(tmp_path):
 
 
 def test_a_second_job_in_a_running_jobs_directory_is_refused_and_the_first_is_unharmed(tmp_path, reference):
-    args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
+    run_dir = tmp_path / "run"
+    args = SINGLE + [f"hydra.run.dir={run_dir}"]
     release = tmp_path / "release-the-first-job"
     # The first job holds at step 5 until the second has ended: on a loaded machine the second's
-    # start-up could otherwise outlast the first job.
+    # start-up could otherwise outlast the first job. While held it writes nothing (its step-5
+    # log line comes after the hold), so its record and log are compared as they were.
     with training_job(args, hold_at_step=5, env={"RINGTRAIN_TEST_HOLD_UNTIL_FILE": str(release)}) as job:
         job.wait_for_step(5)
-        second = run_cli(args)  # the same command again, while the first still trains
+        record = {path.name: path.read_bytes() for path in (run_dir / ".hydra").iterdir()}
+        log = (run_dir / "train.log").read_bytes()
+        # Another model into the same directory, while the first job trains.
+        second = run_cli(args + ["model.hidden_sizes=[32]", "optimizer.lr=0.05"])
+        assert {path.name: path.read_bytes() for path in (run_dir / ".hydra").iterdir()} == record
+        assert (run_dir / "train.log").read_bytes() == log  # not a line of the refused job's
         release.touch()
         status, output = job.finish()
+    assert sorted(record) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
     assert refused(second) == (
-        f"error: {tmp_path / 'run'} is in use by another training job (pid {job.proc.pid} on "
+        f"error: {run_dir} is in use by another training job (pid {job.proc.pid} on "
         f"{socket.gethostname()}); wait for it to end, stop it, or give this run its own hydra.run.dir"
     )
     assert status == 0, output[-4000:]
-    assert_identical(tmp_path / "run", reference(1))  # the refused job wrote nothing
+    assert_identical(run_dir, reference(1))  # the refused job wrote nothing
+    assert (run_dir / ".hydra" / "config.yaml").read_bytes() == record["config.yaml"]
     job_ok(run_job(args))  # once the first has ended, the directory is free again (nothing to train)

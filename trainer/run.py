@@ -45,7 +45,7 @@ from ringtrain.loop.fit import fit
 from ringtrain.loop.progress import FitResult
 from ringtrain.checkpoints.resume import checkpoint_to_resume
 from ringtrain.config.continuation import config_to_continue
-from ringtrain.checkpoints.rundir import RunDirectoryLock, forget_restart_note, leave_restart_note
+from ringtrain.checkpoints.rundir import RunDirectoryLock, RunRecord, forget_restart_note, leave_restart_note
 from ringtrain.loop.signals import StopSignals
 
 log = logging.getLogger("ringtrain")
@@ -60,17 +60,18 @@ class BuiltComponents:
     task: Any
 
 
-def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] = (), in_sweep: bool = False) -> float:
+def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] = (), in_sweep: bool = False,
+        record: RunRecord | None = None) -> float:
     """Train as configured, writing outputs under `run_dir`; return the final monitored metric.
 
     `overrides` are the command line's; with trainer.resume=<path> they are applied to the
-    checkpoint's stored config (trainer/resume.py). A run stopped early raises
-    TrainingStopped (its exit status), except in a sweep, where it scores the worst value
-    and the sweep goes on.
+    checkpoint's stored config (trainer/resume.py). `record`: the job's .hydra/ files, which
+    rank 0 writes once the job owns `run_dir`. A run stopped early raises TrainingStopped (its
+    exit status), except in a sweep, where it scores the worst value and the sweep goes on.
     """
     if OmegaConf.select(cfg, "trainer.resume") not in (None, "auto"):
         cfg = config_to_continue(cfg, list(overrides))
-    result = launch(validate(cfg), str(run_dir))
+    result = launch(validate(cfg), str(run_dir), record=record)
     if result.stopped and not in_sweep:
         raise stopped_error(result)
     return sweep_value(result)
@@ -82,11 +83,12 @@ def stopped_error(result: FitResult) -> TrainingStopped:
     return TrainingStopped(f"stopped by {result.stopped}; last.pt saved", STOPPED_BY_SIGNAL_EXIT)
 
 
-def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None) -> FitResult:
+def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None,
+           record: RunRecord | None = None) -> FitResult:
     """Train on this process, or on the ranks the strategy starts (ddp/fsdp without torchrun);
     the trainer's stop signals reach those ranks through this process too (Ctrl-C, `kill`)."""
     entry = train_worker if built is None else _worker_returning_weights
-    return run.strategy.launch(entry, run, run_dir, built, stop_signals=tuple(run.trainer.stop_signals))
+    return run.strategy.launch(entry, run, run_dir, built, record, stop_signals=tuple(run.trainer.stop_signals))
 
 
 def sweep_value(result: FitResult) -> float:
@@ -97,39 +99,35 @@ def sweep_value(result: FitResult) -> float:
     return value
 
 
-def _worker_returning_weights(run: RunConfig, run_dir: str, built: BuiltComponents) -> FitResult:
+def _worker_returning_weights(run: RunConfig, run_dir: str, built: BuiltComponents,
+                              record: RunRecord | None = None) -> FitResult:
     # The Python caller's model may live in another process: rank 0 sends the trained weights back.
-    return train_worker(run, run_dir, built, return_weights=True)
+    return train_worker(run, run_dir, built, record, return_weights=True)
 
 
 def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = None,
-                 return_weights: bool = False) -> FitResult:
+                 record: RunRecord | None = None, return_weights: bool = False) -> FitResult:
     """Everything one rank does, with stop signals watched from the start. The process group
     is torn down on every exit path. `return_weights`: rank 0's result carries the model's
     full weights (`model_state`), gathered from every rank while the process group lives
     (under fsdp each rank holds only its shards)."""
     with StopSignals(run.trainer.stop_signals) as stop:
-        return _train_rank(run, run_dir, built, stop, return_weights)
+        return _train_rank(run, run_dir, built, record, stop, return_weights)
 
 
-def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, stop: StopSignals,
-                return_weights: bool) -> FitResult:
+def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, record: RunRecord | None,
+                stop: StopSignals, return_weights: bool) -> FitResult:
     dist = run.strategy.setup_process(run.trainer.accelerator)
     clean_exit = False
     directory_lock = RunDirectoryLock(run_dir)  # taken by rank 0, whose run_dir everyone shares
     try:
-        # Rank 0's directory for everyone: under torchrun each rank's Hydra picked its own.
-        shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
-        # Rank 0 claims the directory for the whole job, before writing anything there (its
-        # train.log included); a second job there ends on every rank.
-        refusal = broadcast_object(dist, directory_lock.acquire() if dist.is_main else None)
-        if refusal:
-            raise RunDirError(refusal)
-        _configure_rank_logging(dist, shared_dir)
-        if dist.is_main:
+        shared_dir = _claim_run_directory(dist, run_dir, directory_lock)
+        resume_from = checkpoint_to_resume(shared_dir, run.trainer.resume, run.resolved, dist)
+        if dist.is_main:  # the job owns the directory now: a refused job has written nothing
             log.info(f"run directory: {shared_dir}")
             leave_restart_note(shared_dir)
-        resume_from = checkpoint_to_resume(shared_dir, run.trainer.resume, run.resolved, dist)
+            if record is not None:
+                record.write(shared_dir)
 
         data = built.data if built else build_data(run.data, dist)
         task = built.task if built else check_task(build(run.task, "task"))
@@ -165,6 +163,18 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, sto
     finally:
         directory_lock.release()
         teardown_distributed(clean_exit)
+
+
+def _claim_run_directory(dist: DistInfo, run_dir: str, lock: RunDirectoryLock) -> Path:
+    """Rank 0's run directory for every rank (under torchrun each rank's Hydra picked its
+    own), claimed by rank 0 for the whole job before anything is written there; a second job
+    there ends on every rank."""
+    shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
+    refusal = broadcast_object(dist, lock.acquire() if dist.is_main else None)
+    if refusal:
+        raise RunDirError(refusal)
+    _configure_rank_logging(dist, shared_dir)
+    return shared_dir
 
 
 def _load_starting_weights(model: nn.Module, init_from: str | None, resume_from: Path | None,

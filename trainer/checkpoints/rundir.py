@@ -26,6 +26,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ringtrain.checkpoints.atomic import write_text_atomically
@@ -90,6 +91,38 @@ def directory_before_restart() -> str | None:
         return restart_note().read_text().strip() or None
     except OSError:
         return None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What Hydra's `hydra.output_subdir` (.hydra/) holds: the job's config.yaml, hydra.yaml and
+    overrides.yaml. Written by the job itself once it owns its run directory (the lock held,
+    the checkpoint to resume from accepted), not by Hydra when the job starts: a job refused
+    then would have replaced the record of the run that owns the directory."""
+
+    subdir: str
+    files: dict[str, str]  # file name -> its text
+
+    def write(self, run_dir: str | Path) -> None:
+        for name, text in self.files.items():
+            write_text_atomically(Path(run_dir) / self.subdir / name, text)
+
+
+def why_not_writable(directory: str | Path) -> str | None:
+    """Why a job cannot make `directory` and write into it (None: it can), found before
+    anything is written: the nearest part of the path that exists must be a directory in
+    which this process can make one (tried, and removed again: permissions, a read-only
+    file system or a kernel file system that refuses it all say so only when tried)."""
+    path = Path(directory).absolute()
+    try:
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        if not path.is_dir():
+            return f"{path} is a file, not a directory"
+        os.rmdir(tempfile.mkdtemp(prefix=".ringtrain-write-test-", dir=path))
+    except OSError as err:
+        return f"nothing can be written in {path} ({err.strerror})"
+    return None
 
 
 class RunDirectoryLock:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ringtrain.checkpoints.rundir import directory_before_restart
+from ringtrain.checkpoints.rundir import directory_before_restart, why_not_writable
 from ringtrain.config import compose
-from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS, SECTIONS, option_nodes
+from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS, SECTIONS, Outputs, option_nodes
 from ringtrain.config.schema import validate
 from ringtrain.errors import ConfigError
 from ringtrain.distributed import env_rank, under_torchrun
@@ -28,10 +28,20 @@ __all__ = [
 ]
 
 
-def check_overrides(args: list[str]) -> None:
-    """Compose and validate every training job the command line asks for (config/compose.py);
-    a mistake is a ConfigError, one line, before Hydra makes a run directory."""
-    compose.check_overrides(args, compose.TRAIN, validate)
+def check_overrides(args: list[str]) -> Outputs | None:
+    """Compose and validate every training job the command line asks for (config/compose.py),
+    and check that this process can make the run directory; a mistake is a ConfigError, one
+    line, before Hydra makes a run directory. Returns where the first job writes."""
+    outputs = compose.check_overrides(args, compose.TRAIN, validate)
+    writes_outputs = not under_torchrun() or env_rank() == 0  # other ranks write nothing
+    if outputs is not None and outputs.directory is not None and writes_outputs:
+        reason = why_not_writable(outputs.directory)
+        if reason:
+            raise ConfigError(
+                f"the run directory {outputs.directory} ({outputs.key}) cannot be created: {reason}; "
+                f"set {outputs.key} to a directory you can write to"
+            )
+    return outputs
 
 
 def strip_legacy_local_rank_arg(argv: list[str]) -> list[str]:

@@ -112,26 +112,57 @@ def composes_a_job(parsed_args: argparse.Namespace) -> bool:
     return not (parsed_args.config_path or parsed_args.config_name)
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """Where Hydra will write the first job the command line asks for, read ahead."""
+
+    key: str  # the setting that says where: hydra.run.dir, or hydra.sweep.dir for a multirun
+    directory: str | None  # its value (None: it cannot be resolved before Hydra runs)
+    record_subdir: str | None  # hydra.output_subdir: the job's record (.hydra/), None for none
+    multirun: bool
+
+
 def check_overrides(
     args: list[str], primary: PrimaryConfig = TRAIN, validate: Callable[[Any], Any] | None = None,
-) -> None:
+) -> Outputs | None:
     """Compose (and `validate`, when given) the config of every job the command line asks
-    for; raise ConfigError on a mistake.
+    for; raise ConfigError on a mistake. Return where the first job writes (None when the
+    command line runs no job: --help, --cfg...).
 
     `args` is the command line without the program name. Sweeps are expanded as Hydra's basic
     sweeper would (up to _MAX_CHECKED_JOBS jobs); continuous search spaces (an Optuna
     `interval(...)`) are left to the sweeper.
     """
+    from omegaconf import open_dict
+
     parsed_args, overrides = parse_command_line(args)
     if not composes_a_job(parsed_args):
-        return
+        return None
     config_dir = parsed_args.config_dir
     if config_dir and not Path(config_dir).is_dir():
         raise ConfigError(f"--config-dir {config_dir!r} is not a directory; pass the folder that holds your <group>/<option>.yaml files")
+    outputs = None
     for job in itertools.islice(jobs_of(overrides, parsed_args.multirun, primary), _MAX_CHECKED_JOBS):
-        cfg = compose_or_explain(job, config_dir, primary)
+        cfg = compose_or_explain(job, config_dir, primary, with_hydra=outputs is None)
+        if outputs is None:
+            outputs = _outputs(cfg, parsed_args.multirun)
+            with open_dict(cfg):
+                del cfg["hydra"]  # as Hydra hands the job its config
         if validate is not None:
             validate(cfg)
+    return outputs
+
+
+def _outputs(cfg: DictConfig, multirun: bool) -> Outputs:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:  # ${hydra.job.name} and the like have their values only once Hydra runs the job
+        directory = OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException:
+        directory = None
+    return Outputs(key, None if directory is None else str(directory), cfg.hydra.output_subdir, multirun)
 
 
 def jobs_of(overrides: list[Override], multirun: bool, primary: PrimaryConfig = TRAIN) -> Iterator[list[str]]:
@@ -153,13 +184,15 @@ def jobs_of(overrides: list[Override], multirun: bool, primary: PrimaryConfig = 
     return (list(job) for job in itertools.product(*choices))
 
 
-def compose_or_explain(overrides: list[str], config_dir: str | None = None, primary: PrimaryConfig = TRAIN) -> DictConfig:
-    """The composed config for `overrides`, or a ConfigError saying what is wrong and the fix."""
+def compose_or_explain(overrides: list[str], config_dir: str | None = None, primary: PrimaryConfig = TRAIN,
+                       with_hydra: bool = False) -> DictConfig:
+    """The composed config for `overrides` (with its `hydra` node when `with_hydra`), or a
+    ConfigError saying what is wrong and the fix."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from yaml import YAMLError
 
     try:
-        return _compose(overrides, config_dir, primary.name)
+        return _compose(overrides, config_dir, primary.name, with_hydra)
     except YAMLError as err:  # a config file that is not YAML: PyYAML's multi-line report
         raise ConfigError(yaml_error_message(err)) from None
     except MissingConfigException as err:

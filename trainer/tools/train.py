@@ -23,6 +23,7 @@ from ringtrain.config.command_line import (
     strip_legacy_local_rank_arg,
 )
 from ringtrain.config.resolvers import register_resolvers
+from ringtrain.tools.run_record import record_of_this_job, take_over
 from ringtrain.tools.continue_command import told_how_to_continue
 from ringtrain.errors import exit_on_user_error
 from ringtrain.run import run
@@ -34,6 +35,8 @@ from ringtrain.distributed import exit_rank, under_torchrun
 _implied_by_resume: list[str] = []
 # The command line as given (set by main()), for the command that continues a stopped run.
 _command_line: list[str] = []
+# Where the run writes the record Hydra was told not to write (set by main(); tools/run_record.py).
+_record_subdir: str | None = None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="train")
@@ -42,23 +45,26 @@ def train(cfg: DictConfig) -> float:
     overrides = [o for o in hydra_cfg.overrides.task if o not in _implied_by_resume]
     run_dir = hydra_cfg.runtime.output_dir
     with exit_on_user_error(), told_how_to_continue(_command_line, run_dir, cfg.trainer.resume, cfg.trainer.checkpoint):
-        return run(cfg, run_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN)
+        return run(cfg, run_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN,
+                   record=record_of_this_job(cfg, _record_subdir))
 
 
 def main() -> None:
     """Check the command line, then hand it to Hydra; on a torchrun rank, exit as a rank does."""
-    global _implied_by_resume, _command_line
+    global _implied_by_resume, _command_line, _record_subdir
     # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
     # script or `python train.py` puts only its own folder on the path).
     sys.path.insert(1, os.getcwd())
+    register_resolvers()
     with exit_on_user_error():
         argv = strip_legacy_local_rank_arg(sys.argv)
         _command_line = list(argv)
         refuse_multirun_under_torchrun(argv)
         _implied_by_resume = overrides_implied_by_resume(argv[1:])
-        check_overrides(argv[1:] + _implied_by_resume)
-    sys.argv = argv + _implied_by_resume + hydra_overrides_for_this_rank(argv)
-    register_resolvers()
+        for_this_rank = hydra_overrides_for_this_rank(argv)
+        outputs = check_overrides(argv[1:] + _implied_by_resume + for_this_rank)
+    _record_subdir, no_record_by_hydra = take_over(outputs)
+    sys.argv = argv + _implied_by_resume + for_this_rank + no_record_by_hydra
     try:
         train()
     except SystemExit as exit:  # a mistake (2), a stop signal (143), non-finite values (3)

@@ -3,6 +3,7 @@ options they rely on do what they say."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -64,6 +65,18 @@ def test_debug_overfit_drives_the_loss_on_its_own_batches_far_down(tmp_path):
     result = train_in_process(["model=mlp", "debug=overfit", "data.num_features=64", "data.num_samples=512",
                                "optimizer=adam", "optimizer.lr=3e-3", "trainer.max_steps=100"], tmp_path)
     assert result.metrics["val/acc"] == 1.0 and result.metrics["val/loss"] < 0.01
+
+
+def test_debug_overfit_with_the_default_sgd_drives_the_linear_models_loss_far_down(tmp_path):
+    result = train_in_process(["debug=overfit"], tmp_path)  # conf/debug/overfit.yaml's first figure
+    assert result.steps == 200 and result.metrics["val/loss"] < 0.05
+
+
+@pytest.mark.slow
+def test_debug_overfit_with_adam_memorises_below_the_transformers_data_floor(tmp_path):
+    """conf/debug/overfit.yaml's transformer figure: far below the Markov data's floor, log 4."""
+    result = train_in_process(["model=transformer", "debug=overfit", "optimizer=adam"], tmp_path)
+    assert result.metrics["val/loss"] < 0.2 < math.log(4)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -228,6 +228,8 @@ def test_a_run_stopped_without_hydra_run_dir_prints_the_command_that_continues_i
     assert status == 143, output[-4000:]
     [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
     saved = assert_stopped_at_current_step(run_dir, output, step, seen, 1)
+    # Stopped before the first evaluation: no metrics to report, and no dangling comma.
+    assert re.search(rf"stopped early: {saved} steps in [0-9.]+s$", output, re.MULTILINE), output[-4000:]
 
     output = job_ok(continue_as_printed(output, tmp_path))
     assert resumed_from_step(output) == saved

@@ -13,6 +13,7 @@ import yaml
 
 from conftest import SHAKESPEARE, run_cli, run_module, train_in_process
 from helpers import ok, refused
+from ringtrain.errors import ConfigError
 from ringtrain.tools.sample import generate, sample
 
 # A tiny character Transformer: a few seconds on one core, and it sees a context of 16.
@@ -156,6 +157,17 @@ def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
     refused(run_module("sample", [f"checkpoint={token_checkpoint}"]),
             "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text or "
             "data=token_file")
+
+
+def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):
+    """An MLP classifier's checkpoint: the line names the model and why, not `data=tokens?`."""
+    train_in_process(["model=mlp", "data.num_features=8", "data.num_samples=64", "data.num_val_samples=16",
+                      "trainer.max_steps=1"], tmp_path)
+    with pytest.raises(ConfigError) as refusal:
+        sample(str(tmp_path / "checkpoints" / "last.pt"))
+    message = str(refusal.value)
+    assert "holds ringtrain.models.mlp.MLPClassifier, trained with ringtrain.data.tasks.ClassificationTask" in message
+    assert "(in_features, num_classes): not a language model" in message and "data=tokens" not in message
 
 
 @pytest.mark.parametrize("args,phrases", [

@@ -280,6 +280,16 @@ def test_a_model_without_flops_per_token_gets_no_mfu_and_one_info_line(tmp_path,
     assert sum("MLPClassifier has no flops_per_token()" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_only_token_data_logs_tokens_per_second(tmp_path, caplog):
+    """Regression targets are (batch, 1) floats, not tokens: the speed is samples/s."""
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        train_in_process(["model=linear", "trainer.max_steps=4", "trainer.log_every_n_steps=2"], tmp_path)
+    scalars = _scalars(tmp_path)
+    assert "throughput/tokens_per_sec" not in scalars and "throughput/samples_per_sec" in scalars
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("step 2: loss="))
+    assert "samples/s=" in line and "tok/s" not in line
+
+
 @pytest.mark.parametrize("name,bf16,tf32", [
     ("NVIDIA H100 80GB HBM3", 989.4, 494.7), ("NVIDIA H100 PCIe", 756.0, 378.0), ("NVIDIA H100 NVL", 835.5, 417.5),
     ("NVIDIA H200", 989.4, 494.7), ("NVIDIA A100-SXM4-80GB", 312.0, 156.0), ("NVIDIA A100 80GB PCIe", 312.0, 156.0),

@@ -8,6 +8,12 @@ import torch
 from ringtrain.distributed import DistInfo, all_reduce_sum
 
 
+def tokens_in(targets: torch.Tensor) -> int:
+    """The tokens a batch trains on when its targets are token ids, integers of (batch,
+    positions); 0 for other data (regression values, class ids), whose speed is samples/s."""
+    return targets.numel() if targets.dim() == 2 and not targets.is_floating_point() else 0
+
+
 class TrainMeter:
     """Losses are kept as detached device tensors and summed only when read, so a step costs
     no device synchronisation and no extra arithmetic."""

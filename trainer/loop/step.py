@@ -6,7 +6,7 @@ import torch
 
 from ringtrain.data.batches import samples_in, split_batch, training_loss
 from ringtrain.loop.loaders import Batch
-from ringtrain.loop.meter import TrainMeter
+from ringtrain.loop.meter import TrainMeter, tokens_in
 from ringtrain.loop.nonfinite import NonFiniteWatch
 from ringtrain.loop.parts import TrainingParts
 from ringtrain.loop.progress import Progress
@@ -33,7 +33,7 @@ def optimizer_step(parts: TrainingParts, task, micro_batches: list[Batch], meter
             samples = samples_in(targets)
             precision.backward(loss if not total else loss * (samples / total))
         loss = loss.detach()  # the one device op the loop adds: the meter and the watch share it
-        meter.add(loss, samples, targets.numel() if targets.dim() > 1 else 0)
+        meter.add(loss, samples, tokens_in(targets))
         losses.append(loss)
     precision.unscale_(parts.optimizer)
     if grad_clip_norm > 0:

@@ -115,6 +115,21 @@ def read_prompt(prompt: str) -> str:
         raise ConfigError(f"prompt=FILE:{path} cannot be read ({err}); pass a UTF-8 text file") from None
 
 
+def refuse_a_model_that_is_not_a_language_model(state: dict, checkpoint: str) -> None:
+    """A language model's data gives it a vocabulary size (data=text, tokens, token_file do);
+    a model trained on data that gives none (a regression, classes) predicts no next token."""
+    if state.get("vocab") or "vocab_size" in (state.get("data_dims") or {}):
+        return
+    config = state.get("config") or {}
+    model = (config.get("model") or {}).get("_target_", "its model")
+    task = (config.get("task") or {}).get("_target_", "its task")
+    raise ConfigError(
+        f"{checkpoint} holds {model}, trained with {task} on data that gives no vocabulary "
+        f"({', '.join(sorted(state.get('data_dims') or {})) or 'no sizes'}): not a language model, so there is no "
+        f"text to sample; `ringtrain evaluate checkpoint=...` reports its metrics"
+    )
+
+
 def sample(
     checkpoint: str,
     prompt: str = "\n",
@@ -134,6 +149,7 @@ def sample(
     if max_new_tokens < 0 or num_samples < 1:
         raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
     state = read_checkpoint(checkpoint)
+    refuse_a_model_that_is_not_a_language_model(state, checkpoint)
     if not state.get("vocab"):
         raise ConfigError(
             "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "

@@ -32,7 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
 from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT, ConfigError, TrainingStopped, exit_on_user_error
-from ringtrain.distributed import WorkerFailedError
+from ringtrain.distributed import WorkerFailedError, exit_rank
 
 # Signals elastic's agent itself turns into SignalException and passes on to the ranks.
 _HANDLED_BY_ELASTIC = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
@@ -102,13 +102,16 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
     try:
         with exit_on_user_error():  # a mistake is one line from the rank that found it, as under torchrun
             outcome = fn(*pickle.loads(pickled_args))
+    except SystemExit as stop:  # exit_on_user_error's one line is printed: end as the crash below does
+        exit_rank(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
     except Exception:
         # A crash: its traceback is what a developer needs. torch.multiprocessing would send it
         # to the launcher, whose report keeps only the exit status: print it here, as a
-        # torchrun rank does.
+        # torchrun rank does. Then end at once, without interpreter finalisation: it would wait
+        # for every non-daemon thread, and it can abort on gloo's threads (exit_rank says why),
+        # which the launcher would report instead of this rank's status.
         traceback.print_exc()
-        sys.stderr.flush()
-        sys.exit(1)
+        exit_rank(1)
     if getattr(outcome, "stopped_by_signal", False):
         # Stopped by a signal, last.pt saved. A launcher told to stop reads no results: a rank
         # that waited to hand its over would wait for elastic's 30-second shutdown deadline.

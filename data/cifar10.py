@@ -14,7 +14,9 @@ you trust under `root` (the official archive, which `download=True` checks by it
 
 All images stay in memory as one uint8 tensor (150 MB for the full set) and become float32
 per batch: scaled to [0, 1] and, with `normalize`, shifted and scaled per channel by the
-training set's mean and standard deviation.
+training set's mean and standard deviation. `transform` (training) and `val_transform`
+(validation) pass each image through a callable first, such as a torchvision.transforms.v2
+pipeline from a config node (data/transformed.py); the model's `in_features` follows its output.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import tarfile
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -34,6 +37,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data.transformed import TransformedImages, transformed_size
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -49,6 +53,7 @@ PIXELS = 3 * 32 * 32
 # (the std, not the 0.2023/0.1994/0.2010 that some tutorials copy).
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
+_MEAN, _STD = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
 
 
 class CIFAR10(Dataset):
@@ -62,8 +67,6 @@ class CIFAR10(Dataset):
         self.images = torch.cat([images for images, _ in batches])  # (N, 3, 32, 32) uint8
         self.labels = torch.cat([labels for _, labels in batches])  # (N,) int64
         self.classes = read_class_names(folder / META_FILE)
-        self._mean = torch.tensor(MEAN).view(1, 3, 1, 1)
-        self._std = torch.tensor(STD).view(1, 3, 1, 1)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -75,10 +78,15 @@ class CIFAR10(Dataset):
         return self._to_float(self.images[indices]), self.labels[indices]
 
     def _to_float(self, images: torch.Tensor) -> torch.Tensor:
-        images = images.float().div_(255)
-        if self.normalize:
-            images = images.sub_(self._mean).div_(self._std)
-        return images
+        return scale_images(images, self.normalize)
+
+
+def scale_images(images: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> float32 in [0, 1], normalized per channel when `normalize`."""
+    images = images.float().div_(255)
+    if normalize:
+        images = images.sub_(_MEAN).div_(_STD)
+    return images
 
 
 @dataclass
@@ -119,8 +127,10 @@ class CIFAR10Images(DataModule):
     process per machine before the others read the files (LightningDataModule's contract).
     """
 
-    def __init__(self, root: str, download: bool = False, normalize: bool = True) -> None:
+    def __init__(self, root: str, download: bool = False, normalize: bool = True,
+                 transform: Callable | None = None, val_transform: Callable | None = None) -> None:
         self.root, self.download, self.normalize = root, download, normalize
+        self.transforms = {"transform": transform, "val_transform": val_transform}
         if not root:
             raise DataError(f"data.root is not set; pass the directory that holds {FOLDER} (or should, with data.download=true)")
         missing = missing_files(Path(root).expanduser() / FOLDER)
@@ -129,7 +139,15 @@ class CIFAR10Images(DataModule):
                 f"data.root={root!r}: no CIFAR-10 in {Path(root).expanduser() / FOLDER} (missing {missing[0]}); pass "
                 f"data.download=true (needs network) or put the extracted {FOLDER} folder there"
             )
-        self.dims = {"in_features": PIXELS, "num_classes": len(CLASSES)}
+        sizes = {PIXELS if fn is None else transformed_size(fn, IMAGE_SHAPE, self._scale, f"data.{key}")
+                 for key, fn in self.transforms.items()}
+        if len(sizes) > 1:
+            raise DataError(f"data.transform and data.val_transform give inputs of different sizes "
+                            f"{sorted(sizes)}; make both end at the same image size")
+        self.dims = {"in_features": sizes.pop(), "num_classes": len(CLASSES)}
+
+    def _scale(self, images: torch.Tensor) -> torch.Tensor:
+        return scale_images(images, self.normalize)
 
     def prepare_data(self) -> None:
         if self.download and missing_files(Path(self.root).expanduser() / FOLDER):
@@ -137,7 +155,10 @@ class CIFAR10Images(DataModule):
 
     def setup(self) -> None:
         data = cifar10(self.root, download=False, normalize=self.normalize)
-        self.train, self.val = data.train, data.val
+        self.train, self.val = (
+            split if fn is None else TransformedImages(split.images, split.labels, fn, self._scale, f"data.{key}")
+            for split, (key, fn) in zip((data.train, data.val), self.transforms.items())
+        )
 
 
 def missing_files(folder: Path) -> list[str]:

@@ -78,6 +78,50 @@ def job_refused(result: tuple[int, str], *phrases: str) -> str:
     return errors[0]
 
 
+# --- damaged checkpoints ------------------------------------------------------------------------
+
+
+def corrupt_tensor_bytes(path: Path, seed: int = 0, size: int = 4096) -> str:
+    """Overwrite `size` bytes (at most the record's) in the middle of the largest tensor record
+    (`<archive>/data/<N>`) of the torch.save file `path` with random ones, in place, its length
+    and zip structure unchanged: what a bad disk or copy does, which torch.load does not notice.
+    Returns the record's name (`data/<N>`). Hard links to `path` see the change too."""
+    import random
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        tensors = [info for info in archive.infolist() if "/data/" in info.filename and "/.data/" not in info.filename]
+        record = max(tensors, key=lambda info: info.file_size)
+    with open(path, "r+b") as file:
+        file.seek(record.header_offset + 26)  # the local header's name and extra-field lengths
+        name_length, extra_length = int.from_bytes(file.read(2), "little"), int.from_bytes(file.read(2), "little")
+        start = record.header_offset + 30 + name_length + extra_length
+        size = min(size, record.file_size)
+        file.seek(start + (record.file_size - size) // 2)
+        file.write(_different_bytes(file, size, random.Random(seed)))
+    return record.filename.split("/", 1)[1]
+
+
+def corrupt_file_bytes(path: Path, seed: int = 0, size: int = 4096) -> None:
+    """Overwrite `size` bytes in the middle of any file (a DCP shard file) with random ones."""
+    import random
+
+    length = path.stat().st_size
+    size = min(size, length)
+    with open(path, "r+b") as file:
+        file.seek((length - size) // 2)
+        file.write(_different_bytes(file, size, random.Random(seed)))
+
+
+def _different_bytes(file, size: int, rng) -> bytes:
+    """`size` random bytes that differ from the ones at the file's position (left there)."""
+    position = file.tell()
+    old = file.read(size)
+    file.seek(position)
+    new = bytes(rng.randrange(256) for _ in range(size))
+    return new if new != old else bytes(b ^ 0xFF for b in old)
+
+
 # --- watched subprocesses ----------------------------------------------------------------------
 
 # What tests/interruptible_train.py prints after each optimizer step, on every rank.

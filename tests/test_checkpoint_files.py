@@ -13,7 +13,8 @@ import torch
 
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint, shards_name
 from ringtrain.checkpoints.sharded import load_sharded, save_sharded
-from ringtrain.checkpoints.store import CheckpointStore, find_resumable, remove_stale_temp_files
+from ringtrain.checkpoints.fallback import find_resumable
+from ringtrain.checkpoints.store import CheckpointStore, remove_stale_temp_files
 
 
 def _state(step: int, numel: int = 4) -> dict:
@@ -213,11 +214,11 @@ def test_truncated_newest_falls_back_to_the_previous_with_one_warning(tmp_path):
         store.save(_state(step), step=step, best=False)
     _truncate(tmp_path / "step-00000030.pt")  # also last.pt: the same file
 
-    found, warnings = find_resumable(tmp_path)
+    found, warnings = find_resumable(tmp_path).path, find_resumable(tmp_path).warnings
 
     assert found == tmp_path / "step-00000020.pt"
     assert len(warnings) == 1
-    assert warnings[0].startswith(f"checkpoint {tmp_path / 'last.pt'} (= step-00000030.pt) cannot be read, truncated or corrupt (")
+    assert warnings[0].startswith(f"checkpoint {tmp_path / 'last.pt'} (= step-00000030.pt) is truncated or corrupt (")
     assert warnings[0].endswith(f"; falling back to {tmp_path / 'step-00000020.pt'}")
     assert _step_of(found) == 20
 
@@ -230,22 +231,22 @@ def test_each_broken_file_gets_its_own_warning(tmp_path):
     store.last.write_bytes(b"garbage")  # last.pt broken on its own
     _truncate(tmp_path / "step-00000030.pt")
 
-    found, warnings = find_resumable(tmp_path)
+    found, warnings = find_resumable(tmp_path).path, find_resumable(tmp_path).warnings
 
     assert found == tmp_path / "step-00000020.pt"
     assert [w.split(" (")[0] for w in warnings] == [
-        f"checkpoint {tmp_path / 'last.pt'} cannot be read, truncated or corrupt",
-        f"checkpoint {tmp_path / 'step-00000030.pt'} cannot be read, truncated or corrupt",
+        f"checkpoint {tmp_path / 'last.pt'} is not a torch checkpoint file",
+        f"checkpoint {tmp_path / 'step-00000030.pt'} is truncated or corrupt",
     ]
     assert all(w.endswith(f"falling back to {tmp_path / 'step-00000020.pt'}") for w in warnings)
 
 
 def test_nothing_readable_says_so(tmp_path):
     (tmp_path / "last.pt").write_bytes(b"garbage")
-    found, warnings = find_resumable(tmp_path)
+    found, warnings = find_resumable(tmp_path).path, find_resumable(tmp_path).warnings
     assert found is None
     assert len(warnings) == 1
-    assert warnings[0].startswith(f"checkpoint {tmp_path / 'last.pt'} cannot be read, truncated or corrupt (")
+    assert warnings[0].startswith(f"checkpoint {tmp_path / 'last.pt'} is not a torch checkpoint file (")
     assert warnings[0].endswith(f"; no readable checkpoint is left in {tmp_path}")
     assert find_resumable(tmp_path / "missing") == (None, [])
 
@@ -360,7 +361,7 @@ def test_sharded_checkpoint_with_incomplete_shards_falls_back_with_one_warning(t
     _save_sharded_step(store, model, 10, best=False)
     _save_sharded_step(store, model, 20, best=False)
     (tmp_path / "step-00000020.shards" / ".metadata").unlink()
-    found, warnings = find_resumable(tmp_path)
+    found, warnings = find_resumable(tmp_path).path, find_resumable(tmp_path).warnings
     assert found == tmp_path / "step-00000010.pt"
     assert len(warnings) == 1 and "step-00000020.shards that are missing or incomplete" in warnings[0]
     with pytest.raises(CheckpointError, match="keeps its weights in .*step-00000020.shards, which is missing"):

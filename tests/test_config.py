@@ -286,7 +286,7 @@ def test_cli_bad_checkpoint_fails_clearly_and_is_left_alone(tmp_path):
     bad.write_bytes(b"not a checkpoint")
     proc = run_cli([f"trainer.resume={bad}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert proc.returncode == 2
-    assert f"checkpoint '{bad}' cannot be read" in proc.stderr
+    assert f"checkpoint '{bad}' is not a torch checkpoint file" in proc.stderr
     assert bad.read_bytes() == b"not a checkpoint"
 
 

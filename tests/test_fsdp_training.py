@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_same_weights, checkpoint_weights, run_cli, run_module
-from helpers import TORCHRUN, ok
+from helpers import TORCHRUN, corrupt_file_bytes, ok, refused
 
 # A Transformer without biases: a bias whose true gradient is zero gets pure rounding noise,
 # which Adam scales up to full steps, and that says nothing about sharding.
@@ -120,6 +120,36 @@ def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_
     proc = ok(run_module("ringtrain.tools.evaluate", [f"checkpoint={checkpoints / 'last.pt'}"]))
     run_metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert proc.stdout.strip() == f"val/loss={run_metrics['final']['val/loss']:.6g}"
+
+
+@pytest.mark.slow  # two 2-rank jobs, ~70 s; the default suite's variant: test_checksums.py's sharded one
+def test_a_corrupted_shard_falls_back_with_one_warning_and_ends_bit_identical(tmp_path, straight):
+    """Random bytes inside rank 1's shard file of the newest sharded checkpoint: its checksum
+    (recorded in the step file) catches it, the same command resumes from the checkpoint before,
+    and ends with the uninterrupted run's weights; the damaged checkpoint is set aside whole,
+    and ringtrain consolidate refuses it in one line."""
+    args = SMALL + RESUMED + ["strategy.state_dict_type=sharded", "trainer.max_steps=40",
+                              "trainer.checkpoint_every_n_steps=10", f"hydra.run.dir={tmp_path / 'run'}"]
+    ok(run_cli(args))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shard = checkpoints / "step-00000040.shards" / "__1_0.distcp"
+    corrupt_file_bytes(shard)
+
+    again = ok(run_cli(args))  # the same command again
+    output = again.stdout + again.stderr
+    warnings = [line for line in output.splitlines() if "does not match its checksum" in line]
+    assert len(warnings) == 1, output[-4000:]
+    assert f"is corrupt: its shard file {shard} does not match its checksum" in warnings[0]
+    assert f"falling back to {checkpoints / 'step-00000030.pt'}" in warnings[0]
+    assert f"resuming from {checkpoints / 'step-00000030.pt'} (step 30)" in output
+    resumed = checkpoint_weights(tmp_path / "run")
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+
+    aside = checkpoints / "unreadable"
+    assert (aside / "step-00000040.shards" / "__1_0.distcp").is_file()
+    refused(run_module("ringtrain.tools.consolidate", [f"checkpoint={aside / 'last.pt'}"]),
+            f"checkpoint '{aside / 'last.pt'}' is corrupt: its shard file {aside / 'step-00000040.shards'}")
 
 
 def test_compiled_fsdp_with_accumulation_matches_eager_fsdp(tmp_path):

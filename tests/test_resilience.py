@@ -26,7 +26,16 @@ import pytest
 import torch
 
 from conftest import QUIET, REPO, run_cli
-from helpers import TORCHRUN, Job, alive, job_ok, job_refused, refused, torchrun_static_rendezvous
+from helpers import (
+    TORCHRUN,
+    Job,
+    alive,
+    corrupt_tensor_bytes,
+    job_ok,
+    job_refused,
+    refused,
+    torchrun_static_rendezvous,
+)
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
 
@@ -464,6 +473,28 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_step_file(tmp_pa
     assert "last.pt" in warnings[0] and f"falling back to {run_dir / 'checkpoints' / 'step-00000035.pt'}" in warnings[0]
     assert resumed_from_step(output) == 35
     assert_identical(run_dir, reference(1))
+
+
+def test_random_bytes_in_the_newest_checkpoints_tensor_data_fall_back_and_end_bit_identical(tmp_path, reference):
+    """4 KiB of random bytes inside last.pt's tensor data (its zip intact, torch.load would take
+    them): the checksums catch it, one warning, the previous step file, the same result."""
+    run_dir = tmp_path / "run"
+    copy_run_dir(reference.run_dir(1), run_dir)  # a finished run: step-35.pt, step-40.pt = last.pt
+    checkpoints = run_dir / "checkpoints"
+    record = corrupt_tensor_bytes(checkpoints / "last.pt")  # step-40.pt too: hard links
+    damaged = (checkpoints / "last.pt").read_bytes()
+
+    output = job_ok(run_job(SINGLE + [f"hydra.run.dir={run_dir}"]))  # the same command again
+    warnings = [line for line in output.splitlines() if "does not match its checksum" in line]
+    assert len(warnings) == 1, output[-4000:]
+    # One file under three names: the last step was also the best.
+    assert f"{checkpoints / 'last.pt'} (= step-{STEPS:08d}.pt, best.pt) is corrupt: its record {record}" in warnings[0]
+    assert f"falling back to {checkpoints / 'step-00000035.pt'}" in warnings[0]
+    assert resumed_from_step(output) == 35
+    assert_identical(run_dir, reference(1))
+    # Set aside, never deleted: the damaged file under both its names.
+    for name in ("last.pt", f"step-{STEPS:08d}.pt", "best.pt"):
+        assert (checkpoints / "unreadable" / name).read_bytes() == damaged
 
 
 class RunsCode:

@@ -2,9 +2,13 @@
 
   atomic.py    replacing any file atomically and durably (temp file, fsync, rename, fsync
                the directory); imports nothing of ringtrain, so every layer may use it
+  checksums.py whether a checkpoint's bytes are those written (the CRC-32 of each zip record
+               torch.save writes, and of each shard file)
   files.py     one checkpoint file: its format and names, writing it, reading and verifying it
   store.py     a run's checkpoints: step files, last.pt / best.pt links, rotation, stale-file
-               cleanup, the newest readable one (find_resumable)
+               cleanup
+  fallback.py  the newest readable checkpoint (find_resumable); unreadable ones set aside in
+               unreadable/, never deleted
   state_dicts.py  model and optimizer state in ringtrain's plain format, the same under every
                strategy (full, name-keyed, gathered to rank 0)
   sharded.py   each rank's shards with torch.distributed.checkpoint (fsdp, state_dict_type=sharded)

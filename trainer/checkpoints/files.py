@@ -11,6 +11,7 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   config       the resolved run config as plain data
   data_dims, vocab   the sizes the data gave the model, and its vocabulary (sampling)
   format       CHECKPOINT_FORMAT (2: optimizer state by parameter name)
+  shard_checksums   sharded checkpoints only: {file name: CRC-32} of the shards directory
 
 Under strategy=fsdp with strategy.state_dict_type=sharded, `model` and `optimizer` are not in
 the file: `shards` names the torch.distributed.checkpoint directory beside it
@@ -26,6 +27,10 @@ power cut or a file broken some other way. So:
     what to do.
   * Files are read with `weights_only=True`: a checkpoint is data, and a pickle that would run
     code when loaded is refused. `why_unusable` says in a few words what is wrong with one.
+  * A file carries checksums of its contents (checkpoints/checksums.py: the CRC-32 torch.save
+    writes for each record of its zip archive; for sharded checkpoints, `shard_checksums` of
+    each shard file). Loading checks them unless told not to: bytes that changed on disk make
+    the checkpoint unusable like a truncated one, instead of loading as silently wrong weights.
 The run's set of checkpoint files (rotation, last.pt, best.pt, which to resume) is
 checkpoints/store.py. Only rank 0 writes.
 """
@@ -40,12 +45,14 @@ import torch
 from torch import nn
 
 from ringtrain.checkpoints.atomic import open_atomically
+from ringtrain.checkpoints.checksums import file_damage, shards_damage, starts_as_zip
 from ringtrain.errors import UserError
 
 CHECKPOINT_FORMAT = 2
 _REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config", "format")
 _REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "config", "format")
 
+_STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
 LAST_NAME = "last.pt"
 BEST_NAME = "best.pt"
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -83,6 +90,25 @@ def shards_name(step: int) -> str:
     return f"step-{step:08d}.shards"
 
 
+def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        step = step_of_name(entry.name)
+        if step is not None and entry.is_file():
+            found.append((step, entry))
+    return sorted(found)
+
+
+def step_of_name(name: str) -> int | None:
+    """The step of a `step-<N>.pt` name, None for any other name."""
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any], intact: Path | None = None) -> None:
     """Write `state` to `path` durably: complete and in place after a crash or power cut, or
     not at all (CheckpointError). `intact` is the file a failure leaves untouched, named in the
@@ -117,13 +143,22 @@ class _Unusable(Exception):
         self.kind, self.detail = kind, detail
 
 
-def _load_verified(path: str | Path, map_location: torch.device | str, mmap: bool = False) -> dict[str, Any]:
+def _load_verified(path: str | Path, map_location: torch.device | str, mmap: bool = False,
+                   verify: bool = True) -> dict[str, Any]:
+    """The checkpoint at `path`, checked; `verify`: its bytes against their checksums too."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        damage = file_damage(Path(path), verify)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap) if damage is None else None
     except FileNotFoundError:
         raise _Unusable("missing") from None
-    except Exception as err:  # truncated file, pickle with code in it, not a torch file at all
-        raise _Unusable("unreadable", _first_sentence(err)) from None
+    except Exception as err:  # a pickle with code in it, a file torch cannot read
+        detail = _first_sentence(err)
+        if "would run" in detail or starts_as_zip(Path(path)):
+            raise _Unusable("unreadable", detail) from None
+        # Not what torch.save writes; torch's own words would advise _use_new_zipfile_serialization.
+        raise _Unusable("foreign_file", "is not a torch checkpoint file (torch.save writes a zip archive)") from None
+    if damage is not None:
+        raise _Unusable("foreign_file" if damage.foreign else "damaged", damage.reason)
     required = _REQUIRED_KEYS_SHARDED if isinstance(state, dict) and "shards" in state else _REQUIRED_KEYS
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
@@ -136,6 +171,8 @@ def _load_verified(path: str | Path, map_location: torch.device | str, mmap: boo
         if not (shards / ".metadata").is_file():
             raise _Unusable("shards", str(shards))
         state["shards"] = shards
+        if verify and (damage := shards_damage(shards, state.get("shard_checksums") or {})):
+            raise _Unusable("damaged", damage)
     return state
 
 
@@ -163,39 +200,42 @@ def _first_sentence(err: Exception) -> str:
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
 
 
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
+                    verify: bool = True) -> dict[str, Any]:
     """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise.
-    `mmap`: map the tensors instead of reading them (cheap when only the config is wanted)."""
+    `mmap`: map the tensors instead of reading them (cheap when only the config is wanted).
+    `verify`: compare its bytes (and its shards') with their checksums, which reads them all;
+    leave it on unless the same file was verified a moment ago (files are only ever replaced
+    by a rename, never changed in place)."""
     try:
-        return _load_verified(path, map_location, mmap=mmap)
+        return _load_verified(path, map_location, mmap=mmap, verify=verify)
     except _Unusable as err:
-        if err.kind == "missing":
-            message = f"checkpoint '{path}' does not exist; check trainer.resume"
-        elif err.kind == "unreadable":
-            message = (
-                f"checkpoint '{path}' cannot be read ({err.detail}); pass a last.pt/best.pt "
-                f"written by ringtrain"
-            )
-        elif err.kind == "foreign":
-            message = (
-                f"checkpoint '{path}' is not a ringtrain checkpoint (missing {err.detail}); "
-                f"pass a last.pt/best.pt written by ringtrain"
-            )
-        elif err.kind == "shards":
-            message = (
-                f"checkpoint '{path}' keeps its weights in {err.detail}, which is missing or incomplete; "
-                f"resume from another checkpoint of that run (trainer.resume=auto picks the newest that loads)"
-            )
-        else:
-            message = f"checkpoint '{path}' has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
-        raise CheckpointError(message) from None
+        raise CheckpointError(_refusal(path, err)) from None
+
+
+def _refusal(path: str | Path, err: _Unusable) -> str:
+    if err.kind == "missing":
+        return f"checkpoint '{path}' does not exist; check trainer.resume"
+    if err.kind == "unreadable":
+        return f"checkpoint '{path}' cannot be read ({err.detail}); pass a last.pt/best.pt written by ringtrain"
+    if err.kind == "foreign_file":
+        return f"checkpoint '{path}' {err.detail}; pass a last.pt/best.pt written by ringtrain"
+    if err.kind == "damaged":
+        return (f"checkpoint '{path}' {err.detail}; use another checkpoint of that run (an older "
+                f"step-*.pt, or best.pt) or a copy of this one from elsewhere")
+    if err.kind == "foreign":
+        return (f"checkpoint '{path}' is not a ringtrain checkpoint (missing {err.detail}); "
+                f"pass a last.pt/best.pt written by ringtrain")
+    if err.kind == "shards":
+        return (f"checkpoint '{path}' keeps its weights in {err.detail}, which is missing or incomplete; "
+                f"resume from another checkpoint of that run (trainer.resume=auto picks the newest that loads)")
+    return f"checkpoint '{path}' has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
 
 
 def why_unusable(path: Path) -> str | None:
-    """None when `path` loads as a ringtrain checkpoint, else why not, in a few words
-    ("cannot be read, truncated or corrupt (...)"). The file is memory-mapped, so checking costs
-    little even for a large checkpoint; tensor bytes altered in an intact structure go
-    unnoticed (there are no checksums)."""
+    """None when `path` loads as a ringtrain checkpoint whose bytes (and shards) match their
+    checksums, else why not, in a few words ("is truncated or corrupt (...)"). The tensors are
+    memory-mapped, not loaded; the checksums read the whole file once (its shards too)."""
     try:
         _load_verified(path, "cpu", mmap=True)
     except _Unusable as err:
@@ -204,8 +244,10 @@ def why_unusable(path: Path) -> str | None:
 
 
 def _short_reason(err: _Unusable) -> str:
+    if err.kind in ("damaged", "foreign_file"):
+        return err.detail
     if err.kind == "unreadable":
-        return f"cannot be read, truncated or corrupt ({err.detail})"
+        return f"cannot be read ({err.detail})"
     if err.kind == "foreign":
         return f"is not a ringtrain checkpoint (missing {err.detail})"
     if err.kind == "format":

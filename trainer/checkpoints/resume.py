@@ -5,7 +5,10 @@ trainer.resume is
                   has one, else start fresh. This is what torchrun's restarted workers, a
                   requeued SLURM job and "run the same command again" rely on: the same
                   command lands in the same run directory (checkpoints/rundir.py). A corrupt
-                  newest file is reported in one line and an older one is used.
+                  newest file (truncated, or bytes that do not match its checksums) is
+                  reported in one line, moved into checkpoints/unreadable/, and an older one is
+                  used. A directory whose checkpoints are all unreadable is refused in one
+                  line, every file left as it is: starting over there would hide the loss.
   <path>          continue that run with the config stored in its checkpoint, in its own run
                   directory unless hydra.run.dir says otherwise (config/command_line.py). The
                   command line may change what is safe to change (trainer.max_steps, the
@@ -19,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 
-from ringtrain.checkpoints.files import RunDirError, load_checkpoint
-from ringtrain.checkpoints.store import find_resumable, remove_stale_temp_files
+from ringtrain.checkpoints.files import CheckpointError, RunDirError, load_checkpoint
+from ringtrain.checkpoints.fallback import UNREADABLE_DIR, Unreadable, find_resumable, holds_checkpoints, set_aside
+from ringtrain.checkpoints.store import remove_stale_temp_files
 from ringtrain.distributed import DistInfo, broadcast_object
 from ringtrain.errors import ConfigError
 
@@ -36,13 +40,12 @@ def checkpoint_to_resume(run_dir: Path, resume: Any, resolved: dict, dist: DistI
     if dist.is_main:
         try:
             decision = ("ok", _decide(run_dir / "checkpoints", resume, resolved))
-        except (RunDirError, ConfigError) as err:
+        except (RunDirError, CheckpointError, ConfigError) as err:
             decision = (type(err).__name__, str(err))
     kind, value = broadcast_object(dist, decision)
-    if kind == "RunDirError":
-        raise RunDirError(value)
-    if kind == "ConfigError":
-        raise ConfigError(value)
+    refusals = {"RunDirError": RunDirError, "CheckpointError": CheckpointError, "ConfigError": ConfigError}
+    if kind in refusals:
+        raise refusals[kind](value)
     return Path(value) if value else None
 
 
@@ -50,37 +53,56 @@ def _decide(checkpoints: Path, resume: Any, resolved: dict) -> str | None:
     for stale in remove_stale_temp_files(checkpoints):
         log.info(f"removed {stale.name}, left by a save that was killed mid-write")
     if resume == "auto":
-        found, warnings = find_resumable(checkpoints)
-        for warning in warnings:
-            log.warning(warning)
-        if found is None:
-            return None
-        state = load_checkpoint(found, mmap=True)  # one cheap read: the config and the step
-        stored = state["config"]
-        for section in KEPT_SECTIONS:
-            if stored.get(section) != resolved.get(section):
-                changed = first_difference(stored.get(section) or {}, resolved.get(section) or {}, section)
-                raise RunDirError(
-                    f"{checkpoints.parent} holds a run whose {changed} differs from this one's; continue it with the "
-                    f"same model, or choose a new hydra.run.dir"
-                )
-        log.info(f"resuming from {found} (step {state['progress']['step']})")
-        return str(found)
+        return _newest_readable(checkpoints, resolved)
     if resume is None:
-        if find_resumable(checkpoints)[0] is not None:
+        if holds_checkpoints(checkpoints):
             raise RunDirError(
                 f"{checkpoints.parent} already holds checkpoints and trainer.resume=null; continue it with "
                 f"trainer.resume=auto, or choose a new hydra.run.dir"
             )
         return None
     given = Path(resume).resolve()
-    if given.parent != checkpoints.resolve() and find_resumable(checkpoints)[0] is not None:
+    if given.parent != checkpoints.resolve() and holds_checkpoints(checkpoints):
         raise RunDirError(
             f"{checkpoints.parent} already holds checkpoints of another run; continue it with "
             f"trainer.resume={checkpoints / 'last.pt'}, or choose a new hydra.run.dir"
         )
+    load_checkpoint(given, mmap=True)  # its checksums, before any work: every rank loads it unchecked
     log.info(f"resuming from {resume}")
     return str(resume)
+
+
+def _newest_readable(checkpoints: Path, resolved: dict) -> str | None:
+    """trainer.resume=auto: the newest checkpoint that loads, after one warning for each newer
+    one that does not, which is set aside; None for a directory without checkpoints."""
+    found = find_resumable(checkpoints)
+    if found.path is None:
+        if found.unreadable:
+            raise RunDirError(_nothing_readable(checkpoints, found.unreadable))
+        return None
+    state = load_checkpoint(found.path, mmap=True, verify=False)  # verified just now: the config and step
+    stored = state["config"]
+    for section in KEPT_SECTIONS:
+        if stored.get(section) != resolved.get(section):
+            changed = first_difference(stored.get(section) or {}, resolved.get(section) or {}, section)
+            raise RunDirError(
+                f"{checkpoints.parent} holds a run whose {changed} differs from this one's; continue it with the "
+                f"same model, or choose a new hydra.run.dir"
+            )
+    for broken, warning in zip(found.unreadable, found.warnings):
+        set_aside(broken.paths)  # newer than the one resumed: rotation would count them, a save replace them
+        log.warning(f"{warning}; it is kept in {checkpoints / UNREADABLE_DIR}")
+    log.info(f"resuming from {found.path} (step {state['progress']['step']})")
+    return str(found.path)
+
+
+def _nothing_readable(checkpoints: Path, unreadable: list[Unreadable]) -> str:
+    """One line: which files, why, that they stay, and the two ways on."""
+    files = "; ".join(broken.describe().replace(f"{checkpoints}/", "") for broken in unreadable)
+    return (
+        f"no checkpoint in {checkpoints} can be read ({files}); they are left as they are. Start over with "
+        f"trainer.resume=null and a new hydra.run.dir, or continue from a good copy with trainer.resume=<its path>"
+    )
 
 
 def first_difference(old: Any, new: Any, prefix: str) -> str:

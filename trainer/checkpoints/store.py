@@ -1,13 +1,15 @@
 """The checkpoints of one run directory: `step-<step>.pt` files, `last.pt` and `best.pt`,
-their rotation, the debris of killed saves, and which checkpoint to resume from.
+their rotation, the debris of killed saves, and recording the checksums of sharded ones.
 
   * `CheckpointStore` keeps the last `keep_last_k` checkpoints as `step-<step>.pt` files and
     points `last.pt` / `best.pt` at them with hard links (no second write), so one broken file
-    still leaves an older one to resume from; `find_resumable` picks the newest that loads.
+    still leaves an older one to resume from (checkpoints/fallback.py finds it).
   * A shards directory (a sharded fsdp checkpoint's weights) is deleted once no step file,
     last.pt or best.pt names it.
   * `remove_stale_temp_files` deletes what a save killed mid-write left behind, recognising
     only ringtrain's own names.
+  * A checkpoint that cannot be read is never deleted: the cleanup sets it aside
+    (checkpoints/fallback.py).
 One checkpoint file (its format, writing and reading it) is checkpoints/files.py.
 """
 from __future__ import annotations
@@ -34,11 +36,13 @@ from ringtrain.checkpoints.files import (
     save_checkpoint,
     shards_name,
     step_checkpoint_name,
+    step_checkpoints,
     why_unusable,
     write_failure_message,
 )
+from ringtrain.checkpoints.checksums import directory_checksums
+from ringtrain.checkpoints.fallback import set_aside
 
-_STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
 # The temporary names of ringtrain's own checkpoint writes; nothing else is ever removed as stale.
 _STALE_TEMP_NAME = temp_name_pattern(r"last\.pt|best\.pt|step-\d+\.pt")
 _SHARDS_NAME = re.compile(r"^step-\d+\.shards$")
@@ -85,6 +89,10 @@ class CheckpointStore:
         delete the step files beyond the newest `keep_last_k` (and the shards directories no
         file names any more). Returns the step file."""
         step_path = self.directory / step_checkpoint_name(step)
+        if "shards" in state and "shard_checksums" not in state:
+            # DCP's files carry no checksums: the step file, written after them, records theirs.
+            # This runs in the background writer under trainer.async_checkpoint, not in the stop.
+            state = {**state, "shard_checksums": directory_checksums(self.directory / state["shards"])}
         save_checkpoint(step_path, state, intact=self.last)
         link_checkpoint(step_path, self.last)
         if best:
@@ -106,10 +114,14 @@ class CheckpointStore:
         for step, path in self.step_files():
             if step > saved_step:
                 # Steps only grow within a run: a newer file is from before a resume from an
-                # older checkpoint, a line of training this run has left.
+                # older checkpoint (trainer.resume=<an older step file of this directory>), a
+                # line of training this run has left. One that cannot be read is kept aside.
+                if (why := why_unusable(path)) is not None:
+                    log.warning(f"{path} {why}; moved to {set_aside([path])[0]}, not deleted")
+                    continue
                 log.warning(
-                    f"removing {path}: newer than step {saved_step} just saved, left from before "
-                    f"resuming an older checkpoint"
+                    f"removing {path}: step {step} of the line of training this run left when it resumed "
+                    f"from an older checkpoint (step {saved_step} was just saved in its place)"
                 )
                 remove_if_present(path)
             else:
@@ -138,19 +150,6 @@ def link_checkpoint(source: Path, target: Path) -> None:
                 shutil.copyfileobj(original, copy)
     except OSError as err:
         raise CheckpointError(write_failure_message(target, err, intact=target)) from None
-
-
-def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = _STEP_NAME.match(entry.name)
-        if match and entry.is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
@@ -199,52 +198,3 @@ def remove_unnamed_shards(directory: Path) -> list[Path]:
     for entry in removed:
         shutil.rmtree(entry, ignore_errors=True)
     return sorted(removed)
-
-
-# --- resuming ------------------------------------------------------------------------------
-
-
-def find_resumable(directory: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint in `directory` that loads, and one warning line per newer one that
-    does not (truncated, corrupt, not ringtrain's), naming the file it falls back to.
-
-    Tried in order: last.pt, the `step-*.pt` files newest first, best.pt (older than every kept
-    step file once its own was rotated away). A name that is the same file as one already tried
-    (last.pt and its step file are hard links) is not read twice. Temporary files of a killed
-    save are never candidates. Each is checked with `why_unusable` (memory-mapped, cheap; no
-    checksums, so altered tensor bytes in an intact structure go unnoticed). Returns (None, warnings) when nothing in
-    the directory loads. The caller logs the warnings (rank 0; the others get the path from it).
-    """
-    directory = Path(directory)
-    candidates = [directory / LAST_NAME]
-    candidates += [path for _, path in reversed(step_checkpoints(directory))]
-    candidates.append(directory / BEST_NAME)
-
-    tried: list[Path] = []
-    broken: list[tuple[str, str]] = []  # (names of the file, why it cannot be used)
-    for path in candidates:
-        if not path.is_file():
-            continue
-        same = [earlier for earlier in tried if _same_file(earlier, path)]
-        tried.append(path)
-        if same:
-            continue
-        why = why_unusable(path)
-        if why is not None:
-            broken.append((_names_of(path, candidates), why))
-            continue
-        return path, [f"checkpoint {names} {why}; falling back to {path}" for names, why in broken]
-    return None, [f"checkpoint {names} {why}; no readable checkpoint is left in {directory}" for names, why in broken]
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _names_of(path: Path, candidates: list[Path]) -> str:
-    """`<dir>/last.pt (= step-00000800.pt)`: every candidate name of this same file."""
-    aliases = [other.name for other in candidates if other != path and other.is_file() and _same_file(other, path)]
-    return f"{path} (= {', '.join(aliases)})" if aliases else str(path)

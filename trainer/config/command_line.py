@@ -128,7 +128,7 @@ def overrides_implied_by_resume(args: list[str]) -> list[str]:
     if not resume or resume[-1] in ("auto", "null") or not Path(resume[-1]).is_file():
         return []
     try:
-        stored = load_checkpoint(resume[-1], mmap=True)["config"]
+        stored = load_checkpoint(resume[-1], mmap=True, verify=False)["config"]
     except CheckpointError:
         return []
     chosen = {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")}

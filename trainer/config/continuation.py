@@ -20,7 +20,7 @@ def config_to_continue(composed: DictConfig, overrides: list[str]) -> DictConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     path = composed.trainer.resume
-    stored = OmegaConf.create(load_checkpoint(path, mmap=True)["config"])  # the config only: mapped, not read
+    stored = OmegaConf.create(load_checkpoint(path, mmap=True, verify=False)["config"])  # the config only (checksums: resume.py)
     result = stored.copy()
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.key_or_group

@@ -58,7 +58,8 @@ class FitState:
 def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None, model: nn.Module,
         data: DataBundle, task: Any, resume_from: Path | None = None) -> FitResult:
     cfg = run.trainer
-    resumed = load_checkpoint(resume_from, dist.device) if resume_from else None
+    # Its checksums were verified by rank 0 when it chose the checkpoint (checkpoints/resume.py).
+    resumed = load_checkpoint(resume_from, dist.device, verify=False) if resume_from else None
     model = model.to(dist.device)
     if resumed:
         load_weights_before_set_up(model, resumed, resume_from)

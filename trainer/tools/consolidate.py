@@ -61,7 +61,7 @@ def consolidate(checkpoint: str, output: str | None = None) -> Path:
 
     target = Path(output) if output else Path(checkpoint).absolute().parent.parent / (
         f"consolidated-step-{state['progress']['step']:08d}.pt")
-    plain = {key: value for key, value in state.items() if key != "shards"}
+    plain = {key: value for key, value in state.items() if key not in ("shards", "shard_checksums")}
     plain.update(model=full_model_state_dict(model), optimizer=full_optimizer_state_dict(model, optimizer))
     save_checkpoint(target, plain)
     return target

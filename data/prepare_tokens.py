@@ -37,6 +37,7 @@ import numpy as np
 from ringtrain.checkpoints.atomic import open_atomically, write_text_atomically
 from ringtrain.data.bpe import TOKENIZER_FILE, train_bpe
 from ringtrain.data.token_file import SPLITS, token_dtype_for, write_meta
+from ringtrain.data.token_ids import file_version
 from ringtrain.data.vocab import BPEVocab, ByteVocab, CharVocab, Vocab
 from ringtrain.errors import UserError
 
@@ -101,8 +102,8 @@ def prepare_text(
         for text in _encoded_chunks(source, chunk_bytes, vocab):
             ids = vocab.encode_array(text).astype(dtype)
             cut = min(max(split - written, 0), len(ids))
-            writer.files["train"].write(ids[:cut].tobytes())
-            writer.files["val"].write(ids[cut:].tobytes())
+            writer.write("train", ids[:cut])
+            writer.write("val", ids[cut:])
             written += len(ids)
         meta = {"dtype": str(dtype), "vocab_size": vocab.size, "vocab": vocab.to_state(),
                 "train_tokens": counts["train"], "val_tokens": counts["val"], "source": source.name}
@@ -123,7 +124,7 @@ def prepare_random(out_dir: str | os.PathLike, num_tokens: int, vocab_size: int,
         for name, count in (("train", num_tokens), ("val", num_val)):
             for start in range(0, count, RANDOM_CHUNK_TOKENS):
                 size = min(RANDOM_CHUNK_TOKENS, count - start)
-                writer.files[name].write(generator.integers(0, vocab_size, size, dtype=dtype).tobytes())
+                writer.write(name, generator.integers(0, vocab_size, size, dtype=dtype))
         writer.meta = {"dtype": str(dtype), "vocab_size": vocab_size, "train_tokens": num_tokens,
                        "val_tokens": num_val, "source": f"uniform random ids, seed {seed}"}
     return writer.meta
@@ -131,13 +132,20 @@ def prepare_random(out_dir: str | os.PathLike, num_tokens: int, vocab_size: int,
 
 class _TokenDirectoryWriter:
     """train.bin and val.bin, each replaced atomically (checkpoints/atomic.py) when the block
-    ends without an error, then meta.json; on an error nothing is replaced, and a directory
-    this made is removed again."""
+    ends without an error, then meta.json, with each split's largest id (`max_ids`, so that
+    training need not read the files to check them: data/token_ids.py); on an error nothing
+    is replaced, and a directory this made is removed again."""
 
     def __init__(self, out_dir: str | os.PathLike):
         self.directory = Path(out_dir)
         self.meta: dict | None = None
         self.files: dict[str, BinaryIO] = {}
+        self.max_ids = {split: -1 for split in SPLITS}
+
+    def write(self, split: str, ids: np.ndarray) -> None:
+        self.files[split].write(ids.tobytes())
+        if ids.size:
+            self.max_ids[split] = max(self.max_ids[split], int(ids.max()))
 
     def __enter__(self) -> _TokenDirectoryWriter:
         self.created = not self.directory.exists()
@@ -150,6 +158,8 @@ class _TokenDirectoryWriter:
         self._files.__exit__(error_type, error, traceback)
         if error_type is None:
             meta = dict(self.meta)
+            meta["max_ids"] = {split: {"max_id": largest, **file_version(self.directory / f"{split}.bin")}
+                               for split, largest in self.max_ids.items()}
             write_meta(self.directory, meta.pop("dtype"), meta.pop("vocab_size"), meta.pop("vocab", None), **meta)
         elif self.created:
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -12,9 +12,11 @@ A token directory holds three files:
 - train.bin, val.bin: flat token ids, uint16 or uint32 in the machine's byte order, no
   header (numpy's `ids.astype(np.uint16).tofile(path)`).
 - meta.json: {"dtype": "uint16" or "uint32", "vocab_size": N} and, when the ids came from a
-  vocabulary in data/vocab.py, "vocab": its state, so samples decode without the tokenizer.
+  vocabulary in data/vocab.py, "vocab": its state, so samples decode without the tokenizer;
+  ringtrain prepare_tokens adds "max_ids", each split's largest id (data/token_ids.py).
 
-Neither file is ever read whole: a batch reads only its own windows, so a corpus of many
+Every id is checked against vocab_size before training (data/token_ids.py: each file read
+once, a chunk at a time, and what it found kept). Beyond that, neither file is ever read whole: a batch reads only its own windows, so a corpus of many
 gigabytes trains with a resident set of a few hundred megabytes, and the ranks of a DDP job
 share one copy of the file in the page cache. Samples are the windows
 `data.tensors.windows_of` makes: window i is the block_size + 1 tokens starting at token
@@ -44,15 +46,12 @@ from torch.utils.data import Dataset
 
 from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data.token_ids import largest_token_id
 from ringtrain.data.vocab import vocab_from_state
 
 TOKEN_DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
-
-# The vocab_size check reads only this much of the head of each split: reading all of a
-# large corpus would take minutes, and a tokenizer mismatch shows in the first megabytes.
-VOCAB_CHECK_BYTES = 4 << 20
 
 _HOW_TO_MAKE = "ringtrain prepare_tokens input=INPUT.txt output=OUT_DIR makes one from a text file"
 
@@ -156,8 +155,9 @@ class TokenFileData:
     vocab: dict | None  # a data.vocab state, or None when meta.json has none
 
 
-def token_file(path: str, block_size: int) -> TokenFileData:
-    """The token directory at `path` as next-token windows of `block_size` tokens."""
+def token_file(path: str, block_size: int, cache_dir: str = "") -> TokenFileData:
+    """The token directory at `path` as next-token windows of `block_size` tokens; every id
+    is checked against vocab_size (data/token_ids.py; `cache_dir` keeps what that found)."""
     directory = check_token_directory(path)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise DataError(f"block_size={block_size!r} must be a positive integer; set model.block_size")
@@ -178,7 +178,7 @@ def token_file(path: str, block_size: int) -> TokenFileData:
                 f"data.path={path!r}: {split}.bin holds {size // itemsize} tokens, fewer than one window "
                 f"of block_size + 1 = {block_size + 1}; use more data or a smaller model.block_size"
             )
-        check_token_ids(path, file, dtype, vocab_size)
+        check_token_ids(path, file, meta, cache_dir)
         splits[split] = TokenWindows(file, block_size, dtype)
     return TokenFileData(
         train=splits["train"], val=splits["val"], dims={"vocab_size": vocab_size}, vocab=meta.get("vocab")
@@ -188,14 +188,17 @@ def token_file(path: str, block_size: int) -> TokenFileData:
 class TokenFile(DataModule):
     """A token directory as a data component: `data=token_file data.path=<dir>`."""
 
-    def __init__(self, path: str, seq_len: int = 64) -> None:
-        self.path, self.seq_len = path, seq_len
-        meta = read_meta(path, check_token_directory(path))
+    def __init__(self, path: str, seq_len: int = 64, cache_dir: str = "~/.cache/ringtrain") -> None:
+        self.path, self.seq_len, self.cache_dir = path, seq_len, cache_dir
+        directory = check_token_directory(path)
+        meta = read_meta(path, directory)
+        for split in SPLITS:  # here, so that an id past the vocabulary is refused before any work
+            check_token_ids(path, directory / f"{split}.bin", meta, cache_dir)
         self.dims = {"vocab_size": meta["vocab_size"]}
         self.vocab = meta.get("vocab")
 
     def setup(self) -> None:
-        data = token_file(self.path, self.seq_len)
+        data = token_file(self.path, self.seq_len, self.cache_dir)
         self.train, self.val = data.train, data.val
 
 
@@ -249,16 +252,15 @@ def read_meta(path: str, directory: Path) -> dict:
     return meta
 
 
-def check_token_ids(path: str, file: Path, dtype: str, vocab_size: int) -> None:
-    """Ids >= vocab_size would index past the embedding. Only the first VOCAB_CHECK_BYTES are
-    read (a wrong tokenizer shows there), into a temporary array, not the memory map."""
-    count = VOCAB_CHECK_BYTES // np.dtype(dtype).itemsize
-    head = np.fromfile(file, dtype=dtype, count=count)
-    if head.size and int(head.max()) >= vocab_size:
+def check_token_ids(path: str, file: Path, meta: dict, cache_dir: str = "") -> None:
+    """Ids >= vocab_size would index past the model's embedding: every id of the file is
+    checked, once per version of it (data/token_ids.py)."""
+    recorded = (meta.get("max_ids") or {}).get(file.stem) if isinstance(meta.get("max_ids"), dict) else None
+    largest = largest_token_id(file, meta["dtype"], recorded, cache_dir)
+    if largest >= meta["vocab_size"]:
         raise DataError(
-            f"data.path={path!r}: {file.name} has token id {int(head.max())} >= vocab_size={vocab_size} "
-            f"in its first {VOCAB_CHECK_BYTES >> 20} MB (only those are checked); fix vocab_size in meta.json "
-            f"or the dtype, or tokenize again"
+            f"data.path={path!r}: {file.name} holds token id {largest}, but the vocabulary has "
+            f"{meta['vocab_size']} ids (meta.json's vocab_size); fix vocab_size or the dtype in meta.json, or tokenize again"
         )
 
 

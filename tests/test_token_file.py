@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import run_module
+from conftest import run_cli, run_module
 from helpers import refused
 from ringtrain.data.bundle import DataError
 from ringtrain.data.prepare_tokens import PrepareError, prepare_random, prepare_text
 from ringtrain.data.tensors import windows_of
 from ringtrain.data.text import encode_text
-from ringtrain.data.token_file import VOCAB_CHECK_BYTES, token_file, write_meta
+from ringtrain.data import token_ids
+from ringtrain.data.token_file import token_file, write_meta
 from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
 from ringtrain.errors import ConfigError
 from ringtrain.tools.prepare_tokens import prepare_tokens
@@ -149,22 +150,67 @@ def test_a_dataset_pickles_as_a_path_and_reopens_the_map(tmp_path):
 
 
 def test_the_file_is_never_read_whole(tmp_path):
-    """A 256 MB file: building it and gathering windows from all over it must not read it all,
-    neither into the resident set nor in the vocab_size check (which reads the first few MB)."""
+    """A 256 MB file: building it (which checks every id, a mapped chunk at a time) and
+    gathering windows from all over it must not take it into the resident set."""
     directory = tmp_path / "sparse"
     make_token_dir(directory, np.zeros(1000, dtype=np.uint16), np.zeros(1000, dtype=np.uint16))
     size = 256 << 20
     with open(directory / "train.bin", "r+b") as handle:
         handle.truncate(size)  # sparse: zeros that cost no disk
-        handle.seek(VOCAB_CHECK_BYTES + 2)
-        handle.write(np.uint16(500).tobytes())  # out of range, but past the part that is checked
+        handle.seek(size - 2)
+        handle.write(np.uint16(99).tobytes())  # the largest id, at the very end
     rss_before = _resident_mb()
     data = token_file(str(directory), block_size=256)
+    assert token_ids.largest_token_id(directory / "train.bin", "uint16") == 99  # the whole file was read
     assert len(data.train) == (size // 2 - 1) // 256
-    inputs, targets = data.train.get_batch(torch.linspace(0, len(data.train) - 1, 200).long())
+    inputs, targets = data.train.get_batch(torch.linspace(0, len(data.train) - 2, 200).long())
     assert inputs.shape == (200, 256) and inputs.sum().item() == 0
     if rss_before is not None:
         assert _resident_mb() - rss_before < 64, "a 256 MB file was read into memory"
+
+
+def test_an_id_past_the_vocabulary_anywhere_in_the_file_is_one_line_before_any_work(tmp_path):
+    directory = make_token_dir(tmp_path / "tokens", np.zeros(1000, dtype=np.uint16), np.zeros(1000, dtype=np.uint16))
+    with open(directory / "train.bin", "r+b") as handle:
+        handle.truncate(16 << 20)  # sparse zeros, and past the first 4 MB (once all that was checked) ...
+        handle.seek(9 << 20)
+        handle.write(np.uint16(100).tobytes())  # ... the id 100 of a 100-id vocabulary
+    proc = run_cli(["model=transformer", "data=token_file", f"data.path={directory}", f"data.cache_dir={tmp_path / 'cache'}",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert refused(proc) == (
+        f"error: data.path={str(directory)!r}: train.bin holds token id 100, but the vocabulary has 100 ids "
+        f"(meta.json's vocab_size); fix vocab_size or the dtype in meta.json, or tokenize again"
+    )
+    assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_the_largest_id_is_read_once_per_file_version(tmp_path, monkeypatch):
+    """prepare_tokens records each split's largest id in meta.json; another directory's is
+    found by reading its files once and kept in cache_dir, keyed by path, size and mtime."""
+    reads = []
+    scan = token_ids._scan
+    monkeypatch.setattr(token_ids, "_scan", lambda path, *args: reads.append(Path(path).name) or scan(path, *args))
+    prepare_random(tmp_path / "prepared", 5000, 300)
+    meta = json.loads((tmp_path / "prepared" / "meta.json").read_text())
+    for split in ("train", "val"):
+        assert meta["max_ids"][split]["max_id"] == np.fromfile(tmp_path / "prepared" / f"{split}.bin", dtype=np.uint16).max()
+    token_file(str(tmp_path / "prepared"), block_size=16)
+    assert reads == []  # meta.json said, and the files are the ones it describes
+
+    tokens = np.arange(1000, dtype=np.uint16) % 97
+    directory = make_token_dir(tmp_path / "d", tokens, tokens)
+    old = 1_000_000_000  # long settled: no change can hide inside one tick of the file time
+    for split in ("train", "val"):
+        os.utime(directory / f"{split}.bin", (old, old))
+    cache = tmp_path / "cache"
+    token_file(str(directory), block_size=16, cache_dir=str(cache))
+    assert sorted(reads) == ["train.bin", "val.bin"] and len(list(cache.iterdir())) == 2
+    token_ids._seen.clear()  # another process: only the cache
+    token_file(str(directory), block_size=16, cache_dir=str(cache))
+    assert len(reads) == 2
+    (directory / "train.bin").write_bytes((tokens + 10).tobytes())  # the same size, a new mtime
+    with pytest.raises(DataError, match="train.bin holds token id 106, but the vocabulary has 100 ids"):
+        token_file(str(directory), block_size=16, cache_dir=str(cache))
 
 
 def _resident_mb() -> float | None:
@@ -197,7 +243,7 @@ TOKENS = np.arange(1000, dtype=np.uint16) % 100
     (lambda d: _write(d, "val.bin", TOKENS[:16].tobytes()),
      "val.bin holds 16 tokens, fewer than one window of block_size + 1 = 17; use more data or a smaller model.block_size"),
     (lambda d: _write(d, "train.bin", (TOKENS + 50).tobytes()),
-     "train.bin has token id 149 >= vocab_size=100 in its first 4 MB (only those are checked)"),
+     "train.bin holds token id 149, but the vocabulary has 100 ids (meta.json's vocab_size)"),
 ])
 def test_each_broken_directory_is_refused_in_one_line(tmp_path, damage, message):
     directory = make_token_dir(tmp_path / "d", TOKENS, TOKENS)

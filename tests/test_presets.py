@@ -3,6 +3,7 @@ options they rely on do what they say."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -32,16 +33,31 @@ def test_the_presets_are_the_documented_ones():
     assert _options("debug") == ["fast_dev_run", "overfit", "profiler"]
 
 
+# What the presets sized for a GPU say, in one line before any work, when there is none.
+CPU_ALTERNATIVES = {"shakespeare_char_gpu": "use experiment=shakespeare_char instead",
+                    "gpt2_small": "use model=transformer (GPT-style"}
+
+
 @pytest.mark.parametrize("name", sorted(SMALLEST))
-def test_every_experiment_preset_runs_its_smallest_form(name, tmp_path):
+def test_every_experiment_preset_runs_its_smallest_form(name, tmp_path, caplog):
     extra = SMALLEST[name]
     if name.startswith("shakespeare_char"):
         text = tmp_path / "tiny.txt"
         text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40, encoding="utf-8")
         extra = extra + [f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}"]
-    result = train_in_process([f"experiment={name}", *extra], tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        result = train_in_process([f"experiment={name}", *extra], tmp_path / "run")
     assert result.steps == int(next(o for o in extra if o.startswith("trainer.max_steps")).split("=")[1])
     assert all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values()) and result.metrics
+
+    messages = [r.getMessage() for r in caplog.records]
+    notices = [i for i, m in enumerate(messages) if m.startswith("this preset is sized for a GPU")]
+    if name in CPU_ALTERNATIVES and not torch.cuda.is_available():
+        assert len(notices) == 1 and CPU_ALTERNATIVES[name] in messages[notices[0]], messages
+        first_step = next(i for i, m in enumerate(messages) if m.startswith(("step ", "done:")))
+        assert notices[0] < first_step  # said before the work
+    else:
+        assert not notices, messages
 
 
 def test_experiment_presets_keep_their_shapes():

@@ -28,7 +28,7 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.config.builders import build_data, build_model, check_task
 from ringtrain.checkpoints.files import RunDirError
 from ringtrain.config.components import build
-from ringtrain.config.schema import RunConfig, validate
+from ringtrain.config.schema import RunConfig, gpu_preset_notice, validate
 from ringtrain.distributed import (
     DistInfo,
     DistributedSetupError,
@@ -125,6 +125,8 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
         resume_from = checkpoint_to_resume(shared_dir, run.trainer.resume, run.resolved, dist)
         if dist.is_main:  # the job owns the directory now: a refused job has written nothing
             log.info(f"run directory: {shared_dir}")
+            if notice := gpu_preset_notice(run.trainer):
+                log.warning(notice)
             leave_restart_note(shared_dir)
             if record is not None:
                 record.write(shared_dir)

@@ -69,6 +69,7 @@ class TrainerConfig:
     compile_mode: str
     tf32: bool
     peak_tflops: float
+    cpu_alternative: Optional[str]  # a GPU-sized preset's advice for a CPU (gpu_preset_notice)
 
 
 def trainer_config(**settings: Any) -> TrainerConfig:
@@ -255,6 +256,17 @@ def _check_devices(t: TrainerConfig) -> None:
             "trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
             "trainer.precision=bf16-mixed or 32"
         )
+
+
+def gpu_preset_notice(t: TrainerConfig) -> str | None:
+    """The line a preset sized for a GPU (trainer.cpu_alternative set) gives when the run will be
+    on the CPU: such a run compiles for minutes or takes minutes a step, with nothing said."""
+    if not t.cpu_alternative or (t.accelerator != "cpu" and _cuda_available()):
+        return None
+    return (
+        f"this preset is sized for a GPU and the run is on the CPU (no GPU visible, or trainer.accelerator=cpu): "
+        f"it will be very slow; use {t.cpu_alternative} instead"
+    )
 
 
 def _check_run_control(t: TrainerConfig) -> None:

@@ -294,10 +294,13 @@ def test_cli_never_overwrites_another_runs_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli(["trainer.max_steps=5", f"hydra.run.dir={run_dir}"]).returncode == 0
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    # The run's record and log: a refused job adds nothing to them (no .hydra/ of its own).
+    kept = {path: path.read_bytes() for path in [*(run_dir / ".hydra").iterdir(), run_dir / "train.log"]}
     # trainer.resume=null: a fresh run refuses a directory that holds checkpoints
     proc = run_cli(["trainer.max_steps=5", "trainer.resume=null", f"hydra.run.dir={run_dir}"])
-    assert proc.returncode == 2 and "already holds checkpoints and trainer.resume=null" in proc.stderr
+    refused(proc, "already holds checkpoints and trainer.resume=null")
     # resume=auto (the default) continues only the same model
     proc = run_cli(["model=mlp", "data.num_features=8", f"hydra.run.dir={run_dir}"])
-    assert proc.returncode == 2 and "holds a run whose model._target_" in proc.stderr
+    refused(proc, "holds a run whose model._target_")
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+    assert {path: path.read_bytes() for path in kept} == kept and len(kept) == 4

@@ -30,11 +30,10 @@ __all__ = [
 
 def check_overrides(args: list[str]) -> Outputs | None:
     """Compose and validate every training job the command line asks for (config/compose.py),
-    and check that this process can make the run directory; a mistake is a ConfigError, one
-    line, before Hydra makes a run directory. Returns where the first job writes."""
+    and check that the run directory can be made; a mistake is a ConfigError, one line,
+    before Hydra makes a run directory. Returns where the first job writes."""
     outputs = compose.check_overrides(args, compose.TRAIN, validate)
-    writes_outputs = not under_torchrun() or env_rank() == 0  # other ranks write nothing
-    if outputs is not None and outputs.directory is not None and writes_outputs:
+    if outputs is not None and outputs.directory is not None:
         reason = why_not_writable(outputs.directory)
         if reason:
             raise ConfigError(
@@ -75,8 +74,9 @@ def refuse_multirun_under_torchrun(argv: list[str]) -> None:
         )
 
 
-def hydra_overrides_for_this_rank(argv: list[str]) -> list[str]:
-    """Hydra overrides the command line implies for this process's run directory.
+def hydra_overrides_for_this_rank(argv: list[str], rank: int | None = None) -> list[str]:
+    """Hydra overrides the command line implies for this process's run directory (`rank`:
+    those of another rank, e.g. 0's, whose run directory every rank checks ahead).
 
     * Ranks other than 0 write nothing into Hydra's run directory: every rank composes the
       config, but the directory could differ between processes started a second apart, so
@@ -86,7 +86,8 @@ def hydra_overrides_for_this_rank(argv: list[str]) -> list[str]:
     * A torchrun worker restarted after a failure goes back to the directory its job used
       before (trainer/rundir.py), so trainer.resume=auto finds the checkpoint there.
     """
-    if under_torchrun() and env_rank() != 0:
+    rank = (env_rank() if under_torchrun() else 0) if rank is None else rank
+    if rank != 0:
         return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
     args = argv[1:]
     if any(a in ("-m", "--multirun") for a in args) or any(a.startswith("hydra.run.dir=") for a in args):

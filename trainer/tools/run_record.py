@@ -23,10 +23,12 @@ from ringtrain.config.compose import Outputs
 NO_RECORD_BY_HYDRA = "hydra.output_subdir=null"
 
 
-def take_over(outputs: Outputs | None) -> tuple[str | None, list[str]]:
+def take_over(outputs: Outputs | None, for_this_rank: list[str]) -> tuple[str | None, list[str]]:
     """(the record's subdirectory, the overrides that stop Hydra writing it) for a command line
-    that runs one job with a record; (None, []) otherwise."""
-    if outputs is None or outputs.multirun or outputs.record_subdir is None:
+    that runs one job with a record, on the process that writes it (`for_this_rank`: the
+    overrides config/command_line.py adds here; a rank other than 0, a continued run write
+    none); (None, []) otherwise."""
+    if outputs is None or outputs.multirun or outputs.record_subdir is None or NO_RECORD_BY_HYDRA in for_this_rank:
         return None, []
     return outputs.record_subdir, [NO_RECORD_BY_HYDRA]
 

@@ -61,9 +61,10 @@ def main() -> None:
         _command_line = list(argv)
         refuse_multirun_under_torchrun(argv)
         _implied_by_resume = overrides_implied_by_resume(argv[1:])
-        for_this_rank = hydra_overrides_for_this_rank(argv)
-        outputs = check_overrides(argv[1:] + _implied_by_resume + for_this_rank)
-    _record_subdir, no_record_by_hydra = take_over(outputs)
+        # Composed as rank 0 will: under torchrun every rank refuses a directory it cannot make.
+        outputs = check_overrides(argv[1:] + _implied_by_resume + hydra_overrides_for_this_rank(argv, rank=0))
+    for_this_rank = hydra_overrides_for_this_rank(argv)
+    _record_subdir, no_record_by_hydra = take_over(outputs, for_this_rank)
     sys.argv = argv + _implied_by_resume + for_this_rank + no_record_by_hydra
     try:
         train()

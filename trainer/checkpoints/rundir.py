@@ -16,7 +16,9 @@ workers' parent, alive across restarts), and a restarted rank 0 reads it
 
 While a job runs, its rank 0 holds `RunDirectoryLock` on the directory, so that a second job
 (the same command started twice, two runs given one hydra.run.dir) is refused in one line
-instead of writing the same checkpoints at the same time.
+instead of writing the same checkpoints at the same time. Only then does rank 0 write the
+job's `RunRecord` (.hydra/), so a refused job leaves the owner's record as it was.
+`why_not_writable` says, before Hydra runs, why a run directory could not be made.
 """
 from __future__ import annotations
 

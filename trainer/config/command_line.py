@@ -7,7 +7,8 @@
                                 unknown option or a bad component is one line with the fix
                                 (exit 2) instead of Hydra's multi-line report suggesting
                                 `+key=value`, and before Hydra creates a run directory
-                                (config/compose.py, shared with the other commands)
+                                (config/compose.py, shared with the other commands); and
+                                that the run directory can be made
   hydra_overrides_for_this_rank ranks other than 0 write nothing into Hydra's run directory
 """
 from __future__ import annotations

@@ -170,9 +170,17 @@ def test_the_pre_check_calls_no_function_target_and_the_run_builds_it(tmp_path):
     assert CALLED == ["model", "optimizer"] and result.steps == 3
 
 
-def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path):
-    proc = run_cli(["trainer.precision=fp8", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert refused(proc) == "error: trainer.precision='fp8' is not supported; use one of 32, bf16-mixed, 16-mixed"
+@pytest.mark.parametrize("args,line", [
+    (["trainer.precision=fp8"], "error: trainer.precision='fp8' is not supported; use one of 32, bf16-mixed, 16-mixed"),
+    (["strategy=ddp", "strategy.timeout_minutes=0"], "error: strategy.timeout_minutes=0 must be positive"),
+    # A function target is not called ahead (print would print); what it cannot take is said.
+    (["scheduler._target_=builtins.print"],
+     "error: scheduler._target_='builtins.print' takes no argument 'optimizer', which ringtrain passes it; "
+     "point scheduler._target_ at a torch.optim.lr_scheduler.LRScheduler"),
+])
+def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path, args, line):
+    proc = run_cli(args + [f"hydra.run.dir={tmp_path / 'run'}"])
+    assert refused(proc) == line and proc.stdout.strip() == ""
     assert not (tmp_path / "run").exists(), "a mistake caught before work starts leaves nothing on disk"
 
 

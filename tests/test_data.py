@@ -242,3 +242,29 @@ def test_a_loss_task_weights_batch_means_so_any_split_gives_the_whole_sets_mean(
     split = metrics_from_sums({k: parts[0][k] + parts[1][k] for k in parts[0]})
     assert whole["loss"] == pytest.approx(((outputs - targets) ** 2).mean().item())
     assert split == pytest.approx(whole) and whole["mae"] == pytest.approx((outputs - targets).abs().mean().item())
+
+
+class _SignalDispositions(Dataset):
+    """Each item: whether the process reading it ignores SIGTERM, and its pid."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import signal
+
+        return torch.tensor([int(signal.getsignal(signal.SIGTERM) == signal.SIG_IGN), os.getpid()])
+
+
+def test_dataloader_workers_leave_the_stop_signals_to_the_main_process():
+    """torchrun sends SIGTERM to a rank's whole process group: a worker that died of it failed
+    the rank's next batch before the rank could save (tests/test_hf_text.py stops such a job)."""
+    import signal
+
+    from ringtrain.loop.loaders import BatchLoader, Shards, WorkerOptions
+
+    workers = WorkerOptions(num_workers=1, stop_signals=("SIGTERM", "SIGINT"))
+    loader = BatchLoader(_SignalDispositions(), 2, Shards(4, 0, 1), torch.device("cpu"), workers=workers)
+    rows = torch.cat(list(loader.batches()))
+    assert rows[:, 0].tolist() == [1, 1, 1, 1] and os.getpid() not in rows[:, 1].tolist()  # read in a worker, ignoring
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # the main process still handles it

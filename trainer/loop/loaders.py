@@ -24,7 +24,9 @@ On CUDA (`trainer.pin_memory`, on by default there) gathered batches are pinned 
 """
 from __future__ import annotations
 
+import functools
 import math
+import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -92,6 +94,17 @@ class WorkerOptions:
     persistent_workers: bool = False
     prefetch_factor: int = 2
     seed: int = 0
+    # trainer.stop_signals: the workers ignore them (see _leave_signals_to_the_main_process).
+    stop_signals: tuple[str, ...] = ()
+
+
+def _leave_signals_to_the_main_process(names: tuple[str, ...], worker_id: int) -> None:
+    """A DataLoader worker's start: ignore the stop signals. torchrun forwards SIGTERM to each
+    rank's whole process group and Ctrl-C reaches every process of the terminal's: a worker
+    killed by it would fail the rank's next batch before the rank finished its step and saved.
+    The main process stops the workers itself; they also exit when it dies (torch's watchdog)."""
+    for name in names:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def worker_options(trainer, device: torch.device) -> WorkerOptions:
@@ -101,6 +114,7 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
     return WorkerOptions(
         num_workers=trainer.num_workers, pin_memory=pin, persistent_workers=trainer.persistent_workers,
         prefetch_factor=trainer.prefetch_factor, seed=trainer.seed,
+        stop_signals=tuple(getattr(trainer, "stop_signals", ()) or ()),
     )
 
 
@@ -175,6 +189,7 @@ class BatchLoader:
                 num_workers=w.num_workers, pin_memory=w.pin_memory, generator=self._generator,
                 persistent_workers=w.persistent_workers and w.num_workers > 0,
                 prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
+                worker_init_fn=functools.partial(_leave_signals_to_the_main_process, w.stop_signals),
             )
         for batch in self._loader:
             yield to_device(batch, self.device)

@@ -7,6 +7,7 @@ import csv
 import json
 import pickle
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 pytest.importorskip("datasets", reason="the hf extra (pip install 'ringtrain[hf]') is not installed")
 
 from conftest import compose_config, run_cli, train_in_process  # noqa: E402
-from helpers import refused  # noqa: E402
+from helpers import ok, refused  # noqa: E402
 from ringtrain.config.schema import validate  # noqa: E402
 from ringtrain.data.bpe import train_bpe  # noqa: E402
 from ringtrain.data.hf_text import HFText  # noqa: E402
@@ -168,3 +169,67 @@ def test_the_command_refuses_a_missing_column_with_exit_2_and_no_run_directory(c
                                  f"data.tokenizer={corpus / 'tokenizer.json'}", f"hydra.run.dir={tmp_path / 'run'}"])
     refused(proc, "data.text_column='text': rows.csv has no such column (it has body, label)")
     assert not (tmp_path / "run").exists()
+
+
+EXPERIMENT = """
+# @package _global_
+# The user's whole setup, YAML only: ringtrain's Transformer on their json rows through
+# Hugging Face datasets, with the BPE tokenizer they trained from a local file.
+defaults:
+  - override /model: transformer
+  - override /data: hf_text
+  - override /optimizer: adamw
+model: {{block_size: 16, d_model: 32, n_layers: 1, n_heads: 2, dropout: 0.1}}
+optimizer: {{lr: 3.0e-3}}
+data:
+  path: {corpus}/rows.jsonl
+  text_column: body
+  tokenizer: {corpus}/tokenizer.json
+  cache_dir: {cache}
+trainer: {{batch_size: 8, num_workers: 2, max_steps: 24, eval_every_n_steps: 24}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_yaml_only_hf_text_run_stopped_by_sigterm_mid_epoch_resumes_bit_identical(corpus, tmp_path, world_size):
+    """The issue's acceptance 1d as a user meets it: a config dir outside the repository, the
+    tokenizer trained by `ringtrain prepare_tokens`, two DataLoader workers, one process or two
+    torchrun ranks; SIGTERM at step 10 (mid-epoch), the same command continues, and the end is
+    bit for bit the uninterrupted run's. The checkpoint loads into ringtrain's Transformer with
+    weights_only=True, and `ringtrain evaluate` reproduces the run's last validation loss."""
+    from conftest import run_module
+    from helpers import TORCHRUN, job_ok
+    from ringtrain.models.transformer import Transformer
+    from test_resilience import SIGNAL_STEP_SECONDS, assert_identical, checkpoint, run_job, training_job
+
+    project = tmp_path / "project"
+    (project / "my_conf" / "experiment").mkdir(parents=True)
+    ok(run_module("prepare_tokens", [f"input={corpus / 'rows.txt'}", f"output={project / 'tokens'}", "vocab=bpe",
+                                     "vocab_size=300"], cwd=project))
+    (project / "my_conf" / "experiment" / "corpus.yaml").write_text(
+        EXPERIMENT.format(corpus=project / "tokens", cache=project / "cache").replace(
+            f"path: {project / 'tokens'}/rows.jsonl", f"path: {corpus / 'rows.jsonl'}"))
+    launcher = TORCHRUN if world_size == 2 else None
+    args = ["--config-dir", "my_conf", "experiment=corpus"] + (["strategy=ddp"] if world_size == 2 else [])
+
+    job_ok(run_job(args + ["hydra.run.dir=straight"], launcher=launcher, cwd=project))
+    with training_job(args + ["hydra.run.dir=run"], launcher=launcher, cwd=project,
+                      step_seconds=SIGNAL_STEP_SECONDS, hold_at_step=10) as job:
+        job.wait_for_step(10)
+        job.send_signal(signal.SIGTERM)
+        status, output = job.finish(timeout=120)
+    assert "last.pt saved" in output and 10 <= checkpoint(project / "run")["progress"]["step"] < 24, output[:8000]
+    job_ok(run_job(args + ["hydra.run.dir=run"], launcher=launcher, cwd=project))
+    reference = checkpoint(project / "straight")
+    assert reference["progress"]["step"] == 24 and reference["progress"]["epoch"] == 0  # mid-epoch throughout
+    assert_identical(project / "run", reference)
+
+    state = torch.load(project / "run" / "checkpoints" / "last.pt", weights_only=True)
+    model = Transformer(vocab_size=300, block_size=16, d_model=32, n_layers=1, n_heads=2)
+    model.load_state_dict(state["model"])
+    logged = json.loads((project / "run" / "metrics.json").read_text())["final"]["val/loss"]
+    assert logged < 0.8 * torch.log(torch.tensor(300.0)).item()  # the loss fell from log(vocab)
+    ok(run_module("evaluate", [f"checkpoint={project / 'run' / 'checkpoints' / 'last.pt'}"], cwd=project))
+    record = json.loads((project / "run" / "eval" / "last-val.json").read_text())
+    assert record["metrics"]["val/loss"] == pytest.approx(logged, abs=1e-6)

@@ -11,11 +11,19 @@ Exit statuses of `python train.py` (and of each rank):
        loop/signals.py says why 143)
 The error classes' bases live here, importing nothing of ringtrain, so that every module
 can raise one and `exit_on_user_error` can catch them all without importing those modules.
+
+Under torchrun (or a self-launched job) every rank is a process of its own, and a mistake is
+usually met by all of them at once: the first rank to report it says the line, through the
+job's store (torchrun's agent keeps one for its workers), and the others exit with the same
+status silently, so the line is printed once per job, also when only one rank met it.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import traceback
+from datetime import timedelta
 from typing import Iterator
 
 # Exit status for a mistake in the configuration or inputs (argparse uses 2 as well).
@@ -34,6 +42,33 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A mistake in the user's configuration; the message is one line with the fix."""
+
+
+class ComponentFailed(UserError):
+    """A component (model, data, task: the user's or ringtrain's own) raised while it was built
+    or ran its first training step, after the checks before work passed: a mismatch between
+    them, or a bug in one. The line names what failed, the exception and where it was raised."""
+
+
+def component_failed(what: str, err: BaseException, fix: str) -> ComponentFailed:
+    """`what` failed with `err`: one line with the exception, the line that raised it, `fix`."""
+    cause = err
+    # Hydra's instantiate wraps a constructor's exception in its own: report the constructor's.
+    while type(cause).__name__ == "InstantiationException" and cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = " ".join(str(cause).split())[:300] or "no message"
+    return ComponentFailed(f"{what} failed: {type(cause).__name__}: {text} (raised at {_raised_at(cause)}); {fix}")
+
+
+def _raised_at(err: BaseException) -> str:
+    """The innermost line of the traceback outside torch, Hydra and OmegaConf: the component's own."""
+    frames = traceback.extract_tb(err.__traceback__)
+    own = [f for f in frames if not any(f"{os.sep}{lib}{os.sep}" in f.filename for lib in ("torch", "hydra", "omegaconf"))]
+    frame = (own or frames or [None])[-1]
+    if frame is None:
+        return "an unknown place"
+    path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep) else frame.filename
+    return f"{path}:{frame.lineno} in {frame.name}"
 
 
 class RankEnded(Exception):
@@ -57,11 +92,64 @@ def exit_on_user_error() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if first_to_report(USER_ERROR_EXIT):
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     # A spawned worker's own error is already printed above; a lost peer's is in its output.
     except RankEnded as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+        first = first_to_report(err.exit_code)
+        if first and str(err):
+            print(f"error: {err}", file=sys.stderr)
+        # Another rank said the job's mistake (its status 2): this rank ended because of it.
+        sys.exit(err.exit_code if first else _reported_status(err.exit_code))
     except TrainingStopped as err:
         sys.exit(err.exit_code)
+
+
+# This process's answer, once asked: whether it is the rank that reports the job's error.
+_first_to_report: bool | None = None
+_REPORTED = "ringtrain/attempt-{}/reported"
+
+
+def first_to_report(status: int) -> bool:
+    """Whether this process says the job's error: always for a process on its own; among the
+    ranks of a job, only the first to ask (the others exit with its `status` silently). Asked
+    once per process; a rank that raises a mistake asks before it leaves the process group,
+    so that a peer which then finds it gone learns it was reported."""
+    global _first_to_report
+    if _first_to_report is None:
+        store = _job_store()
+        if store is None:
+            _first_to_report = True
+        else:
+            try:
+                key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                _first_to_report = store.add(key, 1) == 1
+                if _first_to_report:
+                    store.set(key + "/status", str(status))
+            except Exception:  # the job's store is gone (the launcher ended): say it rather than lose it
+                _first_to_report = True
+    return _first_to_report
+
+
+def _reported_status(default: int) -> int:
+    """The status of the error the first rank reported (see first_to_report)."""
+    try:
+        key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
+        return int(_job_store().get(key))
+    except Exception:
+        return default
+
+
+def _job_store():
+    """A client of the store torchrun's agent (or the self-launched job's) keeps for its
+    workers, or None: not one of several ranks, or no agent store (a launcher of another kind)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        from torch.distributed import TCPStore
+
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=10))
+    except Exception:
+        return None

@@ -38,9 +38,18 @@ from ringtrain.distributed import (
     peer_lost,
     teardown_distributed,
 )
-from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, ConfigError, TrainingStopped
+from ringtrain.errors import (
+    NONFINITE_EXIT,
+    STOPPED_BY_SIGNAL_EXIT,
+    USER_ERROR_EXIT,
+    ConfigError,
+    TrainingStopped,
+    UserError,
+    first_to_report,
+)
 from ringtrain.checkpoints.initial_weights import load_initial_weights
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
+from ringtrain.loop.failures import component_name, failures_reported_as_mistakes
 from ringtrain.loop.fit import fit
 from ringtrain.loop.progress import FitResult
 from ringtrain.checkpoints.resume import checkpoint_to_resume
@@ -131,8 +140,10 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
             if record is not None:
                 record.write(shared_dir)
 
-        data = built.data if built else build_data(run.data, dist)
-        task = built.task if built else check_task(build(run.task, "task"))
+        with failures_reported_as_mistakes(f"building the data{component_name(run.data)}", "check the data.* settings", dist):
+            data = built.data if built else build_data(run.data, dist)
+        with failures_reported_as_mistakes(f"building the task{component_name(run.task)}", "check the task.* settings", dist):
+            task = built.task if built else check_task(build(run.task, "task"))
         for split, dataset in (("training", data.train), ("validation", data.val)):
             if len(dataset) < dist.world_size:  # every rank trains and validates on its own share
                 raise ConfigError(
@@ -142,7 +153,8 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
         # Same seed on every rank: identical initial weights. Then a per-rank seed, so dropout
         # masks differ between ranks (the data order is the sampler's business, not this RNG's).
         torch.manual_seed(run.trainer.seed)
-        model = built.model if built else build_model(run.model, data.dims)
+        with failures_reported_as_mistakes(f"building the model{component_name(run.model)}", "check the model.* settings", dist):
+            model = built.model if built else build_model(run.model, data.dims)
         _load_starting_weights(model, run.trainer.init_from, resume_from, dist)
         torch.manual_seed(run.trainer.seed + dist.rank)
 
@@ -161,6 +173,10 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
             raise DistributedSetupError(name_unresponsive_ranks(dist, run.strategy.timeout_minutes)) from None
         if dist.is_distributed and (lost := peer_lost(err, dist.rank)):
             raise lost from None
+        if dist.is_distributed and isinstance(err, UserError):
+            # Claimed before leaving the process group: a peer that then finds this rank gone
+            # learns the job's mistake was said, and says nothing more.
+            first_to_report(USER_ERROR_EXIT)
         raise
     finally:
         directory_lock.release()

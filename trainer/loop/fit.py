@@ -26,6 +26,7 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo
 from ringtrain.loop.checkpointing import Checkpointer, load_training_state, load_weights_before_set_up
 from ringtrain.loop.evaluation import evaluate_model
+from ringtrain.loop.failures import failures_reported_as_mistakes
 from ringtrain.loop.loaders import Batch
 from ringtrain.loop.logger import RunLogger
 from ringtrain.loop.meter import TrainMeter
@@ -35,6 +36,10 @@ from ringtrain.loop.progress import FitResult, Progress
 from ringtrain.loop.signals import StopAgreement, StopSignals
 from ringtrain.loop.step import optimizer_step
 from ringtrain.loop.throughput import ThroughputReporter
+
+
+FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check model.*, task.* and data.*), "
+                  "or one of them has a bug")
 
 
 @dataclass
@@ -89,13 +94,17 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
             start_step=progress.step, info=logger.info,
         )
         started = time.perf_counter()  # the loop's time: set-up and imports are not in it
-        while progress.step < parts.total_steps and state.stopped is None:
-            epoch = parts.train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
-            for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
-                if _train_one_step(state, progress, micro_batches, speed) or state.stopped:
-                    break
-                if profiler:
-                    profiler.step()
+        first_step = progress.step
+        # Where a model, task and data that do not fit each other fail: one line, exit 2.
+        with failures_reported_as_mistakes("the first training step", FIRST_STEP_FIX, dist,
+                                           armed=lambda: progress.step == first_step):
+            while progress.step < parts.total_steps and state.stopped is None:
+                epoch = parts.train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
+                for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
+                    if _train_one_step(state, progress, micro_batches, speed) or state.stopped:
+                        break
+                    if profiler:
+                        profiler.step()
         state.checkpointer.flush()  # the final save, or a stop signal's, is on disk before fit returns
         train_seconds = time.perf_counter() - started
         logger.hparams(run.resolved, state.metrics, progress.step)

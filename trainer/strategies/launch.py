@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tqdm import tqdm
 
-from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT, ConfigError, TrainingStopped, exit_on_user_error
+from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT, USER_ERROR_EXIT, ConfigError, TrainingStopped, exit_on_user_error
 from ringtrain.distributed import WorkerFailedError, exit_rank
 
 # Signals elastic's agent itself turns into SignalException and passes on to the ranks.
@@ -62,6 +62,9 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
         if all(failure.exitcode == STOPPED_BY_SIGNAL_EXIT for failure in err.failures.values()):
             # A signal to the ranks alone (not to this process): they agreed, saved and stopped.
             raise TrainingStopped("stopped by a stop signal; last.pt saved", STOPPED_BY_SIGNAL_EXIT) from None
+        if any(failure.exitcode == USER_ERROR_EXIT for failure in err.failures.values()):
+            # A rank said the job's mistake in its one line (once for the job): nothing to add.
+            raise WorkerFailedError("", exit_code=USER_ERROR_EXIT) from None
         rank, failure = min(err.failures.items())
         status = failure.exitcode if failure.exitcode > 0 else 128 + -failure.exitcode
         how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {status}"

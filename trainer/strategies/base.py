@@ -39,6 +39,9 @@ class Strategy:
 
     # Whether the ranks are separate processes in one process group (ddp, fsdp).
     spans_processes = False
+    # Whether a forward pass is itself a collective (fsdp all-gathers each layer's shards), so
+    # every rank must run as many as the others, in evaluation too (loop/evaluation.py).
+    forwards_in_lockstep = False
     # How long a collective may wait for another rank (None: there are no other ranks).
     timeout_minutes: float | None = None
 

@@ -46,6 +46,8 @@ STATE_DICT_TYPES = ("full", "sharded")
 class FSDP(ProcessGroupStrategy):
     """FSDP2 over every rank (conf/strategy/fsdp.yaml)."""
 
+    forwards_in_lockstep = True  # each sharded layer's forward all-gathers its parameters
+
     def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,
                  scale_lr_by_world_size: bool,
                  shard_classes: list[str], reshard_after_forward: bool, cpu_offload: bool,

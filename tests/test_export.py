@@ -72,3 +72,20 @@ def test_export_never_replaces_what_it_did_not_write(checkpoint, tmp_path):
     export(str(checkpoint), "safetensors", str(tmp_path / "model.safetensors"))
     export(str(checkpoint), "safetensors", str(tmp_path / "model.safetensors"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "model.safetensors"]
+
+
+def test_a_bpe_vocabulary_goes_with_a_hf_export_as_a_tokenizer_from_pretrained_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from ringtrain.data.bpe import train_bpe
+    from ringtrain.tools.export import write_pretrained_directory
+
+    text = "the king and the queen of the land, and the lord of the sea\n" * 50
+    vocab = train_bpe([text], vocab_size=300)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab.size, n_positions=16, n_embd=8, n_layer=1, n_head=2))
+    write_pretrained_directory(model, vocab.to_state(), tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    sample = "the queen of the sea and the king"
+    assert tokenizer(sample)["input_ids"] == vocab.encode(sample)
+    assert tokenizer.decode(vocab.encode(sample)) == sample
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no partial directory left

@@ -98,11 +98,19 @@ def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, t
 
 
 def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
+    """A `bpe` vocabulary is a `tokenizers` tokenizer: saved as transformers' fast tokenizer,
+    so AutoTokenizer.from_pretrained(directory) encodes as the run did. A character or byte
+    vocabulary has no Hugging Face counterpart: a note says so."""
     kind = (vocab or {}).get("kind")
-    if kind is None:
-        return
-    print(f"note: no tokenizer written: the data's {kind} vocabulary has no Hugging Face tokenizer "
-          f"(ringtrain sample decodes with the checkpoint's vocabulary)", file=sys.stderr)
+    if kind == "bpe":
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = Tokenizer.from_str(vocab["tokenizer_json"])
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(directory))
+    elif kind is not None:
+        print(f"note: no tokenizer written: the data's {kind} vocabulary has no Hugging Face tokenizer "
+              f"(ringtrain sample decodes with the checkpoint's vocabulary)", file=sys.stderr)
 
 
 def _refuse_a_directory(target: Path) -> None:
@@ -147,6 +155,9 @@ def export_app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    # transformers' progress bars (loading, writing shards) would be all the output besides the
+    # path written; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     run_tool(export_app, EXPORT, validate=lambda cfg: settings_for(export, cfg, EXPORT))
 
 

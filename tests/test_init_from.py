@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_cli, train_in_process
-from helpers import ok, refused
+from helpers import corrupt_tensor_bytes, ok, refused
 
 TINY = ["model=transformer", "model.block_size=8", "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
         "data.num_train_tokens=2000", "data.num_val_tokens=200", "data.vocab_size=16", "trainer.batch_size=8"]
@@ -68,6 +68,23 @@ def test_weights_of_another_shape_are_one_line_naming_the_tensor_and_both_shapes
     proc = run_cli(TINY + FROZEN + ["model.d_model=24", f"trainer.init_from={source}",
                                     f"hydra.run.dir={tmp_path / 'run'}"])
     refused(proc, f"trainer.init_from={source}: ", "has shape [", "16] there but [", "24] in this model")
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "state_dict"])
+def test_changed_bytes_in_the_file_are_refused_not_trained_from(source, tmp_path, kind):
+    from ringtrain.checkpoints.initial_weights import load_initial_weights
+    from ringtrain.errors import ConfigError
+    from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+
+    state = read_checkpoint(str(source))
+    model = rebuild_model(model_node(state, str(source)), state["data_dims"], state, str(source))
+    path = tmp_path / "weights.pt"
+    torch.save(state if kind == "checkpoint" else state["model"], path)
+    record = corrupt_tensor_bytes(path)
+    with pytest.raises(ConfigError) as refusal:
+        load_initial_weights(model, path)
+    assert str(refusal.value) == (f"trainer.init_from={path} is corrupt: its record {record} does not match its "
+                                  f"checksum; pass an intact copy of it")
 
 
 def test_a_missing_file_is_one_line_before_any_run_directory(tmp_path):

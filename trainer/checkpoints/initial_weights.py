@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ringtrain.checkpoints.checksums import file_damage
 from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
 from ringtrain.errors import ConfigError
 
@@ -75,6 +76,9 @@ def _read_torch_file(path: str) -> dict:
         return load_checkpoint(path, "cpu")
     except CheckpointError as err:
         refusal = err
+    damage = file_damage(Path(path))  # a state_dict file carries torch.save's checksums too
+    if damage is not None and not damage.foreign:
+        raise ConfigError(f"trainer.init_from={path} {damage.reason}; pass an intact copy of it") from None
     try:
         plain = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:

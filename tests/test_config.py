@@ -28,7 +28,8 @@ def _options(group: str) -> list[str]:
 
 def test_every_group_has_its_expected_options():
     assert _options("model") == ["linear", "mlp", "transformer"]
-    assert _options("data") == ["cifar10", "classification", "hf_text", "regression", "text", "token_file", "tokens"]
+    assert _options("data") == ["cifar10", "classification", "hf_rows", "hf_text", "regression", "text", "token_file",
+                                "tokens"]
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
     assert _options("strategy") == ["ddp", "dp", "fsdp", "single"]

@@ -1,0 +1,118 @@
+"""data=hf_rows: records of local files (json, parquet, csv) as dict batches, one key per column,
+a text column tokenized once into input_ids and attention_mask; the model is called with them
+as keyword arguments and the label is the target (data/batches.py)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("datasets", reason="the hf extra (pip install 'ringtrain[hf]') is not installed")
+
+from conftest import compose_config, train_in_process  # noqa: E402
+from ringtrain.config.schema import validate  # noqa: E402
+from ringtrain.data.bpe import train_bpe  # noqa: E402
+from ringtrain.data.hf_rows import HFRows  # noqa: E402
+from ringtrain.data.vocab import BPEVocab  # noqa: E402
+from ringtrain.errors import UserError  # noqa: E402
+
+WORDS = "the king and queen of rome speak to romeo while juliet sleeps under a pale moon".split()
+MOODS = ["glad", "sad", "angry"]  # the label is the mood word a row holds
+MAX_LENGTH = 12
+
+
+class BagOfTokens(nn.Module):
+    """A user's model of Hugging Face's shape: keyword inputs input_ids and attention_mask."""
+
+    def __init__(self, vocab_size: int, num_classes: int, width: int = 16):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, num_classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        mask = attention_mask.unsqueeze(-1).float()
+        pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return {"logits": self.head(pooled)}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rows")
+    rng = random.Random(0)
+    records = []
+    for i in range(400):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 6))]
+        label = i % 3
+        words.insert(rng.randint(0, 2), MOODS[label])  # within the first max_length tokens
+        records.append({"text": " ".join(words), "label": label, "tokens": list(range(i % 5 + 1)), "id": f"r{i}"})
+    with (root / "rows.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    (root / "tokenizer.json").write_text(train_bpe([r["text"] for r in records], 280).tokenizer_json)
+    return root
+
+
+def test_columns_become_batch_keys_with_the_text_tokenized_and_lists_padded(rows, tmp_path):
+    data = HFRows(str(rows / "rows.jsonl"), tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH,
+                  cache_dir=str(tmp_path / "cache"))
+    assert data.dims == {"vocab_size": 280, "num_classes": None}  # the labels are read in setup()
+    data.setup()
+    assert data.dims == {"vocab_size": 280, "num_classes": 3} and len(data.train) == 360 and len(data.val) == 40
+    vocab = BPEVocab((rows / "tokenizer.json").read_text())
+    records = [json.loads(line) for line in (rows / "rows.jsonl").read_text().splitlines()]
+    item = data.train[0]
+    assert sorted(item) == ["attention_mask", "input_ids", "label", "tokens"]  # numbers only: no text, no id
+    source = next(r for r in records if r["label"] == int(item["label"]) and
+                  vocab.encode(r["text"])[:MAX_LENGTH] == item["input_ids"][: int(item["attention_mask"].sum())].tolist())
+    ids = vocab.encode(source["text"])[:MAX_LENGTH]
+    assert item["input_ids"].tolist() == ids + [0] * (MAX_LENGTH - len(ids))
+    assert item["attention_mask"].tolist() == [1] * len(ids) + [0] * (MAX_LENGTH - len(ids))
+    assert item["tokens"].tolist() == source["tokens"] + [0] * (MAX_LENGTH - len(source["tokens"]))
+    # The same rows validate on every run, and none of them trains.
+    again = HFRows(str(rows / "rows.jsonl"), tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH,
+                   cache_dir=str(tmp_path / "cache"))
+    again.setup()
+    assert again.val.rows["label"] == data.val.rows["label"] and len(set(map(tuple, again.val.rows["input_ids"])) &
+                                                                       set(map(tuple, again.train.rows["input_ids"]))) < 3
+
+
+def test_chosen_columns_are_renamed_and_labels_lists_pad_with_ignore_index(rows, tmp_path):
+    data = HFRows(str(rows / "rows.jsonl"), columns={"input_ids": "tokens", "labels": "tokens"}, max_length=6,
+                  cache_dir="")
+    data.setup()
+    assert data.dims == {}  # a list of labels is not classes
+    for i in range(5):
+        item = data.train[i]
+        n = int((item["labels"] != -100).sum())  # the row's tokens are 0, 1, ..., n - 1
+        assert sorted(item) == ["input_ids", "labels"] and 1 <= n <= 5
+        assert item["input_ids"].tolist() == list(range(n)) + [0] * (6 - n)  # padded with pad_id
+        assert item["labels"].tolist() == list(range(n)) + [-100] * (6 - n)  # padded with -100: ignored by the loss
+    with pytest.raises(UserError, match=r"data.columns.labels='nope': rows.jsonl has no such column"):
+        HFRows(str(rows / "rows.jsonl"), columns={"labels": "nope"})
+
+
+def test_a_classifier_trains_on_dict_batches_through_two_workers(rows, tmp_path):
+    result = train_in_process([
+        "data=hf_rows", f"data.path={rows / 'rows.jsonl'}", f"data.tokenizer={rows / 'tokenizer.json'}",
+        f"data.max_length={MAX_LENGTH}", "data.columns=[input_ids,attention_mask,label]", f"data.cache_dir={tmp_path / 'c'}",
+        "~model", f"+model._target_={__name__}.BagOfTokens", "optimizer=adam",
+        "optimizer.lr=0.05", "trainer.batch_size=16", "trainer.max_steps=60", "trainer.num_workers=2",
+    ], tmp_path / "run")
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["data_dims"] == {"vocab_size": 280, "num_classes": 3}
+    assert result.metrics["val/acc"] > 0.9  # the mood word decides the label: it learned that
+
+
+def test_rows_mistakes_are_refused_before_any_work(rows):
+    base = ["model=mlp", "data=hf_rows", f"data.path={rows / 'rows.jsonl'}"]
+    for override, message in [
+        ("data.text_column=body", "data.text_column='body': rows.jsonl has no such column (it has text, label, tokens, id)"),
+        (f"data.path={rows / 'none.jsonl'}", "none.jsonl does not exist"),
+        (f"data.tokenizer={rows / 'none.json'}", "no tokenizer file at"),
+    ]:
+        extra = [f"data.tokenizer={rows / 'tokenizer.json'}"] if "tokenizer" not in override else []
+        with pytest.raises(UserError) as error:
+            validate(compose_config(base + extra + [override]))
+        assert message in str(error.value), str(error.value)

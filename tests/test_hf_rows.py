@@ -116,3 +116,38 @@ def test_rows_mistakes_are_refused_before_any_work(rows):
         with pytest.raises(UserError) as error:
             validate(compose_config(base + extra + [override]))
         assert message in str(error.value), str(error.value)
+
+
+HF_CLASSIFIER = """
+# @package _global_
+# YAML only: the rows through Hugging Face datasets into a transformers classifier.
+defaults:
+  - override /data: hf_rows
+  - override /optimizer: adamw
+data:
+  path: {rows}/rows.jsonl
+  tokenizer: {rows}/tokenizer.json
+  max_length: {max_length}
+  columns: [input_ids, attention_mask, label]
+  cache_dir: {cache}
+model:
+  _target_: transformers.GPT2ForSequenceClassification
+  config: {{_target_: transformers.GPT2Config, vocab_size: 280, n_positions: {max_length}, n_embd: 32, n_layer: 1,
+           n_head: 2, num_labels: 3, pad_token_id: 0, bos_token_id: 0, eos_token_id: 0}}
+optimizer: {{lr: 3.0e-3}}
+trainer: {{batch_size: 16, max_steps: 60, num_workers: 2}}
+"""
+
+
+@pytest.mark.slow
+def test_a_transformers_classifier_trains_on_hf_rows_from_yaml_alone(rows, tmp_path):
+    pytest.importorskip("transformers")
+    from conftest import run_cli
+    from helpers import ok
+
+    (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "my_conf" / "experiment" / "reviews.yaml").write_text(
+        HF_CLASSIFIER.format(rows=rows, max_length=MAX_LENGTH, cache=tmp_path / "cache"))
+    ok(run_cli(["--config-dir", "my_conf", "experiment=reviews", "hydra.run.dir=run"], cwd=tmp_path, timeout=600))
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())["final"]
+    assert metrics["val/acc"] > 0.9, metrics

@@ -212,6 +212,11 @@ def _check_trainer(t: TrainerConfig) -> None:
         raise ConfigError(
             "trainer.max_epochs and trainer.max_steps are both <= 0; set one of them positive"
         )
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError(
+            f"trainer.max_steps={t.max_steps} {'would train nothing' if t.max_steps == 0 else 'is not a number of steps'}; "
+            f"set the number of optimizer steps to train, or -1 to train trainer.max_epochs epochs"
+        )
     if t.precision not in PRECISIONS:
         lightning = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}.get(str(t.precision))
         hint = f"trainer.precision={lightning} is the mixed-precision name here; " if lightning else ""

@@ -245,7 +245,7 @@ def test_worker_processes_and_a_resume_mid_epoch_change_no_bit(single_run, user_
 
     _train(user_dir, workers + ["trainer.max_steps=18", f"hydra.run.dir={tmp_path / 'first'}"])
     stopped = torch.load(tmp_path / "first" / "checkpoints" / "last.pt", weights_only=True)["progress"]
-    assert stopped["step"] == 18 and stopped["batches_into_epoch"] == 6  # mid-epoch
+    assert stopped["step"] == 18 and stopped["samples_into_epoch"] == 6 * 32  # mid-epoch
     # The checkpoint's stored config says max_steps=18: back to the epochs of the straight run.
     _train(user_dir, workers + [f"trainer.resume={tmp_path / 'first/checkpoints/last.pt'}", "trainer.max_steps=-1",
                                 f"hydra.run.dir={tmp_path / 'second'}"])

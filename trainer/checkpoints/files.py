@@ -6,7 +6,8 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   optimizer    its full state keyed by parameter name (torch.distributed.checkpoint's
                get_optimizer_state_dict), so it loads under single, ddp or fsdp alike
   scheduler, scaler   their state_dicts
-  progress     {"step", "epoch", "batches_into_epoch", "best_metric", "skipped_steps"}
+  layout       {"world_size", "batch_size", "accumulate_grad_batches"} it was trained in
+  progress     {"step", "epoch", "samples_into_epoch", "best_metric", "skipped_steps"}
   rng          one torch RNG state per rank (CPU, and CUDA when used), in rank order
   config       the resolved run config as plain data
   data_dims, vocab   the sizes the data gave the model, and its vocabulary (sampling)

@@ -16,7 +16,7 @@ from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, broadcast_object, gather_objects
 from ringtrain.loop.parts import TrainingParts
-from ringtrain.loop.progress import Progress
+from ringtrain.loop.progress import Layout, Progress
 
 log = logging.getLogger("ringtrain")
 
@@ -121,8 +121,9 @@ def load_weights_before_set_up(model, state: dict, path: Path) -> None:
         load_model_weights(model, state, path)
 
 
-def load_training_state(parts: TrainingParts, state: dict, dist: DistInfo) -> Progress:
-    """Put a checkpoint's state back into the set-up parts; return where training stood."""
+def load_training_state(parts: TrainingParts, state: dict, dist: DistInfo) -> tuple[Progress, Layout]:
+    """Put a checkpoint's state back into the set-up parts; return where training stood and
+    the layout it was trained in."""
     if "shards" in state:  # into the set-up model: each rank reads what its shards need
         from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
 
@@ -132,6 +133,32 @@ def load_training_state(parts: TrainingParts, state: dict, dist: DistInfo) -> Pr
     parts.load_state_dict(state)
     rng = state["rng"]
     set_rng_state(rng[dist.rank] if len(rng) == dist.world_size else rng[0], dist.device)
+    layout = saved_layout(state)
     progress = Progress()
-    progress.load_state_dict(state["progress"])
+    progress.load_state_dict(_position_in_samples(state["progress"], layout))
+    return progress, layout
+
+
+def saved_layout(state: dict) -> Layout:
+    """The layout a checkpoint was trained in: saved since the position is global; for older
+    checkpoints, the number of ranks that gave their RNG state and the stored config's batch."""
+    if "layout" in state:
+        return Layout(**state["layout"])
+    trainer = (state.get("config") or {}).get("trainer") or {}
+    return Layout(len(state["rng"]), trainer.get("batch_size", 0), trainer.get("accumulate_grad_batches", 0))
+
+
+def _position_in_samples(progress: dict, layout: Layout) -> dict:
+    """A checkpoint's progress with its epoch position in samples of the global order. Before
+    the position was global it counted one rank's micro-batches, all of them full mid-epoch:
+    the same position is batches * per-rank batch * ranks of the layout that took them."""
+    progress = dict(progress)
+    if "batches_into_epoch" in progress:
+        batches = progress.pop("batches_into_epoch")
+        if batches and not layout.batch_size:
+            raise CheckpointError(
+                f"the checkpoint is {batches} batches into epoch {progress['epoch']} but does not say their "
+                f"size (its config has no trainer.batch_size); start a new run with trainer.resume=null"
+            )
+        progress["samples_into_epoch"] = batches * layout.batch_size * layout.world_size
     return progress

@@ -24,6 +24,7 @@ from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo
+from ringtrain.errors import ConfigError
 from ringtrain.loop.checkpointing import Checkpointer, load_training_state, load_weights_before_set_up
 from ringtrain.loop.evaluation import evaluate_model
 from ringtrain.loop.failures import failures_reported_as_mistakes
@@ -32,7 +33,7 @@ from ringtrain.loop.logger import RunLogger
 from ringtrain.loop.meter import TrainMeter
 from ringtrain.loop.nonfinite import NonFiniteWatch
 from ringtrain.loop.parts import TrainingParts, set_up_training
-from ringtrain.loop.progress import FitResult, Progress
+from ringtrain.loop.progress import FitResult, Layout, Progress
 from ringtrain.loop.signals import StopAgreement, StopSignals
 from ringtrain.loop.step import optimizer_step
 from ringtrain.loop.throughput import ThroughputReporter
@@ -69,7 +70,8 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     if resumed:
         load_weights_before_set_up(model, resumed, resume_from)
     parts = set_up_training(run, dist, model, data)
-    progress = load_training_state(parts, resumed, dist) if resumed else Progress()
+    progress, saved_layout = load_training_state(parts, resumed, dist) if resumed else (Progress(), parts.layout)
+    parts.continue_from(progress, cfg)
     agreement = StopAgreement(timeout_minutes=run.strategy.timeout_minutes)
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist.device, uses_scaler=parts.precision.scaler is not None)
     logger = RunLogger(Path(run_dir), dist.is_main, parts.total_steps, cfg.progress_bar)
@@ -79,10 +81,9 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     with logger, _profiler(cfg.profile_steps, dist, Path(run_dir)) as profiler, agreement, state.checkpointer:
         logger.config(run.resolved)
         logger.advance(progress.step)
-        if stop is not None:
-            stop.lag_steps = agreement.lag_steps
-            stop.poll(progress.step)
-        if progress.step >= parts.total_steps:
+        _report_layout_change(state, progress, saved_layout)
+        _stop_if_signalled_before_training(state, progress)
+        if progress.step >= parts.total_steps and state.stopped is None:
             # A finished run started again (a requeue, the same command): report its metrics.
             state.metrics = evaluate(state)
             logger.info(
@@ -99,12 +100,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
         with failures_reported_as_mistakes("the first training step", FIRST_STEP_FIX, dist,
                                            armed=lambda: progress.step == first_step):
             while progress.step < parts.total_steps and state.stopped is None:
-                epoch = parts.train_loader.batches(progress.epoch, skip_batches=progress.batches_into_epoch)
-                for micro_batches in _groups(epoch, cfg.accumulate_grad_batches):
-                    if _train_one_step(state, progress, micro_batches, speed) or state.stopped:
-                        break
-                    if profiler:
-                        profiler.step()
+                _train_rest_of_epoch(state, progress, speed, profiler)
         state.checkpointer.flush()  # the final save, or a stop signal's, is on disk before fit returns
         train_seconds = time.perf_counter() - started
         logger.hparams(run.resolved, state.metrics, progress.step)
@@ -120,15 +116,70 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     )
 
 
-def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Batch], speed: ThroughputReporter) -> bool:
-    """One optimizer step and what is due after it; True when it was the last step."""
+def _train_rest_of_epoch(state: FitState, progress: Progress, speed: ThroughputReporter, profiler) -> None:
+    """Steps over the rest of the current epoch, from its data position, until the epoch, the
+    run or a stop ends them. Every pass takes a step or finishes its epoch: the loop cannot spin."""
+    cfg, loader = state.config.trainer, state.parts.train_loader
+    start = progress.samples_into_epoch
+    epoch = loader.epoch(progress.epoch, start=start)
+    if epoch.num_batches == 0:
+        if start == 0:  # set_up_training refuses this; a data set that changed size since would spin here
+            raise ConfigError(f"epoch {progress.epoch} has no batch of {cfg.batch_size}; lower trainer.batch_size")
+        # A run continued with more ranks or a bigger batch (drop_last): the few samples left
+        # make no batch, as they would not at the end of an uninterrupted epoch.
+        state.logger.info(f"the rest of epoch {progress.epoch} after sample {start} makes no batch of "
+                          f"{cfg.batch_size} per rank (trainer.drop_last); continuing with epoch {progress.epoch + 1}")
+        progress.finish_epoch()
+        return
+    taken = 0
+    for micro_batches in _groups(epoch.batches, cfg.accumulate_grad_batches):
+        taken += len(micro_batches)
+        position, epoch_done = epoch.position(taken), taken >= epoch.num_batches
+        if _train_one_step(state, progress, micro_batches, speed, position, epoch_done) or state.stopped:
+            return
+        if profiler:
+            profiler.step()
+    if taken < epoch.num_batches:
+        raise ConfigError(
+            f"epoch {progress.epoch} ended after {taken} of its {epoch.num_batches} batches: the training "
+            f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree"
+        )
+
+
+def _report_layout_change(state: FitState, progress: Progress, saved: Layout) -> None:
+    """One line when the run continues in another layout: what changed and where it goes on."""
+    change = state.parts.layout.changes_from(saved)
+    if change:
+        state.logger.info(
+            f"{change}; continuing at sample {progress.samples_into_epoch} of epoch {progress.epoch}, "
+            f"step {progress.step} of {state.parts.total_steps}"
+        )
+
+
+def _stop_if_signalled_before_training(state: FitState, progress: Progress) -> None:
+    """A stop signal that came while the run set up (loaded its checkpoint, built its data)
+    stops it before its first step, agreed by every rank: nothing new to save."""
+    if state.stop is None:
+        return
+    state.stop.lag_steps = state.agreement.lag_steps
+    if not state.agreement.agree_now(state.stop.poll(progress.step)):
+        return
+    state.stopped = state.stop.received or "a stop signal on another rank"
+    state.logger.info(f"stopped by {state.stopped} before training step {progress.step + 1}; nothing new to save"
+                      + (f" (last.pt is step {progress.step})" if progress.step else ""))
+
+
+def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Batch], speed: ThroughputReporter,
+                    position: int, epoch_done: bool) -> bool:
+    """One optimizer step, which brings the epoch to sample `position`, and what is due after
+    it; True when it was the last step."""
     cfg, parts = state.config.trainer, state.parts
     step, total_steps = progress.step + 1, parts.total_steps
     log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
     lr_used = parts.scheduler.get_last_lr()[0] if log_now else None
     grad_norm = optimizer_step(parts, state.task, micro_batches, state.meter, state.nonfinite, progress, step,
                                cfg.grad_clip_norm, measure_grad_norm=log_now or state.nonfinite.needs_grad_norm)
-    epoch_done = progress.finish_step(len(micro_batches), len(parts.train_loader))
+    progress.finish_step(position, epoch_done)
     every = cfg.eval_every_n_steps  # by default at each epoch's end; always at the last step
     evaluate_now = step == total_steps or (step % every == 0 if every else epoch_done)
     checkpoint_now = not evaluate_now and cfg.checkpoint and cfg.checkpoint_every_n_steps > 0 \
@@ -194,7 +245,7 @@ def evaluate(state: FitState) -> dict[str, float]:
 def _evaluate_and_checkpoint(state: FitState, progress: Progress) -> dict[str, float]:
     metrics = evaluate(state)
     state.logger.scalars(metrics, progress.step)
-    epochs = progress.epoch + progress.batches_into_epoch / len(state.parts.train_loader)
+    epochs = progress.epoch + progress.samples_into_epoch / len(state.parts.train_loader.dataset)
     state.logger.info(f"step {progress.step} epoch {epochs:.2f}: " + _format(metrics))
     improved = progress.improves(metrics.get(state.task.monitor), state.task.mode)
     if state.config.trainer.checkpoint:

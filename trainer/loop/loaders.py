@@ -45,29 +45,47 @@ Batch = Any
 
 class ShuffledShards:
     """This rank's training order of each epoch: `DistributedSampler(dataset, world_size, rank,
-    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py)."""
+    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py).
 
-    def __init__(self, length: int, rank: int, world_size: int, seed: int, shuffle: bool, drop_last: bool):
+    A position in the epoch is global: `start` samples into the epoch means the first `start`
+    samples of the epoch's single-process permutation are consumed, whatever the number of
+    ranks or the batch size that consumed them (rank r of N takes every N-th sample, so N ranks
+    that each took k samples consumed exactly the first k*N). The rest of the epoch is the rest
+    of the permutation, cut to a multiple of N (drop_last) or padded up to one by repeating it,
+    dealt out every N-th: every rank gets the same number of samples (DDP needs equal batch
+    counts on every rank), and a run continued with another number of ranks or another batch
+    size trains each remaining sample once. From start 0 this is DistributedSampler's order.
+    `limit` > 0: the epoch is only the permutation's first `limit` samples (overfit_batches).
+    """
+
+    def __init__(self, length: int, rank: int, world_size: int, seed: int, shuffle: bool, drop_last: bool,
+                 limit: int = 0):
         self.length, self.rank, self.world_size = length, rank, world_size
-        self.seed, self.shuffle = seed, shuffle
-        if drop_last and length % world_size:
-            self.per_rank = math.ceil((length - world_size) / world_size)  # drop the tail
-        else:
-            self.per_rank = math.ceil(length / world_size)  # pad with the first indices again
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.end = min(length, limit) if limit else length  # where the epoch's order ends
+        self.per_rank = self.share(0)
 
     def __len__(self) -> int:
+        """Samples of a whole epoch on this rank."""
         return self.per_rank
 
-    def indices(self, epoch: int) -> torch.Tensor:
+    def share(self, start: int) -> int:
+        """Samples this rank gets of the epoch from global position `start` on (the same on every rank)."""
+        left = max(0, self.end - start)
+        return left // self.world_size if self.drop_last else -(-left // self.world_size)
+
+    def indices(self, epoch: int, start: int = 0) -> torch.Tensor:
+        """This rank's samples of `epoch` after the epoch's first `start` (see the class)."""
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + epoch)
             order = torch.randperm(self.length, generator=generator)
         else:
             order = torch.arange(self.length)
-        total = self.per_rank * self.world_size
-        if total > self.length:  # repeat the order until every rank has per_rank samples
-            order = order.repeat(math.ceil(total / self.length))
+        order = order[start : self.end]
+        total = self.share(start) * self.world_size
+        if total > len(order):  # pad: repeat the rest until every rank has its share
+            order = order.repeat(math.ceil(total / len(order)))
         return order[self.rank : total : self.world_size]
 
 
@@ -78,11 +96,14 @@ class Shards:
         self.length, self.rank, self.world_size = length, rank, world_size
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.length, self.world_size))
+        return self.share(0)
 
-    def indices(self, epoch: int = 0) -> torch.Tensor:
-        """The same every epoch."""
-        return torch.arange(self.rank, self.length, self.world_size)
+    def share(self, start: int) -> int:
+        return len(range(start + self.rank, self.length, self.world_size))
+
+    def indices(self, epoch: int = 0, start: int = 0) -> torch.Tensor:
+        """The same every epoch: the samples after the first `start`, every N-th."""
+        return torch.arange(start + self.rank, self.length, self.world_size)
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,24 @@ class _EpochOrder(Sampler[int]):
         return len(self.indices)
 
 
+@dataclass
+class EpochPass:
+    """One pass over the rest of an epoch: its batches (each rank has `num_batches`), and
+    the global position in the epoch after any number of them."""
+
+    batches: Iterator[Batch]
+    num_batches: int
+    start: int  # samples of the epoch's global order consumed before this pass
+    share: int  # this rank's samples in the pass (every rank has as many)
+    batch_size: int
+    world_size: int
+
+    def position(self, batches_done: int) -> int:
+        """Samples of the epoch's global order consumed after `batches_done` batches of this
+        pass on every rank (past the epoch's samples by the padding at its end)."""
+        return self.start + min(batches_done * self.batch_size, self.share) * self.world_size
+
+
 class BatchLoader:
     def __init__(
         self,
@@ -155,13 +194,25 @@ class BatchLoader:
 
     def __len__(self) -> int:
         """Batches per epoch."""
-        n = len(self.order)
-        batches = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self._batches_in(len(self.order))
+
+    def _batches_in(self, samples: int) -> int:
+        batches = samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
         return min(batches, self.limit_batches) if self.limit_batches else batches
 
-    def batches(self, epoch: int = 0, skip_batches: int = 0) -> Iterator[Batch]:
-        """The batches of `epoch`, on the device, from batch `skip_batches` on (for resuming)."""
-        indices = self.order.indices(epoch)[skip_batches * self.batch_size : len(self) * self.batch_size]
+    def batches_left(self, start: int) -> int:
+        """Batches of an epoch after its first `start` samples (the same on every rank)."""
+        return self._batches_in(self.order.share(start))
+
+    def epoch(self, epoch: int = 0, start: int = 0) -> "EpochPass":
+        """The batches of `epoch` after its first `start` samples of the global order (a
+        checkpoint's position: see ShuffledShards), on the device, and how many there are."""
+        return EpochPass(self.batches(epoch, start), self.batches_left(start), start, self.order.share(start),
+                         self.batch_size, self.order.world_size)
+
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+        """The batches of `epoch`, on the device, after its first `start` samples (for resuming)."""
+        indices = self.order.indices(epoch, start)[: self.batches_left(start) * self.batch_size]
         if not hasattr(self.dataset, "get_batch"):
             yield from self._dataloader_batches(indices, epoch)
             return
@@ -169,8 +220,8 @@ class BatchLoader:
         # A copy from pageable memory makes the host wait for it; from pinned (page-locked)
         # memory it is queued like a kernel and overlaps the GPU's work.
         pin = self.workers.pin_memory and self.device.type == "cuda"
-        for start in range(0, len(indices), chunk):
-            inputs, targets = self.dataset.get_batch(indices[start : start + chunk])
+        for first in range(0, len(indices), chunk):
+            inputs, targets = self.dataset.get_batch(indices[first : first + chunk])
             if pin:
                 inputs, targets = inputs.pin_memory(), targets.pin_memory()
             inputs = inputs.to(self.device, non_blocking=True)
@@ -199,7 +250,9 @@ def build_train_loader(
     dataset, batch_size, rank, world_size, seed, drop_last, device, shuffle=True, limit_batches=0,
     workers: WorkerOptions = WorkerOptions(),
 ) -> BatchLoader:
-    order = ShuffledShards(len(dataset), rank, world_size, seed, shuffle, drop_last)
+    # limit_batches (overfit_batches): the epoch is the order's first limit_batches global batches
+    order = ShuffledShards(len(dataset), rank, world_size, seed, shuffle, drop_last,
+                           limit=limit_batches * batch_size * world_size)
     return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, limit_batches=limit_batches, workers=workers)
 
 

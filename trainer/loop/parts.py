@@ -17,6 +17,8 @@ from ringtrain.errors import ConfigError
 from ringtrain.loop.loaders import BatchLoader, build_train_loader, build_val_loader, worker_options
 from ringtrain.config.optim import build_optimizer, build_scheduler
 from ringtrain.loop.precision import Precision, set_matmul_precision
+from ringtrain.loop.progress import Layout, Progress
+from ringtrain.loop.schedules import WarmupCosine
 from ringtrain.strategies.base import Strategy
 
 
@@ -31,16 +33,41 @@ class TrainingParts:
     precision: Precision
     train_loader: BatchLoader
     val_loader: BatchLoader
-    total_steps: int
+    total_steps: int  # the step the run ends at (steps_in_run)
+    layout: Layout  # how the data is dealt out: ranks, per-rank batch, accumulation
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's and the precision's part of a checkpoint (the weights come from the
-        strategy, strategies/base.py checkpoint_weights)."""
-        return {"scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict()}
+        """The schedule's, the precision's and the layout's part of a checkpoint (the weights
+        come from the strategy, strategies/base.py checkpoint_weights)."""
+        return {"scheduler": self.scheduler.state_dict(), "scaler": self.precision.state_dict(),
+                "layout": self.layout.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler") or {})
+
+    def continue_from(self, progress: Progress, trainer: Any) -> None:
+        """The run goes on from `progress`: where it ends, and the schedule's horizon with it.
+        A schedule planned over the whole run (WarmupCosine) reaches its end at the continued
+        run's last step, also when the global batch or max_steps/max_epochs changed (its saved
+        state holds the old total). torch's own schedules keep what they were saved with."""
+        self.total_steps = steps_in_run(trainer, self.train_loader, progress)
+        if isinstance(self.scheduler, WarmupCosine):
+            self.scheduler.total_steps = self.total_steps
+
+
+def steps_in_run(trainer: Any, loader: BatchLoader, progress: Progress) -> int:
+    """The step the run ends at. Steps stay steps: trainer.max_steps > 0 ends the run at that
+    step whatever the global batch. Otherwise trainer.max_epochs epochs: the steps taken, the
+    steps that finish the current epoch from its data position, and the later epochs' steps,
+    at the current layout (steps_per_epoch * max_epochs for a run that never changed layout)."""
+    if trainer.max_steps > 0:
+        return trainer.max_steps
+    if progress.epoch >= trainer.max_epochs:
+        return progress.step
+    k = trainer.accumulate_grad_batches
+    rest_of_epoch = math.ceil(loader.batches_left(progress.samples_into_epoch) / k)
+    return progress.step + rest_of_epoch + (trainer.max_epochs - progress.epoch - 1) * math.ceil(len(loader) / k)
 
 
 def set_up_training(run: RunConfig, dist: DistInfo, model: nn.Module, data: DataBundle) -> TrainingParts:
@@ -50,8 +77,7 @@ def set_up_training(run: RunConfig, dist: DistInfo, model: nn.Module, data: Data
     model = model.to(dist.device)
     module = strategy.setup_module(model, dist, cfg)
     train_loader, val_loader = _loaders(cfg, dist, data)
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.accumulate_grad_batches)
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.max_epochs
+    total_steps = steps_in_run(cfg, train_loader, Progress())
     optimizer = _optimizer(run, model, dist, strategy)
     if callable(run.scheduler):  # the Python API: scheduler(optimizer)
         scheduler = run.scheduler(optimizer)
@@ -63,6 +89,7 @@ def set_up_training(run: RunConfig, dist: DistInfo, model: nn.Module, data: Data
         optimizer=optimizer, scheduler=scheduler,
         precision=Precision(strategy.autocast_precision(cfg.precision), dist.device),
         train_loader=train_loader, val_loader=val_loader, total_steps=total_steps,
+        layout=Layout(dist.world_size, cfg.batch_size, cfg.accumulate_grad_batches),
     )
 
 

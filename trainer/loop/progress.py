@@ -1,4 +1,5 @@
-"""Where training stands (Progress, saved in every checkpoint) and what fit() returns (FitResult)."""
+"""Where training stands (Progress, saved in every checkpoint), the data layout it was trained
+in (Layout), and what fit() returns (FitResult)."""
 from __future__ import annotations
 
 import math
@@ -9,19 +10,24 @@ from dataclasses import asdict, dataclass
 class Progress:
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # epochs completed
-    batches_into_epoch: int = 0  # micro-batches of the current epoch already trained on
+    # Samples of the current epoch's global order already trained on (loop/loaders.py
+    # ShuffledShards): a position that means the same for any number of ranks or batch size.
+    samples_into_epoch: int = 0
     best_metric: float | None = None
     skipped_steps: int = 0  # updates skipped for non-finite values
 
-    def finish_step(self, micro_batches: int, batches_per_epoch: int) -> bool:
-        """Count one optimizer step over `micro_batches`; True when it completed the epoch."""
+    def finish_step(self, position: int, epoch_done: bool) -> bool:
+        """Count one optimizer step that brought the epoch to `position`; returns `epoch_done`."""
         self.step += 1
-        self.batches_into_epoch += micro_batches
-        if self.batches_into_epoch < batches_per_epoch:
-            return False
+        if epoch_done:
+            self.finish_epoch()
+        else:
+            self.samples_into_epoch = position
+        return epoch_done
+
+    def finish_epoch(self) -> None:
         self.epoch += 1
-        self.batches_into_epoch = 0
-        return True
+        self.samples_into_epoch = 0
 
     def improves(self, value: float | None, mode: str) -> bool:
         """Whether `value` of the monitored metric beats the best so far (and becomes it)."""
@@ -38,6 +44,34 @@ class Progress:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's data is dealt out: ranks, samples per rank and micro-batch, micro-batches
+    per optimizer step. Saved in every checkpoint, so a run continued in another layout
+    says what changed."""
+
+    world_size: int
+    batch_size: int  # per rank and micro-batch
+    accumulate_grad_batches: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.batch_size * self.accumulate_grad_batches
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def changes_from(self, old: "Layout") -> str | None:
+        """`world size 1 -> 2, per-rank batch 32 -> 32` (accumulation too when it changed);
+        None when nothing did."""
+        if old == self:
+            return None
+        text = f"world size {old.world_size} -> {self.world_size}, per-rank batch {old.batch_size} -> {self.batch_size}"
+        if old.accumulate_grad_batches != self.accumulate_grad_batches:
+            text += f", accumulation {old.accumulate_grad_batches} -> {self.accumulate_grad_batches}"
+        return text
 
 
 @dataclass

@@ -311,6 +311,16 @@ class StopAgreement:
         self._pending = (work, flags)
         return decided
 
+    def agree_now(self, local_flag: bool) -> bool:
+        """Whether any rank's flag is up, decided now (a blocking all_reduce): once, before
+        the first step, so a signal that came during set-up stops every rank before it trains."""
+        if self._group is None:
+            return local_flag
+        assert self._pending is None, "agree_now comes before the first should_stop"
+        flags = torch.tensor([int(local_flag)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flags.item())
+
     def close(self) -> None:
         """Wait for the last all_reduce: every rank started it, so it completes, and a
         collective still in flight must not meet a destroyed process group."""

@@ -107,6 +107,9 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
         (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
         (["trainer.precision=16-mixed", "trainer.accelerator=cpu"], "16-mixed needs a CUDA device"),
         (["trainer.max_epochs=0", "trainer.max_steps=0"], "set one of them positive"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0 would train nothing; set the number of optimizer steps to "
+                                  "train, or -1 to train trainer.max_epochs epochs"),
+        (["trainer.max_steps=-3"], "trainer.max_steps=-3 is not a number of steps"),
         (["optimizer.lr=-1"], "optimizer (torch.optim.SGD): Invalid learning rate: -1"),
         (["optimizer._target_=torch.optim.Lion"], "torch.optim has no module or attribute 'Lion'"),
         (["scheduler=cosine", "scheduler.min_lr=1"], "scheduler.min_lr=1 exceeds optimizer.lr=0.01"),

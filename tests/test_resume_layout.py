@@ -9,6 +9,7 @@ Every job has a bound (the subprocess timeout), so none of these can hang the su
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, REPO, checkpoint_weights, run_cli
+from conftest import QUIET, REPO, checkpoint_weights, run_cli, train_in_process
 from helpers import TORCHRUN, Job, ok
 
 from ringtrain.loop.loaders import ShuffledShards
@@ -209,3 +210,55 @@ def test_a_global_position_continues_at_the_next_unseen_sample_in_any_layout(len
     else:  # everything, and at most new_ranks - 1 repeats (padding) at the end
         assert set(together) == set(range(length)) and len(together) - length < new_ranks
         assert sorted(together[: length]) == list(range(length))
+
+
+# --- in-process: old checkpoints, an epoch's rest without a batch -----------------------------
+
+LINE = ["data.num_samples=256", "data.num_val_samples=32", "trainer.batch_size=16", "optimizer.momentum=0.9",
+        "trainer.log_every_n_steps=1"]
+
+
+def test_an_old_checkpoint_that_counts_batches_resumes_where_it_stood(tmp_path):
+    """Checkpoints written before the position was global hold one rank's micro-batches
+    (`batches_into_epoch`) and no layout: converted with the stored batch size and the number of
+    ranks that saved their RNG, they continue bit for bit."""
+    train_in_process(LINE + ["trainer.max_steps=12"], tmp_path / "straight")
+    train_in_process(LINE + ["trainer.max_steps=5"], tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    assert state["progress"]["samples_into_epoch"] == 5 * 16
+    del state["layout"], state["progress"]["samples_into_epoch"]
+    state["progress"]["batches_into_epoch"] = 5
+    torch.save(state, last)
+    train_in_process(LINE + ["trainer.max_steps=12", f"trainer.resume={last}"], tmp_path / "second")
+    straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
+
+
+def test_an_old_checkpoint_without_its_batch_size_is_refused_in_one_line():
+    from ringtrain.checkpoints.files import CheckpointError
+    from ringtrain.loop.checkpointing import load_position, saved_layout
+
+    old = {"progress": {"step": 5, "epoch": 0, "batches_into_epoch": 5}, "rng": [torch.zeros(1)], "config": {}}
+    with pytest.raises(CheckpointError, match=r"^the checkpoint is 5 batches into epoch 0 but does not say their "
+                                              r"size .*start a new run with trainer.resume=null$"):
+        load_position(old["progress"], saved_layout(old))
+    assert load_position({**old["progress"], "batches_into_epoch": 0}, saved_layout(old))["samples_into_epoch"] == 0
+
+
+def test_an_epochs_rest_without_a_full_batch_moves_on_and_the_cosine_ends_with_the_run(tmp_path, caplog):
+    """Batch 8 stopped at step 7 of 8 (56 of 64 samples in), continued with batch 16 and
+    drop_last: the 8 samples left make no batch, so epoch 1 starts (4 steps) and the run ends at
+    step 11, where the cosine schedule, planned over 16 steps at batch 8, now reaches min_lr."""
+    common = ["data.num_samples=64", "data.num_val_samples=16", "trainer.drop_last=true", "scheduler=cosine",
+              "scheduler.warmup_steps=0", "trainer.max_epochs=2"]
+    train_in_process(common + ["trainer.batch_size=8", "trainer.max_steps=7"], tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.pt"
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        result = train_in_process(common + ["trainer.batch_size=16", f"trainer.resume={last}"], tmp_path / "second")
+    assert "per-rank batch 8 -> 16; continuing at sample 56 of epoch 0, step 7 of 11" in caplog.text
+    assert "the rest of epoch 0 after sample 56 makes no batch of 16 per rank (trainer.drop_last); " \
+           "continuing with epoch 1" in caplog.text
+    state = torch.load(tmp_path / "second" / "checkpoints" / "last.pt", weights_only=True)
+    assert result.steps == 11 and state["progress"]["epoch"] == 2 and state["scheduler"]["total_steps"] == 11
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)  # min_lr at the last step

@@ -135,7 +135,7 @@ def load_training_state(parts: TrainingParts, state: dict, dist: DistInfo) -> tu
     set_rng_state(rng[dist.rank] if len(rng) == dist.world_size else rng[0], dist.device)
     layout = saved_layout(state)
     progress = Progress()
-    progress.load_state_dict(_position_in_samples(state["progress"], layout))
+    progress.load_state_dict(load_position(state["progress"], layout))
     return progress, layout
 
 
@@ -148,7 +148,7 @@ def saved_layout(state: dict) -> Layout:
     return Layout(len(state["rng"]), trainer.get("batch_size", 0), trainer.get("accumulate_grad_batches", 0))
 
 
-def _position_in_samples(progress: dict, layout: Layout) -> dict:
+def load_position(progress: dict, layout: Layout) -> dict:
     """A checkpoint's progress with its epoch position in samples of the global order. Before
     the position was global it counted one rank's micro-batches, all of them full mid-epoch:
     the same position is batches * per-rank batch * ranks of the layout that took them."""

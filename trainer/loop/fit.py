@@ -125,10 +125,11 @@ def _train_rest_of_epoch(state: FitState, progress: Progress, speed: ThroughputR
     if epoch.num_batches == 0:
         if start == 0:  # set_up_training refuses this; a data set that changed size since would spin here
             raise ConfigError(f"epoch {progress.epoch} has no batch of {cfg.batch_size}; lower trainer.batch_size")
-        # A run continued with more ranks or a bigger batch (drop_last): the few samples left
-        # make no batch, as they would not at the end of an uninterrupted epoch.
+        # A run continued with more ranks or a bigger batch: the few samples left make no full
+        # batch (drop_last), or lie past the epoch's overfit_batches; an uninterrupted epoch
+        # of this layout would not train them either.
         state.logger.info(f"the rest of epoch {progress.epoch} after sample {start} makes no batch of "
-                          f"{cfg.batch_size} per rank (trainer.drop_last); continuing with epoch {progress.epoch + 1}")
+                          f"{cfg.batch_size} per rank; continuing with epoch {progress.epoch + 1}")
         progress.finish_epoch()
         return
     taken = 0

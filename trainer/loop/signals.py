@@ -17,7 +17,8 @@ How the Trainer uses them (every rank runs the same loop):
     with StopSignals() as signals:                # as early as possible: before it, a signal kills
         agreement = StopAgreement()               # every rank, after init_process_group
         signals.lag_steps = agreement.lag_steps   # only for the log line's step number
-        signals.poll(progress.step)               # the step training starts from, ditto
+        if agreement.agree_now(signals.poll(progress.step)):  # a signal during set-up or loading:
+            stop before the first step, every rank (nothing new to save), exit as below
         for each optimizer step `step`:
             ...train the step...
             if agreement.should_stop(signals.poll(step)):

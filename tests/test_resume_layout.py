@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -278,3 +279,29 @@ def test_an_epochs_rest_without_a_full_batch_moves_on_and_the_cosine_ends_with_t
     state = torch.load(tmp_path / "second" / "checkpoints" / "last.pt", weights_only=True)
     assert result.steps == 11 and state["progress"]["epoch"] == 2 and state["scheduler"]["total_steps"] == 11
     assert state["scheduler"]["_last_lr"][0] == pytest.approx(0.0, abs=1e-12)  # min_lr at the last step
+
+
+def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tmp_path, caplog, monkeypatch):
+    """SIGTERM while a continued run reads its checkpoint (in another layout): it ends before
+    training anything, saves nothing new, and says where the run stands."""
+    import ringtrain.loop.fit as fit_module
+
+    train_in_process(LINE + ["trainer.max_steps=5"], tmp_path / "first")
+    last = tmp_path / "first" / "checkpoints" / "last.pt"
+    load = fit_module.load_checkpoint
+
+    def load_while_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # StopSignals' watcher thread takes it and logs it
+        deadline = time.monotonic() + 60
+        while "received SIGTERM" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "load_checkpoint", load_while_signalled)
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        result = train_in_process(LINE + ["trainer.batch_size=32", "trainer.max_steps=12", f"trainer.resume={last}"],
+                                  tmp_path / "second")
+    assert result.stopped == "SIGTERM" and result.steps == 5
+    assert "stopped by SIGTERM before training step 6; nothing new to save: the checkpoint it resumed from " \
+           "(step 5) is where the run stands" in caplog.text
+    assert not list((tmp_path / "second").glob("checkpoints/step-*"))

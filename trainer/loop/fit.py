@@ -167,7 +167,8 @@ def _stop_if_signalled_before_training(state: FitState, progress: Progress) -> N
         return
     state.stopped = state.stop.received or "a stop signal on another rank"
     state.logger.info(f"stopped by {state.stopped} before training step {progress.step + 1}; nothing new to save"
-                      + (f" (last.pt is step {progress.step})" if progress.step else ""))
+                      + (f": the checkpoint it resumed from (step {progress.step}) is where the run stands"
+                         if progress.step else ""))
 
 
 def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Batch], speed: ThroughputReporter,

@@ -56,6 +56,7 @@ from ringtrain.checkpoints.resume import checkpoint_to_resume
 from ringtrain.config.continuation import config_to_continue
 from ringtrain.checkpoints.rundir import RunDirectoryLock, RunRecord, forget_restart_note, leave_restart_note
 from ringtrain.loop.signals import StopSignals
+from ringtrain.loop.watchdog import watching
 
 log = logging.getLogger("ringtrain")
 
@@ -158,7 +159,8 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
         _load_starting_weights(model, run.trainer.init_from, resume_from, dist)
         torch.manual_seed(run.trainer.seed + dist.rank)
 
-        result = fit(run, dist, shared_dir, stop, model, data, task, resume_from)
+        with watching(run.strategy.timeout_minutes, dist.rank, dist.world_size):  # a rank stuck anywhere ends
+            result = fit(run, dist, shared_dir, stop, model, data, task, resume_from)
         if return_weights:
             weights = full_model_state_dict(model)  # every rank takes part; rank 0 gets them
             result = dataclasses.replace(result, model_state=weights if dist.is_main else None)

@@ -17,6 +17,7 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, broadcast_object, gather_objects
 from ringtrain.loop.parts import TrainingParts
 from ringtrain.loop.progress import Layout, Progress
+from ringtrain.loop.watchdog import SAVING, feed
 
 log = logging.getLogger("ringtrain")
 
@@ -49,6 +50,7 @@ class Checkpointer:
     def save(self, parts: TrainingParts, progress: Progress, best: bool) -> None:
         """Every rank contributes; rank 0 writes step-<N>.pt, last.pt (and best.pt), now or in
         the background; every rank learns whether the write (or the previous one) failed."""
+        feed(SAVING)
         # The previous background write ends first: its failure stops the run before more is
         # gathered, only one copy of the state waits in memory, and its rotation cannot delete
         # the shards directory that a sharded save is about to write.
@@ -71,6 +73,7 @@ class Checkpointer:
     def flush(self) -> None:
         """Every rank: wait for rank 0's background write; its failure raises CheckpointError
         on every rank. Nothing to do without trainer.async_checkpoint."""
+        feed(SAVING)
         if self.writer is None:
             return
         failure = broadcast_object(self.dist, _failure_message(self.writer.wait(), self.store.directory))

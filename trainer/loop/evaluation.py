@@ -10,6 +10,7 @@ from ringtrain.data.tasks import metrics_from_sums
 from ringtrain.distributed import DistInfo, all_reduce_sum, gather_objects
 from ringtrain.loop.loaders import BatchLoader
 from ringtrain.loop.precision import Precision
+from ringtrain.loop.watchdog import EVALUATING, LOADING_VALIDATION_BATCH, watched
 from ringtrain.strategies.base import Strategy
 
 
@@ -27,7 +28,7 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
     most = max(gather_objects(dist, len(loader))) if lockstep else 0
     count, last = 0, None
     with strategy.inference(model):
-        for batch in loader.batches():
+        for batch in watched(loader.batches(), LOADING_VALIDATION_BATCH, EVALUATING):
             with precision.autocast():
                 outputs, targets = predictions(task, model, batch)
             for key, value in task.eval_sums(outputs, targets).items():

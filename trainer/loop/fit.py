@@ -36,6 +36,7 @@ from ringtrain.loop.parts import TrainingParts, set_up_training
 from ringtrain.loop.progress import FitResult, Layout, Progress
 from ringtrain.loop.signals import StopAgreement, StopSignals
 from ringtrain.loop.step import optimizer_step
+from ringtrain.loop import watchdog
 from ringtrain.loop.throughput import ThroughputReporter
 
 
@@ -72,6 +73,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     parts = set_up_training(run, dist, model, data)
     progress, saved_layout = load_training_state(parts, resumed, dist) if resumed else (Progress(), parts.layout)
     parts.continue_from(progress, cfg)
+    watchdog.feed(watchdog.SETTING_UP, progress.step)
     agreement = StopAgreement(timeout_minutes=run.strategy.timeout_minutes)
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist.device, uses_scaler=parts.precision.scaler is not None)
     logger = RunLogger(Path(run_dir), dist.is_main, parts.total_steps, cfg.progress_bar)
@@ -133,7 +135,7 @@ def _train_rest_of_epoch(state: FitState, progress: Progress, speed: ThroughputR
         progress.finish_epoch()
         return
     taken = 0
-    for micro_batches in _groups(epoch.batches, cfg.accumulate_grad_batches):
+    for micro_batches in _groups(epoch.batches, cfg.accumulate_grad_batches, progress):
         taken += len(micro_batches)
         position, epoch_done = epoch.position(taken), taken >= epoch.num_batches
         if _train_one_step(state, progress, micro_batches, speed, position, epoch_done) or state.stopped:
@@ -177,6 +179,7 @@ def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Bat
     it; True when it was the last step."""
     cfg, parts = state.config.trainer, state.parts
     step, total_steps = progress.step + 1, parts.total_steps
+    watchdog.feed(watchdog.TRAINING, step)
     log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
     lr_used = parts.scheduler.get_last_lr()[0] if log_now else None
     grad_norm = optimizer_step(parts, state.task, micro_batches, state.meter, state.nonfinite, progress, step,
@@ -275,7 +278,12 @@ def _format(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.5g}" for k, v in metrics.items())
 
 
-def _groups(batches: Iterator[Batch], size: int) -> Iterator[list[Batch]]:
-    """Micro-batches in groups of `size` (the last group of an epoch may be shorter)."""
-    while group := list(islice(batches, size)):
+def _groups(batches: Iterator[Batch], size: int, progress: Progress) -> Iterator[list[Batch]]:
+    """Micro-batches in groups of `size` (the last group of an epoch may be shorter); the
+    watchdog knows while each group is loaded."""
+    while True:
+        watchdog.feed(watchdog.LOADING_TRAINING_BATCHES, progress.step)
+        group = list(islice(batches, size))
+        if not group:
+            return
         yield group

@@ -3,8 +3,8 @@
 The process group's timeout ends a rank that waits in a collective for too long. A rank stuck
 anywhere else never enters one: a user's Dataset.__getitem__ that loops forever, a forward
 that never returns, a read from a hung file system. Its peers then wait for it in their next
-collective, and without this watchdog a single process (or a job whose every rank is stuck)
-would wait forever. A daemon thread on each rank watches the time since the loop last said
+collective until it times out, and a job whose every rank is stuck (or a ddp job of one
+process) would wait forever. A daemon thread on each rank watches the time since the loop last said
 what it is doing (`feed`); when that exceeds the timeout it prints one line naming the rank,
 what it was doing and at which step, and ends the process with USER_ERROR_EXIT (as the
 collective timeout does: the fix is in the code or in strategy.timeout_minutes). The launcher
@@ -12,8 +12,8 @@ collective timeout does: the fix is in the code or in strategy.timeout_minutes).
 as they do when a rank crashes. Checkpoints already written are intact (atomic writes).
 
     with watching(run.strategy.timeout_minutes, dist.rank, dist.world_size):  # run.py
-        fit(...)                       # feeds: each step, each group of batches, evaluation,
-                                       # checkpoint saving and loading
+        fit(...)                       # feeds: after set-up (a checkpoint loaded), each step,
+                                       # each group of batches, each validation batch, each save
 
 `feed` is one tuple assignment (no lock: the watcher reads the whole tuple or the previous
 one), cheap enough for every batch.

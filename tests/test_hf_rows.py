@@ -93,16 +93,33 @@ def test_chosen_columns_are_renamed_and_labels_lists_pad_with_ignore_index(rows,
         HFRows(str(rows / "rows.jsonl"), columns={"labels": "nope"})
 
 
-def test_a_classifier_trains_on_dict_batches_through_two_workers(rows, tmp_path):
-    result = train_in_process([
-        "data=hf_rows", f"data.path={rows / 'rows.jsonl'}", f"data.tokenizer={rows / 'tokenizer.json'}",
-        f"data.max_length={MAX_LENGTH}", "data.columns=[input_ids,attention_mask,label]", f"data.cache_dir={tmp_path / 'c'}",
-        "~model", f"+model._target_={__name__}.BagOfTokens", "optimizer=adam",
-        "optimizer.lr=0.05", "trainer.batch_size=16", "trainer.max_steps=60", "trainer.num_workers=2",
-    ], tmp_path / "run")
-    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
-    assert state["data_dims"] == {"vocab_size": 280, "num_classes": 3}
+def classifier(rows: Path, cache: Path) -> list[str]:
+    return ["data=hf_rows", f"data.path={rows / 'rows.jsonl'}", f"data.tokenizer={rows / 'tokenizer.json'}",
+            f"data.max_length={MAX_LENGTH}", "data.columns=[input_ids,attention_mask,label]", f"data.cache_dir={cache}",
+            "~model", f"+model._target_={__name__}.BagOfTokens", "optimizer=adam", "optimizer.lr=0.05",
+            "trainer.batch_size=16", "trainer.num_workers=2", "trainer.checkpoint_every_n_steps=10"]
+
+
+def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exactly(rows, tmp_path):
+    """60 steps straight, and 10 steps then the same run continued to 60 (mid-epoch, 23 steps
+    an epoch): the same weights and optimizer state, bit for bit."""
+    common = classifier(rows, tmp_path / "cache")
+    result = train_in_process(common + ["trainer.max_steps=60"], tmp_path / "straight")
+    train_in_process(common + ["trainer.max_steps=10"], tmp_path / "resumed")
+    train_in_process(common + ["trainer.max_steps=60"], tmp_path / "resumed")
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "last.pt", weights_only=True) for run in ("straight", "resumed"))
+    assert a["data_dims"] == {"vocab_size": 280, "num_classes": 3}
     assert result.metrics["val/acc"] > 0.9  # the mood word decides the label: it learned that
+    assert b["progress"] == a["progress"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(a["optimizer"]), _tensors(b["optimizer"])))
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return [t for value in values for t in _tensors(value)]
 
 
 def test_rows_mistakes_are_refused_before_any_work(rows):

@@ -145,10 +145,11 @@ class HFText(DataModule):
             val = TokenStream(self._tokens(*self.sources["val"]))
             self.train = StreamWindows(train, 0, train.num_tokens, self.seq_len)
             self.val = StreamWindows(val, 0, val.num_tokens, self.seq_len)
-        for name, windows in (("training", self.train), ("validation", self.val)):
+        val_key = "data.val_path" if "val" in self.sources else "data.path"
+        for key, name, windows in (("data.path", "training", self.train), (val_key, "validation", self.val)):
             if len(windows) == 0:
                 raise DataError(
-                    f"data.path gives {windows.stop - windows.start} {name} tokens, fewer than one window of "
+                    f"{key} gives {windows.stop - windows.start} {name} tokens, fewer than one window of "
                     f"data.seq_len + 1 = {self.seq_len + 1}; use more data, a smaller seq_len (model.block_size) "
                     f"or another data.val_fraction"
                 )

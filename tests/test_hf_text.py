@@ -164,6 +164,13 @@ def test_each_mistake_is_refused_before_any_work_in_one_line(corpus, override, m
     assert message.format(root=root) in str(error.value) and "\n" not in str(error.value)
 
 
+def test_too_little_text_for_one_window_names_the_files_and_the_fixes(corpus, tmp_path):
+    (tmp_path / "short.jsonl").write_text(json.dumps({"body": "The king."}) + "\n")
+    with pytest.raises(UserError, match=r"data.val_path gives \d+ validation tokens, fewer than one window of "
+                                         r"data.seq_len \+ 1 = 17; use more data, a smaller seq_len"):
+        hf_text(corpus, "rows.jsonl", "", val_path=str(tmp_path / "short.jsonl"))
+
+
 def test_the_command_refuses_a_missing_column_with_exit_2_and_no_run_directory(corpus, tmp_path):
     proc = run_cli(TINY_MODEL + ["data=hf_text", f"data.path={corpus / 'rows.csv'}", "data.text_column=text",
                                  f"data.tokenizer={corpus / 'tokenizer.json'}", f"hydra.run.dir={tmp_path / 'run'}"])

@@ -65,9 +65,24 @@ def test_a_plain_state_dict_file_is_a_starting_point_too(source, tmp_path):
 
 
 def test_weights_of_another_shape_are_one_line_naming_the_tensor_and_both_shapes(source, tmp_path):
+    """Checked before any work: the model built on the meta device against the file's shapes."""
     proc = run_cli(TINY + FROZEN + ["model.d_model=24", f"trainer.init_from={source}",
                                     f"hydra.run.dir={tmp_path / 'run'}"])
-    refused(proc, f"trainer.init_from={source}: ", "has shape [", "16] there but [", "24] in this model")
+    refused(proc, f"trainer.init_from={source}: token_embedding.weight has shape [16, 16] there but [16, 24] in "
+                  f"this model; start from weights of the same model")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_with_more_tensors_than_the_file_is_refused_where_the_rank_builds_it(source, tmp_path):
+    """The same check where the model is built (a model the meta device cannot build is checked only there)."""
+    from ringtrain.checkpoints.initial_weights import load_initial_weights
+    from ringtrain.errors import ConfigError
+    from ringtrain.models.transformer import Transformer
+
+    deeper = Transformer(vocab_size=16, block_size=8, n_layers=2, n_heads=2, d_model=16)
+    with pytest.raises(ConfigError, match=rf"trainer.init_from={source} holds no 'blocks.1.ln1.weight' "
+                                          rf"\(12 of this model's 29 tensors are missing\)"):
+        load_initial_weights(deeper, source)
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "state_dict"])

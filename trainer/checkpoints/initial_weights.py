@@ -18,8 +18,9 @@ be stored once, as safetensors files store it.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> int:
     number of tensors loaded. A mismatch is a ConfigError naming the tensor."""
     path = str(path)
     if path.endswith(".safetensors"):
-        weights = _read_safetensors(path)
+        weights = _read_safetensors(path, lambda file: {name: file.get_tensor(name) for name in file.keys()})
     else:
         state = _read_torch_file(path)
         if "shards" in state:  # a sharded fsdp checkpoint: DCP reads its shards into the model
@@ -47,6 +48,20 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> int:
     check_shapes_fit(model, {name: tensor.shape for name, tensor in weights.items()}, f"trainer.init_from={path}")
     model.load_state_dict(weights, strict=False)  # strict in substance: check_shapes_fit
     return len(weights)
+
+
+def initial_weight_shapes(path: str | Path) -> dict[str, list[int]]:
+    """The shape of every tensor in `path` (any file load_initial_weights reads), read without
+    loading the weights where the format allows: for the check before any work starts."""
+    path = str(path)
+    if path.endswith(".safetensors"):
+        return _read_safetensors(path, lambda file: {name: list(file.get_slice(name).get_shape()) for name in file.keys()})
+    state = _read_torch_file(path, mmap=True)
+    if "shards" in state:
+        from ringtrain.checkpoints.sharded import sharded_model_shapes
+
+        return sharded_model_shapes(state["shards"])
+    return {name: list(tensor.shape) for name, tensor in state["model"].items()}
 
 
 def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], source: str) -> None:
@@ -69,18 +84,18 @@ def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], sour
         )
 
 
-def _read_torch_file(path: str) -> dict:
+def _read_torch_file(path: str, mmap: bool = False) -> dict:
     """A ringtrain checkpoint (through the loader every tool uses, with its checks), else a
-    plain `torch.save(model.state_dict())` file as {"model": ...}."""
+    plain `torch.save(model.state_dict())` file as {"model": ...}. `mmap`: map the tensors."""
     try:
-        return load_checkpoint(path, "cpu")
+        return load_checkpoint(path, "cpu", mmap=mmap)
     except CheckpointError as err:
         refusal = err
     damage = file_damage(Path(path))  # a state_dict file carries torch.save's checksums too
     if damage is not None and not damage.foreign:
         raise ConfigError(f"trainer.init_from={path} {damage.reason}; pass an intact copy of it") from None
     try:
-        plain = torch.load(path, map_location="cpu", weights_only=True)
+        plain = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception:
         plain = None
     if isinstance(plain, dict) and plain and all(isinstance(v, torch.Tensor) for v in plain.values()):
@@ -91,17 +106,19 @@ def _read_torch_file(path: str) -> dict:
     ) from None
 
 
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: str, read: Callable[[Any], Any]) -> Any:
+    """`read(file)` of the safetensors file at `path` opened with safe_open (tensors are read
+    only when asked for); a file that is not one is a ConfigError."""
     try:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors import SafetensorError, safe_open
     except ImportError:
         raise ConfigError(
             f"trainer.init_from={path} is a safetensors file but safetensors is not installed; "
             f"pip install 'ringtrain[hf]' (or safetensors)"
         ) from None
     try:
-        return load_file(path, device="cpu")
+        with safe_open(path, "pt", device="cpu") as file:
+            return read(file)
     except (SafetensorError, OSError) as err:
         detail = " ".join(str(err).split())[:200]
         raise ConfigError(f"trainer.init_from={path} cannot be read as safetensors ({detail}); pass a .safetensors file") from None

@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
+from ringtrain.checkpoints.initial_weights import check_shapes_fit, initial_weight_shapes
 from ringtrain.data.bundle import DataBundle, DataError
 from ringtrain.data.tasks import check_monitor
 from ringtrain.config.components import build, check, check_built
@@ -35,7 +36,7 @@ SPLIT_DATA_KEYS = ("train", "val", "dims")
 
 
 def check_components(model: Mapping | None, data: Mapping | None, task: Mapping | None,
-                     optimizer: Any, scheduler: Any, max_steps: int) -> None:
+                     optimizer: Any, scheduler: Any, max_steps: int, init_from: str | None = None) -> None:
     """Every mistake in the component nodes, as a ConfigError, before anything is built.
 
     Cheap constructions run as well, so that the components' own argument checks fire now:
@@ -43,7 +44,8 @@ def check_components(model: Mapping | None, data: Mapping | None, task: Mapping 
     and schedule on a stand-in parameter, and the model on the meta device (no memory, no
     initialisation) when all its sizes are known. Only classes are constructed here: a
     function `_target_` may do anything when called (print, load files, train), so it is
-    held against its signature alone and first called when the rank builds it.
+    held against its signature alone and first called when the rank builds it. The model
+    built there is also held against `init_from`'s tensor shapes (trainer.init_from).
     """
     dims = check_data(data) if data is not None else {}
     if task is not None and inspect.isclass(check(task, "task")):
@@ -53,7 +55,9 @@ def check_components(model: Mapping | None, data: Mapping | None, task: Mapping 
         source = f"the data ({data.get('_target_', 'data.train/val')}, which gives {', '.join(dims) or 'no sizes'})"
         target = check(model, "model", kind=nn.Module, provided=known, provided_by=source if dims is not None else "")
         if inspect.isclass(target) and dims is not None and all(value is not None for value in dims.values()):
-            _dry_build_model(model, dims)
+            dry = _dry_build_model(model, dims)
+            if dry is not None and init_from is not None:
+                check_shapes_fit(dry, initial_weight_shapes(init_from), f"trainer.init_from={init_from}")
     optimizer_class = scheduler_class = False
     if isinstance(optimizer, Mapping):
         optimizer_class = inspect.isclass(check(optimizer, "optimizer", kind=torch.optim.Optimizer, provided={"params"},
@@ -159,16 +163,16 @@ def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:
     return check_built(model, "model", nn.Module)
 
 
-def _dry_build_model(node: Mapping, dims: Mapping[str, int]) -> None:
+def _dry_build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module | None:
     """Build the model on the meta device, so its own argument checks run now; a model that
-    cannot be built there (it loads files, say) is simply built later."""
+    cannot be built there (it loads files, say) is simply built later (None)."""
     with torch.device("meta"):
         try:
-            build_model(node, dims)
+            return build_model(node, dims)
         except ConfigError:
             raise
         except Exception:
-            pass
+            return None
 
 
 def _construct(make):

@@ -125,7 +125,9 @@ def validate(cfg: DictConfig) -> RunConfig:
             f"data.seq_len={seq_len} exceeds model.block_size={block_size}; the model cannot see that "
             f"far back: raise model.block_size or drop the data.seq_len override (it follows block_size)"
         )
-    check_components(run.model, run.data, run.task, run.optimizer, run.scheduler, run.trainer.max_steps)
+    resuming_a_file = run.trainer.resume not in (None, "auto")  # which ignores init_from
+    check_components(run.model, run.data, run.task, run.optimizer, run.scheduler, run.trainer.max_steps,
+                     init_from=None if resuming_a_file else run.trainer.init_from)
     return run
 
 

@@ -132,3 +132,21 @@ def test_pretrained_gpt2_fine_tunes_as_a_two_rank_ddp_job_under_torchrun(user):
                      launcher=TORCHRUN)
     weights = _check_run(user, run, evaluate=True)
     _check_export(export(str(run / "checkpoints" / "last.pt"), "hf", str(user / "ddp-export")), weights)
+
+
+def test_a_checkpoint_whose_pretrained_directory_is_gone_is_one_line_for_the_tools(user, tmp_path):
+    """The tools rebuild the model from its config: from_pretrained's directory must still be there."""
+    import shutil
+
+    from ringtrain.errors import UserError
+    from ringtrain.tools.checkpoint_model import build_checked_model
+
+    shutil.copytree(user / "tiny-gpt2", tmp_path / "moved")
+    node = {"_target_": "transformers.AutoModelForCausalLM.from_pretrained",
+            "pretrained_model_name_or_path": str(tmp_path / "moved")}
+    assert isinstance(build_checked_model(node, {}), transformers.GPT2LMHeadModel)
+    shutil.rmtree(tmp_path / "moved")
+    with pytest.raises(UserError, match=r"^building the checkpoint's model \(transformers.AutoModelForCausalLM."
+                                        r"from_pretrained\) failed: OSError: .* the files its config names \(a "
+                                        r"from_pretrained directory, say\) must be where the run had them$"):
+        build_checked_model(node, {})

@@ -19,7 +19,7 @@ from torch import nn
 from ringtrain.config.builders import build_model
 from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
 from ringtrain.config.components import check
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, UserError, component_failed
 from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.loop.precision import Precision
 
@@ -53,7 +53,15 @@ def model_node(state: Mapping[str, Any], path: str) -> dict[str, Any]:
 def build_checked_model(node: Mapping[str, Any], data_dims: Mapping[str, Any]) -> nn.Module:
     """The model `node` describes, with the data's sizes filled in, its node checked first."""
     check(node, "model", kind=nn.Module, provided=list(data_dims), provided_by="the checkpoint's data_dims")
-    return build_model(node, data_dims)
+    try:
+        return build_model(node, data_dims)
+    except UserError:
+        raise
+    except Exception as err:  # e.g. from_pretrained's directory is gone: one line, not Hydra's block
+        raise component_failed(
+            f"building the checkpoint's model ({node['_target_']})", err,
+            "the files its config names (a from_pretrained directory, say) must be where the run had them",
+        ) from None
 
 
 def rebuild_model(node: Mapping[str, Any], data_dims: Mapping[str, Any], state: Mapping[str, Any],

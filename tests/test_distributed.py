@@ -236,6 +236,7 @@ def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_pat
     assert proc.returncode != 0
     assert "rank 1 broke at step 3" in proc.stderr
     ended_after = seconds_since_the_failure(failed_at)
+    print(f"the job ended {ended_after:.1f} s after rank 1 failed")
     assert ended_after < ENDS_WITHIN_SECONDS, f"the job ended {ended_after:.0f} s after rank 1 failed"
     assert not (tmp_path / "run" / "checkpoints").exists()  # no half-trained checkpoint
 
@@ -264,6 +265,7 @@ def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_
     assert re.match(r"rank [01] exited with status 1; its own output above says why", str(info.value)), str(info.value)
     assert "rank 1 broke at step 3" in capfd.readouterr().err
     assert info.value.exit_code == 1  # a crash, not a configuration mistake (2)
+    print(f"the job ended {ended_after:.1f} s after rank 1 failed")
     assert ended_after < ENDS_WITHIN_SECONDS, f"the job ended {ended_after:.0f} s after rank 1 failed"
     assert not (tmp_path / "run" / "checkpoints").exists()
 

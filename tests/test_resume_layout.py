@@ -305,3 +305,19 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tm
     assert "stopped by SIGTERM before training step 6; nothing new to save: the checkpoint it resumed from " \
            "(step 5) is where the run stands" in caplog.text
     assert not list((tmp_path / "second").glob("checkpoints/step-*"))
+
+
+@pytest.mark.parametrize("steps, checkpoint, said", [
+    (0, True, "stopped by SIGTERM before the first step; nothing to save"),
+    (5, True, "stopped by SIGTERM at step 5; its checkpoint holds that step"),
+    (5, False, "stopped by SIGTERM after step 5 (trainer.checkpoint=false: nothing saved)"),
+])
+def test_the_exit_line_of_a_stopped_run_says_only_what_was_saved(steps, checkpoint, said):
+    """The last line of a stopped run (its exit 143) never claims a last.pt that was not written."""
+    from ringtrain.loop.progress import FitResult
+    from ringtrain.run import stopped_error
+
+    result = FitResult(metrics={}, monitor="val/loss", mode="min", best_metric=None, steps=steps,
+                       train_seconds=0.0, stopped="SIGTERM")
+    error = stopped_error(result, checkpoint)
+    assert str(error) == said and error.exit_code == 143

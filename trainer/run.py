@@ -81,16 +81,25 @@ def run(cfg: DictConfig, run_dir: str | Path, overrides: list[str] = (), in_swee
     """
     if OmegaConf.select(cfg, "trainer.resume") not in (None, "auto"):
         cfg = config_to_continue(cfg, list(overrides))
-    result = launch(validate(cfg), str(run_dir), record=record)
+    run = validate(cfg)
+    result = launch(run, str(run_dir), record=record)
     if result.stopped and not in_sweep:
-        raise stopped_error(result)
+        raise stopped_error(result, run.trainer.checkpoint)
     return sweep_value(result)
 
 
-def stopped_error(result: FitResult) -> TrainingStopped:
+def stopped_error(result: FitResult, checkpoint: bool) -> TrainingStopped:
     if result.stopped == "non-finite":
         return TrainingStopped("training stopped on a non-finite value (see the log)", NONFINITE_EXIT)
-    return TrainingStopped(f"stopped by {result.stopped}; last.pt saved", STOPPED_BY_SIGNAL_EXIT)
+    # Only what is true: a stop before the first step of a new run saved nothing, and one
+    # before the first step after a resume left the checkpoint it resumed from as it was.
+    if result.steps == 0:
+        where = "before the first step; nothing to save"
+    elif not checkpoint:
+        where = f"after step {result.steps} (trainer.checkpoint=false: nothing saved)"
+    else:
+        where = f"at step {result.steps}; its checkpoint holds that step"
+    return TrainingStopped(f"stopped by {result.stopped} {where}", STOPPED_BY_SIGNAL_EXIT)
 
 
 def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None,

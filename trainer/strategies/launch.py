@@ -61,7 +61,7 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
     except ChildFailedError as err:
         if all(failure.exitcode == STOPPED_BY_SIGNAL_EXIT for failure in err.failures.values()):
             # A signal to the ranks alone (not to this process): they agreed, saved and stopped.
-            raise TrainingStopped("stopped by a stop signal; last.pt saved", STOPPED_BY_SIGNAL_EXIT) from None
+            raise TrainingStopped("stopped by a stop signal; the log says where the run stands", STOPPED_BY_SIGNAL_EXIT) from None
         if any(failure.exitcode == USER_ERROR_EXIT for failure in err.failures.values()):
             # A rank said the job's mistake in its one line (once for the job): nothing to add.
             raise WorkerFailedError("", exit_code=USER_ERROR_EXIT) from None

@@ -15,14 +15,29 @@ Reported: the tensor bytes the save gathers on rank 0 (counted from the gathered
 the median save time, and the bytes on disk. Then every rank loads the checkpoint back into
 a freshly sharded model and optimizer, and the round trip is checked exact.
 
+Then what checksums cost (trainer/checkpoints/checksums.py), one process, the same model after
+2 AdamW steps, `--repeats` times each, medians:
+  write    CheckpointStore.save of the full state (the background writer's work) with
+           torch.save's CRC-32 on (ringtrain's checksums) and off; for a sharded checkpoint
+           the CRC-32 of its shard files that CheckpointStore.save records
+  stop     the training loop's Checkpointer.save with background writes (bench_checkpoint_stop's
+           measure: what training waits for), CRC-32 on and off
+  load     verifying a file's checksums (resume, the tools), beside torch.load of it; a shards
+           directory's
+  hashes   CRC-32, Adler-32, BLAKE2b and SHA-256 over the same bytes, in memory
+
     python benchmarks/bench_checkpoint.py [--world-sizes 2 4] [--layers 8] [--d-model 512]
+    python benchmarks/bench_checkpoint.py --checksums-only [--repeats 5]
 """
 from __future__ import annotations
 
+import hashlib
 import statistics
 import sys
 import tempfile
 import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +47,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_memory import MIB, parse_arguments, train_steps  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
+from ringtrain.checkpoints.checksums import directory_checksums, file_damage, shards_damage  # noqa: E402
 from ringtrain.checkpoints.files import save_checkpoint  # noqa: E402
+from ringtrain.checkpoints.store import CheckpointStore  # noqa: E402
 from ringtrain.checkpoints.sharded import load_sharded, save_sharded  # noqa: E402
 from ringtrain.checkpoints.state_dicts import (  # noqa: E402
     full_model_state_dict,
@@ -112,11 +129,112 @@ def _equal(a, b) -> bool:
     return a == b
 
 
+# --- what checksums cost ----------------------------------------------------------------------
+
+
+def median_seconds(action: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def with_crc32(enabled: bool, action: Callable[[], object]) -> Callable[[], object]:
+    """`action` run with torch.save's CRC-32 on or off (a process-wide torch setting)."""
+    def run():
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(enabled)
+        try:
+            return action()
+        finally:
+            torch.serialization.set_crc32_options(previous)
+    return run
+
+
+def trained_state(config: dict, batch: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The Transformer after 2 AdamW steps on random tokens, one process."""
+    torch.manual_seed(0)
+    model = Transformer(**config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        tokens = torch.randint(0, config["vocab_size"], (batch, config["block_size"] + 1))
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def paired_seconds(without: Callable[[], object], with_: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """Medians of `without` and `with_` run alternately `repeats` times each, and the median of
+    the pairs' differences (alternating keeps a changing machine load out of the difference)."""
+    pairs = []
+    for _ in range(repeats):
+        pairs.append((median_seconds(without, 1), median_seconds(with_, 1)))
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(b - a for a, b in pairs))
+
+
+def checksum_costs(config: dict, batch: int, repeats: int) -> None:
+    from bench_checkpoint_stop import measure as measure_stop  # its Transformer is this one at the defaults
+
+    model, optimizer = trained_state(config, batch)
+    state = {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(model, optimizer)}
+    print(f"\nchecksums: one process, median of {repeats}; 'added' is the median of paired differences\n")
+    header = f"{'':>34} {'without (s)':>12} {'with (s)':>9} {'added (s)':>10}"
+    print(header)
+    print("-" * len(header))
+
+    def row(name: str, without: float, with_: float, added: float) -> None:
+        print(f"{name:>34} {without:>12.3f} {with_:>9.3f} {added:>10.3f}", flush=True)
+
+    with tempfile.TemporaryDirectory() as directory:  # on the VM's disk, as bench_checkpoint_stop
+        directory = Path(directory)
+        store = CheckpointStore(directory, keep_last_k=1)
+        row("full: background write", *paired_seconds(with_crc32(False, lambda: store.save(state, 1, best=False)),
+                                                      with_crc32(True, lambda: store.save(state, 1, best=False)),
+                                                      repeats))
+        size = (directory / "last.pt").stat().st_size
+        save_sharded(directory / "step.shards", model, optimizer)
+        hashing = median_seconds(lambda: directory_checksums(directory / "step.shards"), repeats)
+        row("sharded: background write", 0.0, hashing, hashing)
+        row("full: load (torch.load; verify)",
+            *paired_seconds(lambda: torch.load(directory / "last.pt", weights_only=True),
+                            lambda: (torch.load(directory / "last.pt", weights_only=True),
+                                     file_damage(directory / "last.pt")), repeats))
+        recorded = directory_checksums(directory / "step.shards")
+        verifying = median_seconds(lambda: shards_damage(directory / "step.shards", recorded), repeats)
+        row("sharded: verify on load", 0.0, verifying, verifying)
+        data = (directory / "last.pt").read_bytes()
+    # 8 steps between saves: on a quiet VM enough for the previous write to end, so a longer
+    # write shows as a longer stop only where it no longer fits beside the steps.
+    stops = {on: with_crc32(on, lambda: measure_stop(True, repeats, 8, batch))() for on in (False, True)}
+    stop = {on: statistics.median(result["stopped"]) for on, result in stops.items()}
+    row("full: training stop (background)", stop[False], stop[True], stop[True] - stop[False])
+    print(f"\n{size / MIB:.1f} MiB checkpoint; hashes over it in memory (GB/s):")
+    hashes = {"crc32": lambda: zlib.crc32(data), "adler32": lambda: zlib.adler32(data),
+              "blake2b": lambda: hashlib.blake2b(data).digest(), "sha256": lambda: hashlib.sha256(data).digest()}
+    print("  " + "  ".join(f"{name} {len(data) / median_seconds(run, repeats) / 1e9:.2f}" for name, run in hashes.items()))
+
+
 def main() -> None:
-    args, config = parse_arguments(__doc__.splitlines()[0])
+    def more(parser):
+        parser.add_argument("--checksums-only", action="store_true", help="only what checksums cost")
+        parser.add_argument("--repeats", type=int, default=5, help="repetitions of each checksum measurement")
+
+    args, config = parse_arguments(__doc__.splitlines()[0], more)
     n_params = sum(p.numel() for p in Transformer(**config).parameters())
     print(f"Transformer {args.layers} layers x {args.d_model} wide, vocab {args.vocab}: {n_params / 1e6:.1f} M "
-          f"parameters, fp32, AdamW, strategy=fsdp; CPU/gloo, spawned ranks; median of {REPEATS} saves\n")
+          f"parameters, fp32, AdamW; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if not args.checksums_only:
+        fsdp_saves(args, config)
+    checksum_costs(config, args.batch, args.repeats)
+
+
+def fsdp_saves(args, config: dict) -> None:
+    print(f"\nstrategy=fsdp; CPU/gloo, spawned ranks; median of {REPEATS} saves\n")
     header = (f"{'ranks':>5} {'state_dict_type':>15} {'gathered on rank 0 (MiB)':>25} {'save (s)':>9} "
               f"{'on disk (MiB)':>14} {'round trip':>11}")
     print(header)

@@ -100,10 +100,14 @@ def measure_rank(strategy: str, config: dict, batch: int) -> list[dict[str, int]
     return everyone
 
 
-def parse_arguments(description: str) -> tuple[argparse.Namespace, dict]:
+def parse_arguments(description: str, more: Callable[[argparse.ArgumentParser], None] | None = None
+                    ) -> tuple[argparse.Namespace, dict]:
     """The world sizes, the batch and the Transformer's shape from the command line, and the
-    Transformer's arguments (this script's and bench_checkpoint.py's)."""
+    Transformer's arguments (this script's and bench_checkpoint.py's, which adds its own
+    options through `more`)."""
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=512)

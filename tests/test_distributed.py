@@ -295,6 +295,6 @@ def test_a_rank_whose_peer_died_gets_one_line_instead_of_gloos_traceback():
     assert ranks[0].returncode == 0, err[-2000:]
     assert out.startswith("rank 0: another rank ended while this one was waiting for it ("), out + err
     assert "by peer" in out  # gloo's words vary: "Connection closed by peer", "... reset by peer"
-    assert out.rstrip().endswith("its own output says why. The checkpoints are intact: the same command continues "
-                                 "from the last one")
+    assert out.rstrip().endswith("its own output says why. The checkpoints are intact: the same command with "
+                                 "hydra.run.dir=<this run's directory> continues from the last one")
     assert "\n" not in out.strip() and "pair.cc" not in out  # one line, without gloo's source location

@@ -150,7 +150,8 @@ def peer_lost(err: BaseException, rank: int) -> PeerLostError | None:
     cause = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0][:200]
     return PeerLostError(
         f"rank {rank}: another rank ended while this one was waiting for it ({cause}); its own output says "
-        f"why. The checkpoints are intact: the same command continues from the last one"
+        f"why. The checkpoints are intact: the same command with hydra.run.dir=<this run's directory> "
+        f"continues from the last one"
     )
 
 

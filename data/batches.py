@@ -160,6 +160,17 @@ def logits(task: Any, model: nn.Module, inputs: Any) -> torch.Tensor:
     return pick_output(task, call_model(model, inputs))
 
 
+def first_batch(dataset: Any, size: int) -> Any:
+    """The dataset's first `size` samples as the loader batches them (trainer/loop/loaders.py):
+    `get_batch` where the dataset has it, else torch's default collate of its items."""
+    count = min(size, len(dataset))
+    if hasattr(dataset, "get_batch"):
+        return dataset.get_batch(torch.arange(count))
+    from torch.utils.data import default_collate
+
+    return default_collate([dataset[i] for i in range(count)])
+
+
 def samples_in(target: torch.Tensor) -> int:
     """The batch's number of samples (its target's first dimension)."""
     return target.shape[0]

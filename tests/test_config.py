@@ -27,7 +27,7 @@ def _options(group: str) -> list[str]:
 
 
 def test_every_group_has_its_expected_options():
-    assert _options("model") == ["linear", "mlp", "transformer"]
+    assert _options("model") == ["hf_gpt2", "linear", "mlp", "transformer"]
     assert _options("data") == ["cifar10", "classification", "hf_rows", "hf_text", "regression", "text", "token_file",
                                 "tokens"]
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
@@ -194,7 +194,7 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path, args, lin
         (["trainer.bach_size=4"], "trainer.bach_size is not a setting of trainer; check the spelling (known: accelerator,"),
         (["strategy.nproc_per_node=2"], "strategy.nproc_per_node is not a setting of strategy=single; it belongs to strategy=ddp"),
         (["model.d_model=64"], "model.d_model is not a setting of this model; it belongs to model=transformer"),
-        (["model=transfomer"], "model=transfomer is not an option of model; choose one of linear, mlp, transformer"),
+        (["model=transfomer"], "model=transfomer is not an option of model; choose one of hf_gpt2, linear, mlp, transformer"),
         (["optimiser.lr=0.1"], "optimiser is not a config group; the groups are data, model, optimizer,"),
         (["optimiser=adam"], "experiment, debug, hparams_search"),
         (["trainer.devices=2"], "trainer.devices is not a setting here; use strategy=ddp strategy.nproc_per_node=N"),

@@ -1,10 +1,8 @@
 """A run's components: all checked before any work (`check_components`), built on each rank.
 
-The data decides some of the model's sizes. The rule, for ringtrain's models and a user's
-alike: a model argument whose name is one of the data's `dims` (e.g. in_features,
-num_classes, vocab_size) and that the model node leaves unset is filled with the data's
-value. Setting it in the config as well is allowed only when the values agree. Plain Hydra
-interpolation (`num_classes: ${data.num_classes}`) works too.
+The data decides some of the model's sizes (its `dims`, e.g. in_features, num_classes,
+vocab_size): which model arguments get them, and `${data.dims.<name>}` anywhere in the model
+node, is config/sizes.py.
 
 Where the data's sizes come from:
   * a data component built from `data._target_`: its `dims` attribute (ringtrain's
@@ -30,6 +28,7 @@ from ringtrain.config.components import build, check, check_built
 from ringtrain.distributed import DistInfo, barrier
 from ringtrain.errors import ConfigError
 from ringtrain.config.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
+from ringtrain.config.sizes import FILL_KEY, fill_data_sizes, model_arguments, names_filled
 
 # ringtrain's own keys in a data node with train/val splits.
 SPLIT_DATA_KEYS = ("train", "val", "dims")
@@ -41,8 +40,8 @@ def check_components(model: Mapping | None, data: Mapping | None, task: Mapping 
 
     Cheap constructions run as well, so that the components' own argument checks fire now:
     the data component (its constructor only checks, by contract), the task, the optimizer
-    and schedule on a stand-in parameter, and the model on the meta device (no memory, no
-    initialisation) when all its sizes are known. Only classes are constructed here: a
+    and schedule on a stand-in parameter (the model, on the meta device, is config/dry_step.py's
+    business). Only classes are constructed here: a
     function `_target_` may do anything when called (print, load files, train), so it is
     held against its signature alone and first called when the rank builds it. The model
     built there is also held against `init_from`'s tensor shapes (trainer.init_from).
@@ -51,12 +50,13 @@ def check_components(model: Mapping | None, data: Mapping | None, task: Mapping 
     if task is not None and inspect.isclass(check(task, "task")):
         check_task(build(task, "task"))
     if model is not None:
-        known = None if dims is None else list(dims)
-        source = f"the data ({data.get('_target_', 'data.train/val')}, which gives {', '.join(dims) or 'no sizes'})"
-        target = check(model, "model", kind=nn.Module, provided=known, provided_by=source if dims is not None else "")
-        if inspect.isclass(target) and dims is not None and all(value is not None for value in dims.values()):
+        target = check_model(model, dims, f"the data ({data.get('_target_', 'data.train/val')}, which gives "
+                                          f"{', '.join(dims or {}) or 'no sizes'})")
+        # The dry step (config/dry_step.py) builds the model on meta; here only for init_from's shapes.
+        if init_from is not None and inspect.isclass(target) and dims is not None \
+                and all(value is not None for value in dims.values()):
             dry = _dry_build_model(model, dims)
-            if dry is not None and init_from is not None:
+            if dry is not None:
                 check_shapes_fit(dry, initial_weight_shapes(init_from), f"trainer.init_from={init_from}")
     optimizer_class = scheduler_class = False
     if isinstance(optimizer, Mapping):
@@ -110,15 +110,16 @@ def check_task(task: Any) -> Any:
     return task
 
 
-def build_data(node: Mapping, dist: DistInfo | None = None) -> DataBundle:
+def build_data(node: Mapping, dist: DistInfo | None = None, prepare: bool = True) -> DataBundle:
     """The train and validation splits the data node describes (on each rank).
 
     A component's `prepare_data()` (a download, say) runs once per machine, on local rank 0,
-    while the other ranks wait; then every rank runs `setup()`.
+    while the other ranks wait; then every rank runs `setup()`. `prepare=False` skips it
+    (the pre-check's dry step, config/dry_step.py).
     """
     if "_target_" in node:
         component = build(node, "data")
-        if hasattr(component, "prepare_data"):
+        if prepare and hasattr(component, "prepare_data"):
             if dist is None or dist.local_rank == 0:
                 _construct(component.prepare_data)
             if dist is not None:
@@ -140,26 +141,18 @@ def build_data(node: Mapping, dist: DistInfo | None = None) -> DataBundle:
     return DataBundle(train=train, val=val, dims=dict(dims), vocab=getattr(train, "vocab", None))
 
 
-def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
-    """The data's sizes the model takes and its node leaves unset; refuse a disagreeing one."""
-    from ringtrain.config.components import accepts, locate
-
-    target = locate(node["_target_"], "model")
-    filled = {}
-    for name, value in dims.items():
-        if name in node:
-            if node[name] != value:
-                raise ConfigError(
-                    f"model.{name}={node[name]} but the data has {name}={value}; drop the model.{name} "
-                    f"override (the data sets it)"
-                )
-        elif accepts(target, name):
-            filled[name] = value
-    return filled
+def check_model(node: Mapping, dims: Mapping[str, Any] | None, provided_by: str) -> Any:
+    """Hold the model node against its target (config/components.py), with the data's sizes
+    `dims` (None: not known before the data is built) as the arguments ringtrain fills."""
+    filled = None if dims is None else names_filled(node, list(dims))
+    return check(node, "model", kind=nn.Module, provided=filled, reserved=(FILL_KEY,),
+                 provided_by=provided_by if dims is not None else "")
 
 
 def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:
-    model = build(node, "model", **model_arguments(node, dims))
+    """The model `node` describes, given the data's sizes (config/sizes.py)."""
+    arguments = fill_data_sizes({k: v for k, v in node.items() if k != FILL_KEY}, dims)
+    model = build(arguments, "model", **model_arguments(node, dims))
     return check_built(model, "model", nn.Module)
 
 

@@ -228,6 +228,8 @@ def _fits(value: Any, annotation: Any) -> bool:
     """Whether a config value (plain data, or a nested `_target_` node) can be `annotation`."""
     if is_node(value) or annotation is Any or annotation is inspect.Parameter.empty:
         return True
+    if isinstance(value, str) and value.startswith("${data.dims."):
+        return True  # the data's size, filled when the model is built (config/sizes.py)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         return any(_fits(value, a) for a in args)

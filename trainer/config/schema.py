@@ -101,8 +101,11 @@ class RunConfig:
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the composed config and return it typed; raise ConfigError on the first mistake."""
     from ringtrain.config.builders import check_components
+    from ringtrain.config.dry_step import dry_step
+    from ringtrain.config.sizes import defer_data_sizes
 
     _reject_unknown_sections(cfg)
+    defer_data_sizes(cfg)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
@@ -128,6 +131,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     resuming_a_file = run.trainer.resume not in (None, "auto")  # which ignores init_from
     check_components(run.model, run.data, run.task, run.optimizer, run.scheduler, run.trainer.max_steps,
                      init_from=None if resuming_a_file else run.trainer.init_from)
+    dry_step(run.model, run.data, run.task)
     return run
 
 

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.config.builders import build_model
+from ringtrain.config.builders import build_model, check_model
 from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
-from ringtrain.config.components import check
 from ringtrain.errors import ConfigError, UserError, component_failed
 from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.loop.precision import Precision
@@ -52,7 +51,7 @@ def model_node(state: Mapping[str, Any], path: str) -> dict[str, Any]:
 
 def build_checked_model(node: Mapping[str, Any], data_dims: Mapping[str, Any]) -> nn.Module:
     """The model `node` describes, with the data's sizes filled in, its node checked first."""
-    check(node, "model", kind=nn.Module, provided=list(data_dims), provided_by="the checkpoint's data_dims")
+    check_model(node, data_dims, "the checkpoint's data_dims")
     try:
         return build_model(node, data_dims)
     except UserError:

@@ -18,14 +18,17 @@ from a file, which also spares quoting a prompt with commas or brackets (Hydra's
 prompt="'Hello, world'" in a shell). The forward passes run under the run's `trainer.precision` (float32
 on the CPU for a 16-mixed run).
 
-`generate()` works for any model that maps (B, T) token ids to (B, T, vocab) logits; the
-context is cropped to `model.config.block_size` when the model has one.
+`generate()` works for any model that maps (B, T) token ids to (B, T, vocab) logits, as a
+tensor or as the output the run's task reads (a Hugging Face model's `logits`, data/batches.py);
+the context is cropped to the model's positions: `block_size`, `n_positions` or
+`max_position_embeddings`, whichever its config has (config/sizes.py).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import hydra
 import torch
@@ -34,6 +37,9 @@ from torch import nn
 
 from ringtrain.tools.checkpoint_model import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
 from ringtrain.config.compose import PrimaryConfig
+from ringtrain.config.components import build, is_node, locate
+from ringtrain.config.sizes import position_limit
+from ringtrain.data.batches import logits as predictions
 from ringtrain.data.vocab import CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.tools.app import call_with_settings, run_tool, settings_for
@@ -52,11 +58,12 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    task: Any = None,
 ) -> torch.Tensor:
     """Continue the (B, T) token ids `idx` by `max_new_tokens` tokens; returns (B, T + new).
 
-    Each step feeds the last `block_size` tokens (all of them when the model has no
-    `config.block_size`), takes the last position's logits, and picks the next token:
+    Each step feeds the last tokens the model has positions for (all of them when it does not
+    say), takes the last position's logits (`task.output_key` of its output), and picks the next token:
     the argmax when `temperature` is 0, else a draw from softmax(logits / temperature)
     restricted to the `top_k` likeliest tokens. Runs in eval mode (no dropout) and restores
     the model's mode afterwards. No KV cache: the whole context is recomputed each step,
@@ -66,13 +73,14 @@ def generate(
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k={top_k} must be at least 1 (or None for all tokens)")
-    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    limit = position_limit(model)
+    block_size = limit[1] if limit else None
     was_training = model.training
     model.eval()
     try:
         for _ in range(max_new_tokens):
             context = idx if block_size is None else idx[:, -block_size:]
-            logits = model(context)[:, -1, :].float()
+            logits = predictions(task, model, context)[:, -1, :].float()
             if temperature == 0:
                 next_ids = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -164,15 +172,24 @@ def sample(
     model = rebuild_model(model_node(state, checkpoint), state.get("data_dims") or {}, state, checkpoint)
     model.to(target)
     precision = inference_precision((state["config"].get("trainer") or {}).get("precision"), target)
+    task = stored_task(state["config"].get("task"))
 
     generator = torch.Generator(device=target)
     generator.manual_seed(seed)
     texts = []
     for _ in range(num_samples):
         with precision.autocast():
-            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator)
+            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task)
         texts.append(vocab.decode(out[0].tolist()))
     return texts
+
+
+def stored_task(node: Any) -> Any:
+    """The run's task, for which output of the model it reads; None (the defaults) when it
+    was built in Python or by a function, which is not called here."""
+    if not is_node(node) or node.get("built_in_python") or not inspect.isclass(locate(node["_target_"], "task")):
+        return None
+    return build(node, "task")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="sample")

@@ -66,7 +66,17 @@ def shared_value(values: Sequence[Any]) -> Any:
         }
     if any(isinstance(value, Mapping) for value in values):
         return OWN_VALUE
-    return values[0] if all(value == values[0] for value in values[1:]) else OWN_VALUE
+    return _literal(values[0]) if all(value == values[0] for value in values[1:]) else OWN_VALUE
+
+
+def _literal(value: Any) -> Any:
+    """A stored value as OmegaConf reads it back unchanged: the stored config is resolved, so
+    a `${...}` left in it is text (a model's `${data.dims.vocab_size}`, config/sizes.py)."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, list):
+        return [_literal(item) for item in value]
+    return value
 
 
 def overlay(stored: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,139 @@
+"""The pre-check's dry step: the whole first step on two real samples, before any work.
+
+`dry_step(model, data, task)` runs as the last part of validation (config/schema.py), so
+before Hydra makes a run directory:
+  1. the data is set up (its `prepare_data`, a download say, is not run: data that needs it
+     first is left to the run) and its first two training samples are collated, as the
+     loader collates them;
+  2. the model is built on the meta device (no memory, no initialisation): a constructor
+     that raises is one line with its message and the key to change;
+  3. the sizes the model reports (embedding rows, positions) are held against the data's
+     (config/sizes.py);
+  4. the batch goes through data/batches.py, the path every step takes: the task splits it,
+     the model is called on it (on meta tensors) and the task reads the output and takes
+     its loss. A batch or an output the task cannot use is the contract's one line.
+A failure only the meta device has (an op without a meta kernel, reading a value) is not the
+user's: the step stops there silently and the run goes on. Only classes are called (config/
+components.py: a function `_target_` may do anything), so a model or task built by a
+function skips steps 2 to 4. Each configuration is checked once per process (validation runs
+ahead of Hydra and again in the run), and each data node set up once per process (a sweep).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ringtrain.config.builders import build_data, build_model, check_task
+from ringtrain.config.components import build, locate
+from ringtrain.config.sizes import check_model_sizes, references_data_sizes, sequence_length
+from ringtrain.data.batches import first_batch, split_batch, to_device, training_loss
+from ringtrain.errors import ConfigError, UserError
+
+META = torch.device("meta")
+SAMPLES = 2  # a batch of two: batch norm and the like need more than one sample
+
+_checked: set[str] = set()
+_samples: dict[str, tuple[Any, dict] | None] = {}
+
+
+def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
+    """Run steps 1 to 4 of the module docstring; raise ConfigError on the first mistake."""
+    key = _key(model, data, task)
+    if key in _checked or not all(_is_class(node) for node in (model, task)):
+        return
+    sample = _sample(data)
+    if sample is not None:
+        batch, dims = sample
+        built = _build_on_meta(model, dims)
+        if built is not None:
+            _forward(built, check_task(build(task, "task")), batch, dims)
+    _checked.add(key)
+
+
+def _sample(data: Mapping) -> tuple[Any, dict] | None:
+    """(the first SAMPLES training samples collated, the data's sizes), or None when the data
+    cannot be set up before the run (it needs its prepare_data first)."""
+    key = _key(data)
+    if key not in _samples:
+        try:
+            bundle = build_data(data, prepare=False)
+        except UserError:
+            if _prepares(data):
+                bundle = None  # its prepare_data fetches what setup() reads: the run does both
+            else:
+                raise
+        _samples[key] = None if bundle is None else (first_batch(bundle.train, SAMPLES), dict(bundle.dims))
+    return _samples[key]
+
+
+def _build_on_meta(node: Mapping, dims: dict) -> torch.nn.Module | None:
+    if any(value is None for value in dims.values()) and references_data_sizes(node):
+        return None
+    with META:
+        try:
+            return build_model(node, dims)
+        except ConfigError:
+            raise
+        except Exception as err:
+            if _meta_only(err):
+                return None
+            raise ConfigError(
+                f"model ({node['_target_']}) raised {type(err).__name__}: {_one_line(err)}; fix the model.* "
+                f"arguments it names"
+            ) from None
+
+
+def _forward(model: torch.nn.Module, task: Any, batch: Any, dims: dict) -> None:
+    inputs, _ = split_batch(task, batch)
+    check_model_sizes(model, dims, sequence_length(inputs))
+    try:
+        with torch.no_grad():
+            training_loss(task, model, to_device(batch, META))
+    except ConfigError:
+        raise
+    except Exception as err:
+        if _meta_only(err):
+            return
+        raise ConfigError(
+            f"a training batch ({_describe(batch)}) through the model and the task raised {type(err).__name__}: "
+            f"{_one_line(err)}; make the model, the data and the task fit each other"
+        ) from None
+
+
+def _is_class(node: Mapping) -> bool:
+    return inspect.isclass(locate(node["_target_"], "?"))
+
+
+def _prepares(data: Mapping) -> bool:
+    target = locate(data["_target_"], "data") if "_target_" in data else None
+    return callable(getattr(target, "prepare_data", None))
+
+
+def _meta_only(err: Exception) -> bool:
+    """An error of the meta device, not of the user's configuration."""
+    return "meta" in str(err).lower() or isinstance(err, NotImplementedError)
+
+
+def _describe(batch: Any) -> str:
+    if isinstance(batch, Mapping):
+        return "a dict of " + ", ".join(f"{k} {_shape(v)}" for k, v in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return f"a {type(batch).__name__} of " + ", ".join(_shape(v) for v in batch)
+    return _shape(batch)
+
+
+def _shape(value: Any) -> str:
+    return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}" if isinstance(value, torch.Tensor) \
+        else type(value).__name__
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def _key(*nodes: Mapping) -> str:
+    return json.dumps(nodes, sort_keys=True, default=repr)

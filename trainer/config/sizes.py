@@ -1,0 +1,181 @@
+"""The sizes the data dictates to the model (`dims`, e.g. vocab_size, in_features, num_classes).
+
+Which model arguments get them, by the model node's own key `fill_sizes` (ringtrain's, never
+passed to the target):
+  named (default)  an argument the target names explicitly and the node leaves unset; a
+                   `**kwargs` catch-all gets nothing (torchvision's and timm's factories
+                   pass it on to a class that may not take `in_features`)
+  all              also into a `**kwargs` catch-all (a factory of yours that forwards them)
+  none             nothing: the node sets every size itself
+  [names]          exactly these sizes, named or through `**kwargs`
+Setting a size the data fills in the node as well is allowed only when the values agree.
+
+Anywhere inside the model node, nested nodes included (a `transformers.GPT2Config` node,
+say), `${data.dims.vocab_size}` is the data's value. Hydra cannot resolve it itself when the
+data is a component whose sizes are known only once it is built (a text file's vocabulary),
+so `defer_data_sizes` keeps such references as they are and `fill_data_sizes` puts the
+values in when the model is built, on each rank and when a tool rebuilds it from a checkpoint.
+
+`check_model_sizes` holds the sizes a built model reports against the data's, before work:
+the rows of its input embedding (`get_input_embeddings()`, else `config.vocab_size`) and its
+positions (`config.n_positions`, `max_position_embeddings` or `block_size`).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringtrain.config.components import locate
+from ringtrain.errors import ConfigError
+
+FILL_KEY = "fill_sizes"
+FILL_MODES = ("named", "all", "none")
+DIMS_REFERENCE = re.compile(r"^\$\{data\.dims\.(\w+)\}$")
+POSITION_NAMES = ("n_positions", "max_position_embeddings", "block_size")
+
+
+def defer_data_sizes(cfg: Any) -> None:
+    """Keep each `${data.dims.<name>}` of cfg.model that the config cannot resolve as plain
+    text (escaped), for `fill_data_sizes` to replace once the data's sizes are known."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    def walk(node: Any) -> None:
+        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+        for key in keys:
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                walk(child)
+                continue
+            raw = child._value() if child is not None else None
+            match = DIMS_REFERENCE.match(raw) if isinstance(raw, str) else None
+            if match and OmegaConf.select(cfg, f"data.dims.{match[1]}", default=None) is None:
+                node[key] = "\\" + raw  # resolves to the literal ${data.dims.<name>}
+
+    if isinstance(cfg.get("model"), DictConfig):
+        walk(cfg.model)
+
+
+def fill_data_sizes(node: Any, dims: Mapping[str, Any], key: str = "model") -> Any:
+    """`node` with every `${data.dims.<name>}` replaced by the data's value."""
+    if isinstance(node, Mapping):
+        return {k: fill_data_sizes(v, dims, f"{key}.{k}") for k, v in node.items()}
+    if isinstance(node, list):
+        return [fill_data_sizes(v, dims, f"{key}.{i}") for i, v in enumerate(node)]
+    match = DIMS_REFERENCE.match(node) if isinstance(node, str) else None
+    if match is None:
+        return node
+    if match[1] not in dims:
+        raise ConfigError(
+            f"{key}={node} but the data gives no {match[1]} (it gives {', '.join(dims) or 'no sizes'}); "
+            f"set {key} to a number"
+        )
+    return dims[match[1]]
+
+
+def references_data_sizes(node: Any) -> bool:
+    """Whether `node` still holds a `${data.dims.<name>}` to fill."""
+    if isinstance(node, Mapping):
+        return any(references_data_sizes(v) for v in node.values())
+    if isinstance(node, list):
+        return any(references_data_sizes(v) for v in node)
+    return isinstance(node, str) and DIMS_REFERENCE.match(node) is not None
+
+
+def fill_mode(node: Mapping) -> str | list[str]:
+    mode = node.get(FILL_KEY, "named")
+    if isinstance(mode, (list, tuple)) and all(isinstance(name, str) for name in mode):
+        return list(mode)
+    if mode not in FILL_MODES:
+        raise ConfigError(
+            f"model.{FILL_KEY}={mode!r} is not a way to fill the data's sizes; use named (the arguments the "
+            f"model names), all (also **kwargs), none, or a list of size names"
+        )
+    return mode
+
+
+def names_filled(node: Mapping, names: list[str]) -> list[str]:
+    """Which of the data's size `names` the model node's target gets from the data."""
+    mode = fill_mode(node)
+    if mode == "none":
+        return []
+    try:
+        parameters = inspect.signature(locate(node["_target_"], "model")).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    named = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if isinstance(mode, list):
+        for name in mode:
+            if name not in names:
+                raise ConfigError(f"model.{FILL_KEY} lists {name!r} but the data gives {', '.join(names) or 'no sizes'}; drop it")
+            if name not in named and not takes_any:
+                raise ConfigError(f"model.{FILL_KEY} lists {name!r} but {node['_target_']} takes no argument {name!r}; drop it")
+        return [name for name in names if name in mode and name not in node]
+    return [name for name in names if name not in node and (name in named or (mode == "all" and takes_any))]
+
+
+def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
+    """The data's sizes the model gets (see the module docstring); refuse a disagreeing one."""
+    filled = names_filled(node, list(dims))
+    for name, value in dims.items():
+        if name in node and node[name] != value and _would_fill(node, name):
+            raise ConfigError(
+                f"model.{name}={node[name]} but the data has {name}={value}; drop the model.{name} override "
+                f"(the data sets it) or set model.{FILL_KEY}=none to set every size yourself"
+            )
+    return {name: dims[name] for name in filled}
+
+
+def _would_fill(node: Mapping, name: str) -> bool:
+    without = {k: v for k, v in node.items() if k != name}
+    return name in names_filled(without, [name])
+
+
+def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length: int | None) -> None:
+    """The vocabulary and sequence length of the data against the model's embedding rows and
+    positions: a model too small for the data is one line naming both numbers and the fix."""
+    vocab, rows = dims.get("vocab_size"), embedding_rows(model)
+    if isinstance(vocab, int) and rows is not None and vocab > rows:
+        raise ConfigError(
+            f"the data's vocabulary has {vocab} tokens but the model's input embedding has {rows} rows; set the "
+            f"model's vocab_size to ${{data.dims.vocab_size}} (or at least {vocab})"
+        )
+    limit = position_limit(model)
+    if sequence_length is not None and limit is not None and sequence_length > limit[1]:
+        raise ConfigError(
+            f"the data's sequences are {sequence_length} tokens long but the model has {limit[1]} positions "
+            f"({limit[0]}); raise the model's {limit[0]} to {sequence_length} or shorten data.seq_len"
+        )
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if isinstance(embeddings, nn.Embedding):
+        return embeddings.num_embeddings
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
+def position_limit(model: nn.Module) -> tuple[str, int] | None:
+    """(the name, the number) of the longest sequence the model takes, where it says."""
+    for owner in (getattr(model, "config", None), model):
+        for name in POSITION_NAMES:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return name, value
+    return None
+
+
+def sequence_length(inputs: Any) -> int | None:
+    """The length of a batch's token sequences: the last dimension of its first integer
+    tensor of 2 or more dimensions (input_ids, or the inputs of a tensor pair)."""
+    tensors = inputs.values() if isinstance(inputs, Mapping) else (inputs if isinstance(inputs, (tuple, list)) else [inputs])
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and not tensor.is_floating_point():
+            return tensor.shape[-1]
+    return None

@@ -128,6 +128,8 @@ def check(
                 f"{key}.{name}: {node['_target_']} takes no argument {name!r}; {hint}"
                 f"its arguments are {', '.join(n for n in named if n not in provided) or 'none'}"
             )
+        if name not in named and takes_any:
+            _check_forwarded(node, key, target, name)
     positional = len(node.get("_args_") or ())
     for index, (name, parameter) in enumerate(named.items()):
         required = parameter.default is inspect.Parameter.empty
@@ -172,6 +174,25 @@ def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passe
                 f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes it; "
                 f"point {key}._target_ at {wanted}"
             )
+
+
+def _check_forwarded(node: Mapping, key: str, target: Callable, name: str) -> None:
+    """A key a `**kwargs` catch-all takes: where the target says what it builds (a factory
+    annotated `-> ResNet`, as torchvision's are) and that class names its arguments, a key
+    close to one of them but not one (`num_clases`) is a typo, refused now. A key like no
+    argument at all is left alone: the factory may use it itself."""
+    built = None if inspect.isclass(target) else _type_hints(target).get("return")
+    if not inspect.isclass(built):
+        return
+    parameters = _parameters(built)
+    if parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters.values()) or name in parameters:
+        return
+    close = difflib.get_close_matches(name, [n for n in parameters if n != "self"], n=1, cutoff=0.8)
+    if close:
+        raise ConfigError(
+            f"{key}.{name}: {node['_target_']} passes it on to {built.__qualname__}, which takes no argument "
+            f"{name!r}; did you mean {key}.{close[0]}?"
+        )
 
 
 def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:

@@ -78,7 +78,10 @@ def _build_on_meta(node: Mapping, dims: dict) -> torch.nn.Module | None:
             return build_model(node, dims)
         except ConfigError:
             raise
-        except Exception as err:
+        except Exception as raised:
+            err = raised.__cause__ if type(raised).__name__ == "InstantiationException" and raised.__cause__ else raised
+            if isinstance(err, ConfigError):
+                raise err from None
             if _meta_only(err):
                 return None
             raise ConfigError(

@@ -123,17 +123,14 @@ def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
     """The data's sizes the model gets (see the module docstring); refuse a disagreeing one."""
     filled = names_filled(node, list(dims))
     for name, value in dims.items():
-        if name in node and node[name] != value and _would_fill(node, name):
+        # Set in the node as well: refused where the data would fill it, when the values differ.
+        unset = {k: v for k, v in node.items() if k != name}
+        if name in node and node[name] != value and name in names_filled(unset, list(dims)):
             raise ConfigError(
                 f"model.{name}={node[name]} but the data has {name}={value}; drop the model.{name} override "
                 f"(the data sets it) or set model.{FILL_KEY}=none to set every size yourself"
             )
     return {name: dims[name] for name in filled}
-
-
-def _would_fill(node: Mapping, name: str) -> bool:
-    without = {k: v for k, v in node.items() if k != name}
-    return name in names_filled(without, [name])
 
 
 def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length: int | None) -> None:

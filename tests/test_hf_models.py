@@ -101,3 +101,23 @@ def test_a_tiny_gpt2_trains_as_a_two_rank_ddp_job(user_dir):
     assert last < first, (first, last)
     state = torch.load(user_dir / "ddp" / "checkpoints" / "last.pt", weights_only=True)
     assert not any(key.startswith("module.") for key in state["model"])  # plain GPT2LMHeadModel names
+
+
+def test_fsdp_shards_a_hugging_face_model_by_the_layers_it_declares():
+    """strategy=fsdp with no shard_classes: a transformers model's `_no_split_modules` (its
+    decoder layers) are the FSDP units."""
+    from ringtrain.strategies.fsdp import default_shard_classes
+
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2,
+                                                                     n_head=2, bos_token_id=None, eos_token_id=None))
+    assert [cls.__name__ for cls in default_shard_classes(model)] == ["GPT2Block"]
+
+    class Heads(torch.nn.Module):  # two repeated lists; the model declares only the layers whole
+        _no_split_modules = ["GPT2Block"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers, self.heads = model.transformer.h, torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 2)
+
+    assert [cls.__name__ for cls in default_shard_classes(Heads())] == ["GPT2Block"]

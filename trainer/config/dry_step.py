@@ -4,7 +4,7 @@
 before Hydra makes a run directory:
   1. the data is set up (its `prepare_data`, a download say, is not run: data that needs it
      first is left to the run) and its first two training samples are collated, as the
-     loader collates them;
+     loader collates them (samples torch's default collate cannot stack are left to the run);
   2. the model is built on the meta device (no memory, no initialisation): a constructor
      that raises is one line with its message and the key to change;
   3. the sizes the model reports (embedding rows, positions) are held against the data's
@@ -66,8 +66,15 @@ def _sample(data: Mapping) -> tuple[Any, dict] | None:
                 bundle = None  # its prepare_data fetches what setup() reads: the run does both
             else:
                 raise
-        _samples[key] = None if bundle is None else (first_batch(bundle.train, SAMPLES), dict(bundle.dims))
+        _samples[key] = None if bundle is None else _first_batch(bundle)
     return _samples[key]
+
+
+def _first_batch(bundle) -> tuple[Any, dict] | None:
+    try:
+        return first_batch(bundle.train, SAMPLES), dict(bundle.dims)
+    except Exception:  # samples torch's default collate cannot stack: the run's loader says how
+        return None
 
 
 def _build_on_meta(node: Mapping, dims: dict) -> torch.nn.Module | None:

@@ -136,7 +136,12 @@ def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     modules in any nn.ModuleList whose members all share one class (a Transformer's blocks,
     ringtrain's or a user's), as torchtitan shards each block. A model without such a list is
     one unit: memory is still sharded between steps, but forward gathers everything at once,
-    so name its repeated layer with strategy.shard_classes to do better."""
+    so name its repeated layer with strategy.shard_classes to do better. A Hugging Face model
+    says which layers must stay whole (`_no_split_modules`, its decoder layers): those."""
+    declared = [name for name in getattr(model, "_no_split_modules", None) or ()
+                if any(type(module).__name__ == name for module in model.modules())]
+    if declared:
+        return resolve_shard_classes(model, declared)
     repeated = []
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:

@@ -121,15 +121,8 @@ def check(
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for name in arguments:
-        if name not in named and not takes_any:
-            close = difflib.get_close_matches(name, list(named), n=1)
-            hint = f"did you mean {key}.{close[0]}? " if close else ""
-            raise ConfigError(
-                f"{key}.{name}: {node['_target_']} takes no argument {name!r}; {hint}"
-                f"its arguments are {', '.join(n for n in named if n not in provided) or 'none'}"
-            )
-        if name not in named and takes_any:
-            _check_forwarded(node, key, target, name)
+        if name not in named:
+            _check_unnamed(node, key, target, name, named, takes_any, provided)
     positional = len(node.get("_args_") or ())
     for index, (name, parameter) in enumerate(named.items()):
         required = parameter.default is inspect.Parameter.empty
@@ -174,6 +167,21 @@ def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passe
                 f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes it; "
                 f"point {key}._target_ at {wanted}"
             )
+
+
+def _check_unnamed(node: Mapping, key: str, target: Callable, name: str, named: Mapping, takes_any: bool,
+                   provided: set[str]) -> None:
+    """An argument the target does not name: refused, unless a **kwargs catch-all takes it
+    (where a typo may still show against what the target builds)."""
+    if takes_any:
+        _check_forwarded(node, key, target, name)
+        return
+    close = difflib.get_close_matches(name, list(named), n=1)
+    hint = f"did you mean {key}.{close[0]}? " if close else ""
+    raise ConfigError(
+        f"{key}.{name}: {node['_target_']} takes no argument {name!r}; {hint}"
+        f"its arguments are {', '.join(n for n in named if n not in provided) or 'none'}"
+    )
 
 
 def _check_forwarded(node: Mapping, key: str, target: Callable, name: str) -> None:

@@ -34,11 +34,11 @@ def _extra_ops_of_a_plain_step(monkeypatch, tmp_path) -> Counter:
     counted: dict[str, Counter] = {}
     original = loop._train_one_step
 
-    def profiled(state, progress, micro_batches, speed):
+    def profiled(state, progress, micro_batches, speed, *where):
         if progress.step + 1 != PROFILED_STEP:
-            return original(state, progress, micro_batches, speed)
+            return original(state, progress, micro_batches, speed, *where)
         result: list = []
-        counted["loop"] = _aten_ops(lambda: result.append(original(state, progress, micro_batches, speed)))
+        counted["loop"] = _aten_ops(lambda: result.append(original(state, progress, micro_batches, speed, *where)))
         parts = state.parts
 
         def bare_step():

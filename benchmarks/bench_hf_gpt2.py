@@ -178,9 +178,10 @@ def main() -> None:
         run(10)  # warm up allocator and kernels alike
     times: dict[str, list[float]] = {name: [] for name in contestants}
     losses: dict[str, float] = {}
-    for _ in range(args.repeats):  # interleaved, so drifting machine load hits all alike
-        for name, run in contestants.items():
-            seconds, losses[name] = run(args.steps)
+    names = list(contestants)
+    for repeat in range(args.repeats):  # interleaved, so drifting machine load hits all alike,
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:  # each first in turn
+            seconds, losses[name] = contestants[name](args.steps)
             times[name].append(seconds)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.steps} steps, best of {args.repeats}")
     for name, runs in times.items():

@@ -121,3 +121,26 @@ def test_fsdp_shards_a_hugging_face_model_by_the_layers_it_declares():
             self.layers, self.heads = model.transformer.h, torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 2)
 
     assert [cls.__name__ for cls in default_shard_classes(Heads())] == ["GPT2Block"]
+
+
+def test_a_model_loss_task_trains_on_the_models_own_loss_and_its_metric_is_that_loss():
+    """task.model_loss=true on Hugging Face style dict batches: the step's loss is the one the
+    model computes given labels= (shifted inside transformers), and the task's validation sums
+    on the logits (shift_labels, -100 padding skipped) give exactly that loss back."""
+    from ringtrain.data.batches import predictions, training_loss
+    from ringtrain.data.tasks import LanguageModelTask
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                                                 n_head=2, bos_token_id=None, eos_token_id=None))
+    model.eval()  # no dropout: the same logits on every call
+    ids = torch.randint(0, 16, (2, 8))
+    labels = ids.clone()
+    labels[0, -3:] = -100  # padding
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    task = LanguageModelTask(model_loss=True, shift_labels=True)
+    loss, _ = training_loss(task, model, batch)
+    assert torch.allclose(loss, model(input_ids=ids, labels=labels).loss)
+    sums = task.eval_sums(*predictions(task, model, batch))
+    assert sums["count"].item() == 2 * 7 - 3
+    assert torch.allclose(loss.double(), sums["loss"].double() / sums["count"], atol=1e-6)

@@ -160,7 +160,7 @@ def test_synchronous_checkpoints_still_work_and_give_the_same_run(tmp_path, refe
     assert_identical(tmp_path / "run", reference(1))
 
 
-def test_a_full_disk_during_a_background_write_stops_every_rank_in_one_line_and_keeps_last_pt(full_file_system):
+def test_a_full_disk_during_a_background_write_stops_every_rank_with_one_line_and_keeps_last_pt(full_file_system):
     directory, env = full_file_system
     # As tests/test_resilience.py's full-disk test, on two ranks: about 0.86 MB a checkpoint,
     # the 3rd does not fit; rank 0 learns it in its writer thread, every rank at the next save.
@@ -169,7 +169,8 @@ def test_a_full_disk_during_a_background_write_stops_every_rank_in_one_line_and_
     status, output = run_job(args, launcher=TORCHRUN, env=env)
     assert status != 0, output[-4000:]
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and errors[0] == errors[1], output[-4000:]  # one line on each rank
+    # Every rank learns it at the next save and ends; the job says it once (not once per rank).
+    assert len(errors) == 1, output[-4000:]
     assert re.search(r"cannot save checkpoint \S+step-000000(10|15)\.pt: No space left on device; free space on",
                      errors[0]), errors[0]
     assert errors[0].endswith("the previous last.pt is intact")

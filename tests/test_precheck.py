@@ -89,10 +89,10 @@ class DictRows(Dataset):
 
 CONF = {
     "model/head.yaml": """
-        _target_: my_pkg.nets.Head
+        _target_: precheck_pkg.nets.Head
         """,
     "model/cnn.yaml": """
-        _target_: my_pkg.nets.small_cnn
+        _target_: precheck_pkg.nets.small_cnn
         num_classes: ${data.dims.num_classes}
         """,
     "model/gpt2.yaml": """
@@ -118,8 +118,8 @@ CONF = {
         defaults:
           - override /task: classification
         data:
-          train: {_target_: my_pkg.data.DictRows, n: 32}
-          val: {_target_: my_pkg.data.DictRows, n: 8}
+          train: {_target_: precheck_pkg.data.DictRows, n: 32}
+          val: {_target_: precheck_pkg.data.DictRows, n: 8}
           dims: {in_features: 4, num_classes: 2}
         """,
 }
@@ -127,12 +127,12 @@ CONF = {
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory) -> Path:
-    """A user's folder outside the repository: my_pkg, conf/ and a fake CIFAR-10 on disk."""
+    """A user's folder outside the repository: precheck_pkg, conf/ and a fake CIFAR-10 on disk."""
     root = tmp_path_factory.mktemp("precheck_user")
-    (root / "my_pkg").mkdir()
-    (root / "my_pkg" / "__init__.py").write_text("")
-    (root / "my_pkg" / "nets.py").write_text(NETS)
-    (root / "my_pkg" / "data.py").write_text(DATA)
+    (root / "precheck_pkg").mkdir()
+    (root / "precheck_pkg" / "__init__.py").write_text("")
+    (root / "precheck_pkg" / "nets.py").write_text(NETS)
+    (root / "precheck_pkg" / "data.py").write_text(DATA)
     for name, text in CONF.items():
         (root / "conf" / name).parent.mkdir(parents=True, exist_ok=True)
         (root / "conf" / name).write_text(textwrap.dedent(text))
@@ -196,13 +196,13 @@ def test_sizes_fill_named_arguments_a_kwargs_catch_all_only_when_asked_and_never
 
     monkeypatch.syspath_prepend(str(user_dir))
     dims = {"in_features": 4, "num_classes": 2}
-    assert build_model({"_target_": "my_pkg.nets.Head"}, dims).linear.weight.shape == (2, 4)
+    assert build_model({"_target_": "precheck_pkg.nets.Head"}, dims).linear.weight.shape == (2, 4)
     with pytest.raises(Exception, match="missing 2 required positional arguments"):
-        build_model({"_target_": "my_pkg.nets.forwarding_head"}, dims)  # named (the default): **kwargs gets nothing
-    assert build_model({"_target_": "my_pkg.nets.forwarding_head", "fill_sizes": "all"}, dims).linear.out_features == 2
-    only = {"_target_": "my_pkg.nets.forwarding_head", "fill_sizes": ["num_classes"], "in_features": 3}
+        build_model({"_target_": "precheck_pkg.nets.forwarding_head"}, dims)  # named (the default): **kwargs gets nothing
+    assert build_model({"_target_": "precheck_pkg.nets.forwarding_head", "fill_sizes": "all"}, dims).linear.out_features == 2
+    only = {"_target_": "precheck_pkg.nets.forwarding_head", "fill_sizes": ["num_classes"], "in_features": 3}
     assert build_model(only, dims).linear.weight.shape == (2, 3)
-    off = {"_target_": "my_pkg.nets.Head", "fill_sizes": "none", "in_features": 5, "num_classes": 7}
+    off = {"_target_": "precheck_pkg.nets.Head", "fill_sizes": "none", "in_features": 5, "num_classes": 7}
     assert build_model(off, dims).linear.weight.shape == (7, 5)
 
 
@@ -220,17 +220,17 @@ def test_data_sizes_interpolate_inside_nested_nodes(user_dir, monkeypatch):
 
 
 MISMATCHES = {
-    "a constructor that raises": (["model=head", "data=dict_rows", "model._target_=my_pkg.nets.Picky", "+model.width=3"],
-                                  "model (my_pkg.nets.Picky) raised RuntimeError: width=3 must be even; fix the model.* "
+    "a constructor that raises": (["model=head", "data=dict_rows", "model._target_=precheck_pkg.nets.Picky", "+model.width=3"],
+                                  "model (precheck_pkg.nets.Picky) raised RuntimeError: width=3 must be even; fix the model.* "
                                   "arguments it names"),
-    "an output the task cannot read": (["model=head", "data=dict_rows", "model._target_=my_pkg.nets.Encoder", "task.target_key=y"],
+    "an output the task cannot read": (["model=head", "data=dict_rows", "model._target_=precheck_pkg.nets.Encoder", "task.target_key=y"],
                                        "the model returned a dict without logits (it has ['last_hidden_state']); set "
                                        "task.output_key to the key of the predictions, e.g. task.output_key=last_hidden_state"),
     "a dict batch without the target key": (["model=head", "data=dict_rows"],
                                             "batches are dicts with keys ['x', 'y'] and none is the target (labels or "
                                             "label); set task.target_key=<the key of the targets>"),
     "a typo on a kwargs factory": (CIFAR + ["+model.num_clases=10"],
-                                   "model.num_clases: my_pkg.nets.small_cnn passes it on to SmallCNN, which takes no "
+                                   "model.num_clases: precheck_pkg.nets.small_cnn passes it on to SmallCNN, which takes no "
                                    "argument 'num_clases'; did you mean model.num_classes?"),
     "a vocabulary larger than the embedding": (["model=gpt2", "data.path=input.txt", "data.cache_dir=", "model.config.vocab_size=10"],
                                                "the data's vocabulary has 27 tokens but the model's input embedding has 10 "

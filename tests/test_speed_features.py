@@ -410,7 +410,7 @@ def test_activation_checkpointing_trains_to_the_same_weights(tmp_path):
 
 def test_the_shakespeare_gpu_preset_composes_and_validates(tmp_path):
     text = tmp_path / "tiny.txt"
-    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40, encoding="utf-8")
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 400, encoding="utf-8")
     cfg = compose_config(["experiment=shakespeare_char_gpu", f"data.path={text}"])
     run = validate(cfg)
     model, trainer = run.model, run.trainer

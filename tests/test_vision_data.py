@@ -125,8 +125,8 @@ FOLDER_DATA = '''
 defaults:
   - override /task: classification
 data:
-  train: {_target_: my_pkg.folders.FolderOfImages, root: images/train, transform: {_target_: my_pkg.folders.Scale}}
-  val: {_target_: my_pkg.folders.FolderOfImages, root: images/val, transform: {_target_: my_pkg.folders.Scale}}
+  train: {_target_: vision_pkg.folders.FolderOfImages, root: images/train, transform: {_target_: vision_pkg.folders.Scale}}
+  val: {_target_: vision_pkg.folders.FolderOfImages, root: images/val, transform: {_target_: vision_pkg.folders.Scale}}
   dims: {in_features: 48, num_classes: 3}
 '''
 
@@ -148,9 +148,9 @@ def test_dataset_nodes_like_image_folder_train_with_no_adapter_from_yaml_alone(t
     """A user's config dir outside the repository: data.train/data.val are Dataset classes of an
     ImageFolder's shape, each with its transform node; ringtrain batches (tensor, int) items."""
     project = tmp_path / "project"
-    (project / "my_pkg").mkdir(parents=True)
-    (project / "my_pkg" / "__init__.py").write_text("")
-    (project / "my_pkg" / "folders.py").write_text(textwrap.dedent(FOLDERS))
+    (project / "vision_pkg").mkdir(parents=True)
+    (project / "vision_pkg" / "__init__.py").write_text("")
+    (project / "vision_pkg" / "folders.py").write_text(textwrap.dedent(FOLDERS))
     (project / "my_conf" / "data").mkdir(parents=True)
     (project / "my_conf" / "data" / "folders.yaml").write_text(textwrap.dedent(FOLDER_DATA))
     write_image_folders(project)

@@ -150,6 +150,7 @@ def test_sigterm_during_background_writes_waits_for_them_and_exits_143_with_a_lo
     assert_identical(tmp_path / "run", reference(1))
 
 
+@pytest.mark.slow
 def test_synchronous_checkpoints_still_work_and_give_the_same_run(tmp_path, reference):
     args = SINGLE + ["trainer.async_checkpoint=false", f"hydra.run.dir={tmp_path / 'run'}"]
     # Held writes stop training: step 15 comes only after step 14's file is in place.

@@ -43,6 +43,7 @@ def test_ddp_with_accumulation_matches_single_process_big_batch(tmp_path):
     assert_same_weights(checkpoint_weights(tmp_path / "ddp"), checkpoint_weights(tmp_path / "single"), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_self_launched_ddp_resume_equals_uninterrupted(tmp_path):
     common = MLP + ["strategy=ddp", "strategy.nproc_per_node=2", "trainer.batch_size=16"]
     ok(run_cli(common + ["trainer.max_steps=30", f"hydra.run.dir={tmp_path / 'straight'}"]))

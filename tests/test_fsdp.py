@@ -274,12 +274,14 @@ def _bench(script: str) -> list[list[str]]:
     return [line.split() for line in proc.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
 
 
+@pytest.mark.slow
 def test_the_memory_benchmark_shows_fsdp_holding_half_of_ddp_at_2_ranks():
     rows = _bench("bench_memory.py")
     assert [row[:2] for row in rows] == [["2", "ddp"], ["2", "fsdp"]]
     assert float(rows[1][-1]) == pytest.approx(0.5, abs=0.02)  # fsdp/ddp, up to padding
 
 
+@pytest.mark.slow
 def test_the_checkpoint_benchmark_round_trips_both_ways_and_sharded_gathers_nothing():
     rows = _bench("bench_checkpoint.py")
     assert [row[:2] for row in rows] == [["2", "full"], ["2", "sharded"]]

@@ -37,6 +37,7 @@ def test_fsdp_two_ranks_batch_b_match_one_process_batch_2b(tmp_path, optimizer, 
     assert_same_weights(single, fsdp, atol=atol)
 
 
+@pytest.mark.slow
 def test_fsdp_with_accumulation_under_torchrun_matches_one_big_batch(tmp_path):
     single = _train(tmp_path, "single", ["trainer.max_steps=40", "trainer.batch_size=16"])
     fsdp = _train(tmp_path, "fsdp", ["strategy=fsdp", "trainer.max_steps=40", "trainer.batch_size=4",
@@ -53,6 +54,7 @@ def straight(tmp_path_factory) -> dict[str, torch.Tensor]:
     return _train(tmp_path_factory.mktemp("fsdp"), "straight", RESUMED + ["trainer.max_steps=40"])
 
 
+@pytest.mark.slow
 def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(tmp_path, straight):
     from ringtrain.models.transformer import Transformer
 
@@ -71,6 +73,7 @@ def test_fsdp_resume_equals_uninterrupted_and_its_checkpoint_resumes_under_ddp(t
     assert_same_weights(straight, ddp, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_resume_exactly_under_fsdp_and_ddp_and_evaluate(tmp_path, straight):
     sharded = RESUMED + ["strategy.state_dict_type=sharded", "trainer.keep_last_k=1"]
     _train(tmp_path, "run", sharded + ["trainer.max_steps=20"])
@@ -152,6 +155,7 @@ def test_a_corrupted_shard_falls_back_with_one_warning_and_ends_bit_identical(tm
             f"checkpoint '{aside / 'last.pt'}' is corrupt: its shard file {aside / 'step-00000040.shards'}")
 
 
+@pytest.mark.slow
 def test_compiled_fsdp_with_accumulation_matches_eager_fsdp(tmp_path):
     """trainer.compile compiles the sharded model (graph breaks at FSDP2's hooks); gradient
     sync stays on the FSDP root, so accumulation still reduce-scatters once per step."""
@@ -166,6 +170,7 @@ def test_compiled_fsdp_with_accumulation_matches_eager_fsdp(tmp_path):
     assert_same_weights(compiled, _train(tmp_path, "eager", common), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
     proc = ok(run_cli(SMALL + FSDP_2 + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",
                                         "trainer.max_steps=60", f"hydra.run.dir={tmp_path}"]))

@@ -108,6 +108,7 @@ def test_a_missing_file_is_one_line_before_any_run_directory(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_run_that_resumes_ignores_init_from(source, tmp_path, caplog):
     """The second half of an interrupted fine-tuning run continues from its own checkpoint:
     the same weights as the run straight through, not the pretrained ones again."""

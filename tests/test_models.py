@@ -155,6 +155,7 @@ def test_linear_learns_y_equals_2x_plus_3():
     assert abs(model.linear.bias.item() - 3) < 0.05
 
 
+@pytest.mark.slow
 def test_mlp_separates_two_blobs():
     torch.manual_seed(0)
     labels = torch.randint(0, 2, (128,))

@@ -76,6 +76,7 @@ def test_debug_fast_dev_run_trains_three_steps_and_writes_no_checkpoint(tmp_path
     assert list(tmp_path.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_debug_overfit_drives_the_loss_on_its_own_batches_far_down(tmp_path):
     # MLP with dropout off: on 4 fixed batches the loss must fall to near zero.
     result = train_in_process(["model=mlp", "debug=overfit", "data.num_features=64", "data.num_samples=512",
@@ -117,6 +118,7 @@ def test_overfit_batches_validates_on_exactly_the_samples_trained_on(world_size)
     assert sorted(torch.cat(validated).flatten().tolist()) == first_samples
 
 
+@pytest.mark.slow
 def test_debug_profiler_writes_a_trace_tensorboard_can_open(tmp_path):
     result = train_in_process(["model=transformer", "debug=profiler", "data.num_train_tokens=8192"], tmp_path)
     assert result.steps == 10

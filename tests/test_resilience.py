@@ -410,6 +410,7 @@ def test_sigterm_to_the_self_launched_parent_is_forwarded_saves_and_exits_143(tm
     assert_identical(tmp_path / "run", reference(2))
 
 
+@pytest.mark.slow
 def test_self_launched_max_restarts_heals_a_sigkilled_rank_bit_identical(tmp_path, reference):
     """strategy.max_restarts: torch's elastic launcher restarts every rank after one is
     SIGKILLed (the OOM killer), and they resume from last.pt."""

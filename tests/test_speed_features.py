@@ -35,6 +35,7 @@ def _compile_warnings(caplog) -> list[str]:
 # --- trainer.compile ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_compiled_run_trains_and_checkpoints_move_between_compiled_and_eager(tmp_path, caplog, monkeypatch):
     """The one real inductor compile of the default suite (~20-40 s on 2 cores, less with a
     warm inductor cache): a compiled run trains like the eager one, its checkpoint has bare
@@ -101,6 +102,7 @@ def _backend_whose_backward_fails(graph_module, example_inputs):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [_failing_backend, _backend_whose_backward_fails], ids=["forward", "backward"])
 def test_a_compile_that_fails_falls_back_to_eager_with_one_warning(backend, monkeypatch, tmp_path, caplog):
     common = SMALL_TRANSFORMER + ["model.dropout=0.1", "trainer.max_steps=5", "trainer.log_every_n_steps=2"]
@@ -397,6 +399,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     assert_same_weights(gradients[0], gradients[1], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_trains_to_the_same_weights(tmp_path):
     common = SMALL_TRANSFORMER + ["model.n_layers=2", "trainer.max_steps=8"]
     train_in_process(common, tmp_path / "plain")
@@ -422,6 +425,7 @@ def test_the_shakespeare_gpu_preset_composes_and_validates(tmp_path):
     assert run.data["seq_len"] == 256
 
 
+@pytest.mark.slow
 def test_the_gpt_benchmark_tiny_prints_every_row_or_why_it_skipped():
     """bench_gpt.py --tiny with fewer steps (two real compiles: ~30-60 s cold on 2 cores)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

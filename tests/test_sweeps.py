@@ -141,6 +141,7 @@ def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
     assert server.returncode is not None
 
 
+@pytest.mark.slow
 def test_ddp_inside_a_sweep_runs_each_job_as_its_own_two_process_job(tmp_path):
     proc = run_cli(["-m", "strategy=ddp", "strategy.nproc_per_node=2", "optimizer.lr=0.01,0.05",
                     "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path}"])
@@ -166,6 +167,7 @@ def test_a_diverged_job_is_the_worst_value_never_nan():
 # --- optional plugins: run for real where the extras are installed ---------------------------
 
 
+@pytest.mark.slow
 @_needs("hydra_plugins.hydra_optuna_sweeper")
 def test_optuna_sweep_survives_a_diverging_trial_and_beats_its_worst_trial(tmp_path):
     # The preset as users run it (seeded TPE), with the learning rate drawn from four values
@@ -200,6 +202,7 @@ def test_optuna_direction_follows_the_task_metric():
             assert OmegaConf.select(cfg, "hydra.sweeper.direction") == direction
 
 
+@pytest.mark.slow
 @_needs("hydra_plugins.hydra_joblib_launcher")
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     proc = run_cli(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.01,0.05",
@@ -209,6 +212,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     assert len(summary["jobs"]) == 2 and all(math.isfinite(job["value"]) for job in summary["jobs"])
 
 
+@pytest.mark.slow
 @_needs("hydra_plugins.hydra_submitit_launcher")
 def test_submitit_launchers_compose_and_the_local_one_runs(tmp_path):
     from hydra import compose, initialize_config_dir

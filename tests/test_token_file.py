@@ -309,6 +309,7 @@ def test_a_file_cut_short_while_in_use_is_an_error_not_garbage(tmp_path):
         dataset.get_batch(torch.tensor([len(dataset) - 1]))
 
 
+@pytest.mark.slow
 def test_training_on_a_token_file_resumes_exactly_and_keeps_its_vocabulary(text_file, tmp_path):
     """data=token_file end to end: a run stopped at step 7 and continued by the same command
     ends bit for bit where the uninterrupted run does; the checkpoint carries the vocabulary."""

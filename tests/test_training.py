@@ -35,6 +35,7 @@ def test_mlp_learns_its_classification_task(tmp_path):
     assert result.monitor == "val/acc" and result.metrics["val/acc"] > 0.9  # chance is 0.1
 
 
+@pytest.mark.slow
 def test_transformer_loss_falls_far_below_uniform(tmp_path):
     result = train_in_process(
         SMALL_TRANSFORMER + ["optimizer=adamw", "optimizer.lr=3e-3", "trainer.max_steps=150"], tmp_path
@@ -59,6 +60,7 @@ def assert_resumed_run_equals_uninterrupted(common: list[str], full: list[str], 
         assert torch.equal(straight[key], resumed[key]), key
 
 
+@pytest.mark.slow
 def test_resume_from_n_steps_to_2n_equals_2n_uninterrupted(tmp_path):
     # dropout on and momentum on: the RNG state and optimizer state must both come back.
     common = SMALL_TRANSFORMER + ["model.dropout=0.1", "optimizer=adamw", "trainer.log_every_n_steps=5"]
@@ -76,6 +78,7 @@ def test_resume_across_an_epoch_boundary_with_accumulation_matches(tmp_path):
     assert_resumed_run_equals_uninterrupted(common, ["trainer.max_epochs=3"], ["trainer.max_steps=8"], tmp_path)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_trains_on_cpu(tmp_path):
     result = train_in_process(
         SMALL_TRANSFORMER + ["trainer.precision=bf16-mixed", "optimizer=adamw", "optimizer.lr=3e-3",

@@ -183,6 +183,7 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(single_run, user
         assert ddp[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_fsdp_with_sharded_checkpoints_trains_the_users_cnn_and_consolidates_into_its_class(
         single_run, user_dir, tmp_path):
     run_dir = tmp_path / "fsdp"

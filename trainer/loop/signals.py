@@ -65,7 +65,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -75,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT  # noqa: F401  (the status this module's stops exit with)
+from ringtrain.loop.watchdog import flush_within
 
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 # A repeat this soon after the first signal is a launcher forwarding it, not a person insisting.
@@ -218,21 +218,7 @@ class StopSignals:
 
 def _exit_at_once(name: str, status: int) -> None:
     """Log, flush what can be flushed within a second, and end the process with `status`."""
-
-    def flush() -> None:
-        try:
-            log.warning(f"received {name} again: exiting at once with status {status}, without saving")
-            logging.shutdown()  # flushes train.log and the console handlers
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except Exception:  # exiting matters more than the last lines
-            pass
-
-    # On its own thread with a limit: a stream whose lock the stuck main thread holds (a write
-    # blocked on a full pipe) must not keep the process alive.
-    flusher = threading.Thread(target=flush, daemon=True)
-    flusher.start()
-    flusher.join(timeout=1.0)
+    flush_within(1.0, lambda: log.warning(f"received {name} again: exiting at once with status {status}, without saving"))
     os._exit(status)
 
 

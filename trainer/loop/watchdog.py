@@ -36,7 +36,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -110,18 +110,21 @@ class Watchdog:
                 f"{activity.doing.format(step=step)}, longer than {self.setting}; ending this rank, and with it "
                 f"the job. If it is only slow (a first step that compiles, a long evaluation or save), raise "
                 f"strategy.timeout_minutes\n")
-        _flush_within(1.0)
+        flush_within(1.0)
         os.write(2, line.encode())  # not print(): the stuck thread may hold sys.stderr's lock
         os._exit(USER_ERROR_EXIT)
 
 
-def _flush_within(seconds: float) -> None:
-    """Flush the logs and standard streams, on a thread of its own: a stream whose lock the stuck
-    main thread holds (a write blocked on a full pipe) must not keep the process alive."""
+def flush_within(seconds: float, last_words: Callable[[], None] | None = None) -> None:
+    """Say `last_words` (a log call), then flush the logs and standard streams, on a thread of
+    its own: a stream whose lock the stuck main thread holds (a write blocked on a full pipe)
+    must not keep a process that is ending alive."""
 
     def flush() -> None:
         try:
-            logging.shutdown()
+            if last_words is not None:
+                last_words()
+            logging.shutdown()  # flushes train.log and the console handlers
             sys.stdout.flush()
             sys.stderr.flush()
         except Exception:  # ending matters more than the last lines

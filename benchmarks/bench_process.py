@@ -8,15 +8,17 @@ logs to TensorBoard every epoch. Both run as fresh processes with one CPU thread
 
     python benchmarks/bench_process.py [--repeats 5]
 
-Prints each process's wall time (best and median of N, interleaved), the ratio, and a
-start-up breakdown: importing torch, importing ringtrain's command, composing and checking
-the config ahead of Hydra, and the job's own training seconds (its metrics.json).
+Prints each process's wall time (best and median of N, interleaved), the ratio, and where each
+process's time goes in one more marked run of each: importing torch, importing ringtrain's
+command, composing and checking the config ahead of Hydra, Hydra's own composition and run
+directory, building the components, the training loop, finishing the job, and the
+interpreter's own start and exit.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
-import json
 import os
 import statistics
 import subprocess
@@ -37,19 +39,51 @@ TUTORIAL = "\n\n".join([
     "print('w={1:.4f} b={2:.4f}'.format(*tutorial_loop()))\n",
 ])
 
-# Phases of ringtrain's start-up, each timed in a fresh process after the one before it.
-STARTUP = '''
-import time, sys
-t0 = time.perf_counter()
+# Where each process's time goes: the same job, run once more with marks at each phase. The
+# marks wrap ringtrain's own functions from outside (nothing in ringtrain measures itself);
+# what the interpreter spends before the first mark and after the last (its start, and its
+# exit: module teardown and the garbage collections that walk what is left) is the process's
+# wall time minus the last mark.
+MARKS = """
+import atexit, sys, time
+T0 = time.perf_counter()
+marks = []
+def mark(name):
+    marks.append((name, time.perf_counter() - T0))
+atexit.register(lambda: print(repr(marks), file=sys.stderr))
 import torch
-t1 = time.perf_counter()
-import ringtrain.tools.train
-from ringtrain.config.command_line import check_overrides
-t2 = time.perf_counter()
-check_overrides(sys.argv[1:])
-t3 = time.perf_counter()
-print(f"{t1 - t0} {t2 - t1} {t3 - t2}")
-'''
+mark("import torch")
+import torch._dynamo  # both pay it where the first optimizer is built; named on its own here
+mark("import torch._dynamo (the first optimizer's)")
+"""
+
+RINGTRAIN_MARKS = MARKS + """
+import ringtrain.tools.train as command, ringtrain.run as run
+mark("import ringtrain's command")
+def marked(module, name, before, after):
+    function = getattr(module, name)
+    def wrapper(*args, **kwargs):
+        mark(before)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            mark(after)
+    setattr(module, name, wrapper)
+marked(command, "check_overrides", "command line parsed", "config composed and checked ahead")
+marked(command, "run", "Hydra composed the job, made the run directory", "job finished")
+marked(run, "fit", "components built", "training loop (fit) done")
+sys.argv = ["train.py"] + sys.argv[1:]  # as `python train.py ...` sees it
+from ringtrain.__main__ import main
+try:
+    main()
+finally:
+    mark("command returned")
+"""
+
+TUTORIAL_MARKS = MARKS + """
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"))
+mark("the script's dataset, model, optimizer and 10 epochs")
+"""
 
 
 def timed(command: list[str], cwd: str) -> float:
@@ -57,6 +91,21 @@ def timed(command: list[str], cwd: str) -> float:
     started = time.perf_counter()
     subprocess.run(command, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - started
+
+
+def timeline(command: list[str], cwd: str) -> list[tuple[str, float]]:
+    """Each phase's seconds in one marked run of `command` (see MARKS)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    marks = ast.literal_eval(done.stderr.strip().splitlines()[-1])
+    phases, previous = [], 0.0
+    for name, at in marks:
+        phases.append((name, at - previous))
+        previous = at
+    phases.append(("interpreter start and exit", wall - previous))
+    return phases
 
 
 def main() -> None:
@@ -73,17 +122,19 @@ def main() -> None:
             times["tutorial"].append(timed([sys.executable, str(tutorial)], scratch))
             subprocess.run(["rm", "-rf", str(run_dir)], check=True)
             times["ringtrain"].append(timed(ringtrain, scratch))
-        train_seconds = json.loads((run_dir / "metrics.json").read_text())["train_seconds"]
-        phases = subprocess.run([sys.executable, "-c", STARTUP], cwd=scratch, capture_output=True, text=True,
-                                check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
+        phases = {
+            "tutorial": timeline([sys.executable, "-c", TUTORIAL_MARKS, str(tutorial)], scratch),
+            "ringtrain": timeline([sys.executable, "-c", RINGTRAIN_MARKS, f"hydra.run.dir={run_dir}2", "trainer.resume=null"], scratch),
+        }
     print(f"python {sys.version.split()[0]}, {args.repeats} interleaved runs of each process")
     for name, values in times.items():
         print(f"{name:10s} best {min(values):.2f} s   median {statistics.median(values):.2f} s")
     print(f"ringtrain / tutorial: best {min(times['ringtrain']) / min(times['tutorial']):.2f}x, "
           f"median {statistics.median(times['ringtrain']) / statistics.median(times['tutorial']):.2f}x")
-    torch_s, command_s, check_s = (float(p) for p in phases)
-    print(f"ringtrain start-up: import torch {torch_s:.2f} s, import ringtrain's command {command_s:.2f} s, "
-          f"compose and check the config {check_s:.2f} s; training loop (last run) {train_seconds:.2f} s")
+    for name, steps in phases.items():
+        print(f"{name}, one marked run ({sum(s for _, s in steps):.2f} s):")
+        for phase, seconds in steps:
+            print(f"  {seconds:6.3f} s  {phase}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,29 @@ def test_changed_tensor_bytes_load_silently_in_torch_but_ringtrain_falls_back_an
     assert torch.equal(unchecked.view(torch.int32), loaded.view(torch.int32))
 
 
+def test_a_file_is_read_for_its_checksums_once_per_process_until_it_changes(tmp_path, monkeypatch):
+    """`ringtrain evaluate` loads a checkpoint three times (config, sizes, weights): the first
+    load reads it all for its checksums, the next ones do not, until the file changes."""
+    import ringtrain.checkpoints.checksums as checksums
+
+    reads = []
+    original = checksums._first_mismatch
+    monkeypatch.setattr(checksums, "_first_mismatch", lambda archive: reads.append(archive.filename) or original(archive))
+    path = tmp_path / "last.pt"
+    torch.save(_state(10), path)
+    for mmap in (True, True, False):
+        assert load_checkpoint(path, mmap=mmap)["progress"]["step"] == 10
+    assert len(reads) == 1
+    torch.save(_state(20), tmp_path / "new.pt")
+    os.replace(tmp_path / "new.pt", path)  # how ringtrain replaces a checkpoint: another file
+    assert load_checkpoint(path)["progress"]["step"] == 20 and len(reads) == 2
+    corrupt_tensor_bytes(path)  # changed in place
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        load_checkpoint(path)
+    assert len(reads) == 3
+
+
 def test_a_checkpoint_saved_without_torchs_crc32_loads_unchecked(tmp_path):
     """What an older or differently configured torch wrote (a record's CRC-32 field 0) still loads."""
     torch.serialization.set_crc32_options(False)

@@ -15,6 +15,13 @@ checksums: CheckpointStore.save records `directory_checksums` (the CRC-32 of eac
 step file it writes after them, in the background writer under trainer.async_checkpoint, and
 `shards_damage` compares them on load.
 
+A file is verified once per process: `ringtrain evaluate` reads a checkpoint's config, then
+its sizes, then its weights, and each read checked the whole file again (three full reads
+of a multi-GB file for one evaluation). A file whose identity, size and modification time
+are those of one verified before in this process is not read again: ringtrain only ever
+replaces a checkpoint by a rename (a new inode), and a change in place moves its mtime
+(unless it comes within the same tick of the file system's clock as the verification).
+
 Unchecked, and loaded as before: a record whose CRC-32 field is 0 (written with
 torch.serialization.set_crc32_options(False)), and shards whose step file records no
 checksums (written before ringtrain recorded them).
@@ -26,6 +33,7 @@ does not stop someone who alters a file on purpose; weights_only loading keeps c
 """
 from __future__ import annotations
 
+import os
 import zipfile
 import zlib
 from pathlib import Path
@@ -33,6 +41,8 @@ from typing import NamedTuple
 
 _CHUNK = 1 << 24  # bytes read at a time: large enough to keep the CRC at memory speed
 _ZIP_MAGIC = b"PK\x03\x04"  # the first bytes of a zip archive (of every torch.save file)
+# Files this process found intact, as `_identity` gives them (see the module docstring).
+_verified: set[tuple[int, int, int, int]] = set()
 
 
 class Damage(NamedTuple):
@@ -46,21 +56,25 @@ class Damage(NamedTuple):
 
 def file_damage(path: Path, verify: bool = True) -> Damage | None:
     """None when `path` is an intact zip archive (with `verify`: every record's bytes match
-    their CRC-32, which reads the whole file); else what is wrong with it. A file that is not
+    their CRC-32, which reads the whole file the first time in this process); else what is
+    wrong with it. A file that is not
     a zip archive at all (an old torch format, a plain pickle) is left to torch.load to judge,
     except an empty one."""
-    if Path(path).stat().st_size == 0:
+    stat = Path(path).stat()
+    if stat.st_size == 0:
         return Damage(True, "is empty (0 bytes)")
     if not starts_as_zip(path):
         return None
+    verify = verify and _identity(stat) not in _verified
     try:
         with zipfile.ZipFile(path) as archive:
-            if verify:
-                return _first_mismatch(archive)
+            damage = _first_mismatch(archive) if verify else None
     except zipfile.BadZipFile as err:  # no end-of-archive directory: cut short
         detail = "its zip directory is missing" if "not a zip file" in str(err) else str(err)
         return Damage(False, f"is truncated or corrupt ({detail})")
-    return None
+    if verify and damage is None:
+        _verified.add(_identity(stat))
+    return damage
 
 
 def starts_as_zip(path: Path) -> bool:
@@ -101,9 +115,18 @@ def shards_damage(directory: Path, recorded: dict[str, int]) -> str | None:
         path = Path(directory) / name
         if not path.is_file():
             return f"its shard file {path} is missing"
+        stat = path.stat()
+        if _identity(stat) in _verified:
+            continue
         if _file_crc32(path) != checksum:
             return f"is corrupt: its shard file {path} does not match its checksum"
+        _verified.add(_identity(stat))
     return None
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    """Which file, and which version of it: device, inode, size, modification time (ns)."""
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _file_crc32(path: Path) -> int:

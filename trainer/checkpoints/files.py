@@ -205,9 +205,8 @@ def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
                     verify: bool = True) -> dict[str, Any]:
     """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise.
     `mmap`: map the tensors instead of reading them (cheap when only the config is wanted).
-    `verify`: compare its bytes (and its shards') with their checksums, which reads them all;
-    leave it on unless the same file was verified a moment ago (files are only ever replaced
-    by a rename, never changed in place)."""
+    `verify`: compare its bytes (and its shards') with their checksums, which reads them all
+    the first time this process loads them (checkpoints/checksums.py)."""
     try:
         return _load_verified(path, map_location, mmap=mmap, verify=verify)
     except _Unusable as err:

@@ -1,6 +1,10 @@
 """What a batch is, how the model is called on it, and which of its outputs the task reads.
 
-A batch is whatever the data's collate gives:
+A batch is whatever the data's collate gives: torch's default collate of the Dataset's samples,
+or the Dataset's own `collate_fn` when it defines one (torch DataLoader's argument name: a
+callable taking the list of samples and returning the batch, e.g. padding variable-length rows
+to the longest of the batch); the loader and the pre-check's dry step both use it
+(`collate_of`, `first_batch`). The batch is one of:
   * a pair of tensors `(inputs, target)`: the model is called as `model(inputs)` (ringtrain's
     own data sets, the fast path);
   * a longer tuple `(x1, x2, ..., target)`: `model(x1, x2, ...)`;
@@ -24,7 +28,7 @@ defaults above apply.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -160,15 +164,27 @@ def logits(task: Any, model: nn.Module, inputs: Any) -> torch.Tensor:
     return pick_output(task, call_model(model, inputs))
 
 
+def collate_of(dataset: Any) -> Callable[[list], Any] | None:
+    """The dataset's own `collate_fn` (see the module docstring), or None for torch's default."""
+    collate = getattr(dataset, "collate_fn", None)
+    if collate is not None and not callable(collate):
+        raise ConfigError(
+            f"the {type(dataset).__name__} dataset's collate_fn is a {type(collate).__name__}, not a callable; make "
+            f"it a function or method that takes the list of samples and returns the batch, or remove it"
+        )
+    return collate
+
+
 def first_batch(dataset: Any, size: int) -> Any:
     """The dataset's first `size` samples as the loader batches them (trainer/loop/loaders.py):
-    `get_batch` where the dataset has it, else torch's default collate of its items."""
+    `get_batch` where the dataset has it, else its `collate_fn` (or torch's default collate)
+    of its items."""
     count = min(size, len(dataset))
     if hasattr(dataset, "get_batch"):
         return dataset.get_batch(torch.arange(count))
     from torch.utils.data import default_collate
 
-    return default_collate([dataset[i] for i in range(count)])
+    return (collate_of(dataset) or default_collate)([dataset[i] for i in range(count)])
 
 
 def samples_in(target: torch.Tensor) -> int:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ringtrain.data.batches import pick_output, split_batch, to_device, training_loss
+from ringtrain.data.batches import first_batch, pick_output, split_batch, to_device, training_loss
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 
@@ -163,3 +163,81 @@ def test_shifted_labels_score_each_position_against_the_next_token_and_skip_padd
     sums = task.eval_sums(logits, labels)
     assert torch.allclose(sums["loss"], expected) and sums["count"].item() == 2
     assert torch.allclose(task.loss(logits, labels), expected / 2)
+
+
+# --- a Dataset's own collate_fn ------------------------------------------------------------
+
+VOCAB = 12
+SEEN: list[tuple] = []  # what each forward of LengthsNet got: (device type, input_ids shape, longest row's length)
+
+
+class Lengths(Dataset):
+    """A user's token rows of 1 to 8 tokens (no get_batch), label 1 when the row holds token 1;
+    its collate_fn pads each batch to the batch's longest row, as Hugging Face's does."""
+
+    def __init__(self, n: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 2, (n,), generator=generator)
+        self.rows = []
+        for label in self.labels.tolist():
+            row = torch.randint(2, VOCAB, (int(torch.randint(1, 9, (1,), generator=generator)),), generator=generator)
+            if label:
+                row[int(torch.randint(0, len(row), (1,), generator=generator))] = 1
+            self.rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i], self.labels[i]
+
+    def collate_fn(self, samples):
+        rows, labels = zip(*samples)
+        return {"input_ids": nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0),
+                "attention_mask": nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True),
+                "label": torch.stack(labels)}
+
+
+class LengthsNet(nn.Module):
+    """Mean of the unmasked tokens' embeddings; records the shape of every batch it is given."""
+
+    def __init__(self, vocab_size: int, num_classes: int):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab_size, 16), nn.Linear(16, num_classes)
+
+    def forward(self, input_ids, attention_mask):
+        longest = None if input_ids.device.type == "meta" else int(attention_mask.sum(1).max())
+        SEEN.append((input_ids.device.type, tuple(input_ids.shape), longest))
+        mask = attention_mask.unsqueeze(-1).float()
+        return self.head((self.embed(input_ids) * mask).sum(1) / mask.sum(1))
+
+
+def test_a_datasets_own_collate_fn_makes_the_batches_of_the_run_and_of_the_dry_step(tmp_path):
+    """Rows of uneven lengths, which torch's default collate cannot stack: the Dataset's
+    collate_fn pads each batch to its longest row, in the pre-check's dry step (on meta) and
+    in every training and validation batch, and the model learns through it."""
+    from conftest import train_in_process
+
+    node = f"{__name__}.Lengths"
+    SEEN.clear()
+    result = train_in_process([
+        "~data", f"+data.train._target_={node}", "+data.train.n=256", "+data.train.seed=0",
+        f"+data.val._target_={node}", "+data.val.n=64", "+data.val.seed=1", f"+data.dims.vocab_size={VOCAB}",
+        "+data.dims.num_classes=2", "task=classification", "~model", f"+model._target_={__name__}.LengthsNet",
+        "optimizer=adam", "optimizer.lr=0.05", "trainer.batch_size=16", "trainer.max_steps=48",
+    ], tmp_path / "run")
+    first_two = Lengths(256, 0).rows[:2]
+    assert len(first_two[0]) != len(first_two[1])  # so only the collate_fn can batch them
+    assert SEEN[0] == ("meta", (2, max(map(len, first_two))), None)  # the dry step's batch
+    batches = [shape for device, shape, _ in SEEN if device == "cpu"]
+    assert len(batches) >= 48 and all(shape[0] == 16 for shape in batches)
+    assert len({width for _, width in batches}) > 1  # each batch as wide as its own longest row...
+    assert all(width == longest for device, (_, width), longest in SEEN if device == "cpu")
+    assert result.metrics["val/acc"] > 0.9  # ...and the model learned whether token 1 is there
+
+
+def test_a_collate_fn_that_is_not_callable_is_one_line():
+    dataset = Lengths(4, 0)
+    dataset.collate_fn = "pad"
+    with pytest.raises(ConfigError, match="the Lengths dataset's collate_fn is a str, not a callable; make it a function"):
+        first_batch(dataset, 2)

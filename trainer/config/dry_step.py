@@ -4,7 +4,8 @@
 before Hydra makes a run directory:
   1. the data is set up (its `prepare_data`, a download say, is not run: data that needs it
      first is left to the run) and its first two training samples are collated, as the
-     loader collates them (samples torch's default collate cannot stack are left to the run);
+     loader collates them: with the Dataset's own `collate_fn` where it has one, else
+     torch's default collate (samples a collate cannot stack are left to the run);
   2. the model is built on the meta device (no memory, no initialisation): a constructor
      that raises is one line with its message and the key to change;
   3. the sizes the model reports (embedding rows, positions) are held against the data's
@@ -73,7 +74,9 @@ def _sample(data: Mapping) -> tuple[Any, dict] | None:
 def _first_batch(bundle) -> tuple[Any, dict] | None:
     try:
         return first_batch(bundle.train, SAMPLES), dict(bundle.dims)
-    except Exception:  # samples torch's default collate cannot stack: the run's loader says how
+    except ConfigError:  # a collate_fn that is not callable
+        raise
+    except Exception:  # samples the collate cannot stack: the run's loader says how
         return None
 
 

@@ -2,7 +2,10 @@
 
 A batch is what the data gives: ringtrain's own data sets give (inputs, target) tensor pairs,
 a user's Dataset whatever its collate makes (tuples, dicts of tensors: data/batches.py says
-how the model meets them), moved to the device tensor by tensor.
+how the model meets them), moved to the device tensor by tensor. A Dataset that defines
+`collate_fn` (a callable on the list of samples, e.g. one that pads each batch to its longest
+row) has it passed to the DataLoader as `collate_fn`; with worker processes it must pickle
+(a bound method of a picklable Dataset does).
 
 Every built-in data set is an in-memory tensor with `get_batch(indices)`. The loader gathers
 the samples of GATHER_BATCHES batches with one indexing operation and splits the result into
@@ -33,7 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ringtrain.data.batches import to_device
+from ringtrain.data.batches import collate_of, to_device
 
 # Batches per gather: amortises the indexing call while bounding the extra memory to a few
 # dozen batches.
@@ -238,6 +241,7 @@ class BatchLoader:
             self._loader = DataLoader(
                 self.dataset, batch_size=self.batch_size, sampler=self._epoch_order, drop_last=self.drop_last,
                 num_workers=w.num_workers, pin_memory=w.pin_memory, generator=self._generator,
+                collate_fn=collate_of(self.dataset),
                 persistent_workers=w.persistent_workers and w.num_workers > 0,
                 prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
                 worker_init_fn=functools.partial(_leave_signals_to_the_main_process, w.stop_signals),

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import run_cli
-from helpers import free_port
+from helpers import free_port, ok, refused
 
 LRS, BATCHES = (0.01, 0.05), (32, 64)
 SCALAR_TAGS = {"train/loss", "val/loss", "lr", "grad_norm", "throughput/samples_per_sec"}
@@ -139,6 +139,20 @@ def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
         server.terminate()
         server.wait(timeout=30)
     assert server.returncode is not None
+
+
+def test_a_sweep_job_refused_in_a_directory_leaves_its_owners_record_as_it_was(tmp_path):
+    """Each job writes its .hydra/ record once it owns its directory, as a single run does
+    (tools/run_record.py): Hydra wrote it as the job started, so a second sweep into the same
+    job directories replaced the record of the run whose checkpoints are there."""
+    common = ["-m", "hydra.sweep.subdir=${hydra.job.num}", f"hydra.sweep.dir={tmp_path}", "trainer.max_steps=2"]
+    ok(run_cli(common + ["optimizer.lr=0.01,0.02"]))
+    records = {p: p.read_bytes() for p in sorted(tmp_path.glob("*/.hydra/*"))}
+    assert len(records) == 6 and "lr: 0.02" in (tmp_path / "1" / ".hydra" / "config.yaml").read_text()
+    assert "RINGTRAIN_RECORD_SUBDIR" not in (tmp_path / "1" / ".hydra" / "hydra.yaml").read_text()
+    refused(run_cli(common + ["model=mlp", "optimizer.lr=0.01"]), "/0 holds a run whose model._target_",
+            "hydra.sweep.dir in a sweep")
+    assert {p: p.read_bytes() for p in sorted(tmp_path.glob("*/.hydra/*"))} == records
 
 
 @pytest.mark.slow

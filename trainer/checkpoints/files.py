@@ -269,7 +269,7 @@ def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path
         detail = first.group(1) if first else text[:200]
         raise CheckpointError(
             f"checkpoint '{path}' does not fit this model ({detail}); continue with the model and data it "
-            f"was trained with, or start a new run (a new hydra.run.dir, or trainer.resume=null)"
+            f"was trained with, or start a new run (a new hydra.run.dir or hydra.sweep.dir, or trainer.resume=null)"
         ) from None
 
 

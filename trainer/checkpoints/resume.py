@@ -58,14 +58,14 @@ def _decide(checkpoints: Path, resume: Any, resolved: dict) -> str | None:
         if holds_checkpoints(checkpoints):
             raise RunDirError(
                 f"{checkpoints.parent} already holds checkpoints and trainer.resume=null; continue it with "
-                f"trainer.resume=auto, or choose a new hydra.run.dir"
+                f"trainer.resume=auto, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)"
             )
         return None
     given = Path(resume).resolve()
     if given.parent != checkpoints.resolve() and holds_checkpoints(checkpoints):
         raise RunDirError(
             f"{checkpoints.parent} already holds checkpoints of another run; continue it with "
-            f"trainer.resume={checkpoints / 'last.pt'}, or choose a new hydra.run.dir"
+            f"trainer.resume={checkpoints / 'last.pt'}, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)"
         )
     load_checkpoint(given, mmap=True)  # its checksums, before any work: every rank loads it unchecked
     log.info(f"resuming from {resume}")
@@ -87,7 +87,7 @@ def _newest_readable(checkpoints: Path, resolved: dict) -> str | None:
             changed = first_difference(stored.get(section) or {}, resolved.get(section) or {}, section)
             raise RunDirError(
                 f"{checkpoints.parent} holds a run whose {changed} differs from this one's; continue it with the "
-                f"same model, or choose a new hydra.run.dir"
+                f"same model, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)"
             )
     for broken, warning in zip(found.unreadable, found.warnings):
         set_aside(broken.paths)  # newer than the one resumed: rotation would count them, a save replace them
@@ -101,7 +101,7 @@ def _nothing_readable(checkpoints: Path, unreadable: list[Unreadable]) -> str:
     files = "; ".join(broken.describe().replace(f"{checkpoints}/", "") for broken in unreadable)
     return (
         f"no checkpoint in {checkpoints} can be read ({files}); they are left as they are. Start over with "
-        f"trainer.resume=null and a new hydra.run.dir, or continue from a good copy with trainer.resume=<its path>"
+        f"trainer.resume=null and a new hydra.run.dir (hydra.sweep.dir in a sweep), or continue from a good copy with trainer.resume=<its path>"
     )
 
 

@@ -95,6 +95,12 @@ def directory_before_restart() -> str | None:
         return None
 
 
+# Where a job's record goes (hydra.output_subdir's value before ringtrain turned Hydra's
+# writing off), carried in the job's own Hydra config (hydra.job.env_set), so that it reaches
+# the job wherever the launcher runs it (tools/run_record.py).
+RECORD_SUBDIR_VARIABLE = "RINGTRAIN_RECORD_SUBDIR"
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """What Hydra's `hydra.output_subdir` (.hydra/) holds: the job's config.yaml, hydra.yaml and

@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.checkpoints.rundir import RECORD_SUBDIR_VARIABLE
 
 log = logging.getLogger("ringtrain")
 
@@ -28,22 +29,25 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        summary = summarize_sweep(sweep_dir)
+        # The jobs' records: where take_over (tools/run_record.py) had each job write it.
+        record_subdir = config.hydra.job.env_set.get(RECORD_SUBDIR_VARIABLE) or config.hydra.output_subdir
+        summary = summarize_sweep(sweep_dir, record_subdir)
         write_text_atomically(sweep_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
         for line in format_summary(summary):
             log.info(line)
 
 
-def summarize_sweep(sweep_dir: Path) -> dict:
-    """Every job directory of the sweep with its overrides and final metric; the best per metric.
+def summarize_sweep(sweep_dir: Path, record_subdir: str | None = ".hydra") -> dict:
+    """Every job directory of the sweep (one with a record in `record_subdir`, or with
+    metrics.json) with its overrides (from the record) and final metric; the best per metric.
 
     A job without metrics.json failed or was interrupted; it is listed with value None. A
     diverged job (non-finite metric) is listed but never best.
     """
     jobs = []
-    for job_dir in sorted(p for p in sweep_dir.iterdir() if (p / ".hydra").is_dir()):
-        overrides_file = job_dir / ".hydra" / "overrides.yaml"
-        overrides = list(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+    for job_dir in sorted(p for p in sweep_dir.iterdir() if _is_job_dir(p, record_subdir)):
+        overrides_file = job_dir / str(record_subdir) / "overrides.yaml"
+        overrides = list(OmegaConf.load(overrides_file)) if record_subdir and overrides_file.exists() else []
         job = {"dir": job_dir.name, "overrides": [str(o) for o in overrides],
                "monitor": None, "mode": None, "value": None}
         metrics_file = job_dir / "metrics.json"
@@ -66,6 +70,10 @@ def summarize_sweep(sweep_dir: Path) -> dict:
         if better:
             best[job["monitor"]] = job
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "best": best}
+
+
+def _is_job_dir(path: Path, record_subdir: str | None) -> bool:
+    return path.is_dir() and ((record_subdir is not None and (path / record_subdir).is_dir()) or (path / "metrics.json").is_file())
 
 
 def format_summary(summary: dict) -> list[str]:

@@ -9,40 +9,53 @@ owns it, which then described a model next to another model's checkpoints. So `m
 (`record_of_this_job`) travel with the run to rank 0, which writes them after the lock and
 the resume decision (ringtrain/run.py, checkpoints/rundir.py RunRecord).
 
-A sweep's jobs may run in processes of their own (the joblib and SLURM launchers), where
-nothing set here reaches: Hydra writes their records itself, as before.
+The same holds for a sweep's jobs, which may run in processes of their own (the joblib and
+SLURM launchers): the record's subdirectory travels in each job's Hydra config, as
+hydra.job.env_set.RINGTRAIN_RECORD_SUBDIR (checkpoints/rundir.py).
 """
 from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from ringtrain.checkpoints.rundir import RunRecord
+from ringtrain.checkpoints.rundir import RECORD_SUBDIR_VARIABLE, RunRecord
 from ringtrain.config.compose import Outputs
 
 # The override that stops Hydra writing hydra.output_subdir (appended after the user's by take_over).
 NO_RECORD_BY_HYDRA = "hydra.output_subdir=null"
 
 
-def take_over(outputs: Outputs | None, for_this_rank: list[str]) -> tuple[str | None, list[str]]:
-    """(the record's subdirectory, the overrides that stop Hydra writing it) for a command line
-    that runs one job with a record, on the process that writes it (`for_this_rank`: the
-    overrides config/command_line.py adds here; a rank other than 0, a continued run write
-    none); (None, []) otherwise."""
-    if outputs is None or outputs.multirun or outputs.record_subdir is None or NO_RECORD_BY_HYDRA in for_this_rank:
-        return None, []
-    return outputs.record_subdir, [NO_RECORD_BY_HYDRA]
+def take_over(outputs: Outputs | None, for_this_rank: list[str]) -> list[str]:
+    """The overrides that stop Hydra writing the job's record and hand its subdirectory to the
+    job (`record_subdir`), for a command line that runs jobs with a record, on the process
+    that writes it (`for_this_rank`: the overrides config/command_line.py adds here; a rank
+    other than 0, a continued run write none); [] otherwise."""
+    if outputs is None or outputs.record_subdir is None or NO_RECORD_BY_HYDRA in for_this_rank:
+        return []
+    return [NO_RECORD_BY_HYDRA, _carried(outputs.record_subdir)]
 
 
-def record_of_this_job(cfg: DictConfig, subdir: str | None) -> RunRecord | None:
-    """What Hydra would have written into <run dir>/`subdir` for this job (in its Hydra app)."""
+def _carried(subdir: str) -> str:
+    return f"+hydra.job.env_set.{RECORD_SUBDIR_VARIABLE}={subdir}"
+
+
+def record_subdir(hydra_cfg: DictConfig) -> str | None:
+    """The job's record subdirectory that take_over handed it (None: no record to write)."""
+    return hydra_cfg.job.env_set.get(RECORD_SUBDIR_VARIABLE)
+
+
+def record_of_this_job(cfg: DictConfig) -> RunRecord | None:
+    """What Hydra would have written into the record subdirectory for this job (in its Hydra app)."""
     from hydra.core.hydra_config import HydraConfig
 
+    subdir = record_subdir(HydraConfig.get())
     if subdir is None:
         return None
     node = OmegaConf.to_container(HydraConfig.instance().cfg, enum_to_str=True)  # as Hydra saves it
     node["hydra"]["output_subdir"] = subdir
+    del node["hydra"]["job"]["env_set"][RECORD_SUBDIR_VARIABLE]
     hydra_overrides = node["hydra"]["overrides"]["hydra"]
-    if NO_RECORD_BY_HYDRA in hydra_overrides:  # take_over's (the last; Hydra adds hydra.mode after it)
-        del hydra_overrides[len(hydra_overrides) - 1 - hydra_overrides[::-1].index(NO_RECORD_BY_HYDRA)]
+    for added in (NO_RECORD_BY_HYDRA, _carried(subdir)):  # take_over's (after the user's)
+        if added in hydra_overrides:
+            del hydra_overrides[len(hydra_overrides) - 1 - hydra_overrides[::-1].index(added)]
     files = {"config.yaml": cfg, "hydra.yaml": node, "overrides.yaml": node["hydra"]["overrides"]["task"]}
     return RunRecord(subdir, {name: OmegaConf.to_yaml(value) for name, value in files.items()})

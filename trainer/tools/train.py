@@ -35,8 +35,6 @@ from ringtrain.distributed import exit_rank, under_torchrun
 _implied_by_resume: list[str] = []
 # The command line as given (set by main()), for the command that continues a stopped run.
 _command_line: list[str] = []
-# Where the run writes the record Hydra was told not to write (set by main(); tools/run_record.py).
-_record_subdir: str | None = None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="train")
@@ -46,12 +44,12 @@ def train(cfg: DictConfig) -> float:
     run_dir = hydra_cfg.runtime.output_dir
     with exit_on_user_error(), told_how_to_continue(_command_line, run_dir, cfg.trainer.resume, cfg.trainer.checkpoint):
         return run(cfg, run_dir, overrides, in_sweep=hydra_cfg.mode == RunMode.MULTIRUN,
-                   record=record_of_this_job(cfg, _record_subdir))
+                   record=record_of_this_job(cfg))
 
 
 def main() -> None:
     """Check the command line, then hand it to Hydra; on a torchrun rank, exit as a rank does."""
-    global _implied_by_resume, _command_line, _record_subdir
+    global _implied_by_resume, _command_line
     # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
     # script or `python train.py` puts only its own folder on the path).
     sys.path.insert(1, os.getcwd())
@@ -64,7 +62,7 @@ def main() -> None:
         # Composed as rank 0 will: under torchrun every rank refuses a directory it cannot make.
         outputs = check_overrides(argv[1:] + _implied_by_resume + hydra_overrides_for_this_rank(argv, rank=0))
     for_this_rank = hydra_overrides_for_this_rank(argv)
-    _record_subdir, no_record_by_hydra = take_over(outputs, for_this_rank)
+    no_record_by_hydra = take_over(outputs, for_this_rank)
     sys.argv = argv + _implied_by_resume + for_this_rank + no_record_by_hydra
     try:
         train()

@@ -6,16 +6,21 @@
 conf/data/hf_rows.yaml builds `HFRows`, a data component (data/bundle.py), for data that is not
 one token stream: a json/jsonl, parquet or csv file of records (or a .txt of lines) with a
 text and a label, or already-tokenized `input_ids` / `labels`. Each row becomes a dict of
-tensors, and torch's DataLoader stacks a batch of them into one dict (data/batches.py: the
-model is called as `model(**inputs)`, the target is `label`/`labels` or `task.target_key`).
+tensors, unpadded, and `RowBatches.collate_fn` (the DataLoader's collate, data/batches.py)
+makes a batch of them one dict (the model is called as `model(**inputs)`, the target is
+`label`/`labels` or `task.target_key`).
 
 - `tokenizer` (a tokenizer.json, data/bpe.py): `text_column` is tokenized once (Dataset.map,
   cached in `cache_dir` like data/hf_text.py's) into `input_ids` and `attention_mask`,
-  truncated and padded to `max_length` (padding id `pad_id`, mask 0).
+  truncated to `max_length` and stored unpadded.
 - `columns`: the columns that become batch keys, a list of names or a mapping
   {batch key: column}; null takes every column whose values are numbers or lists of numbers
-  (strings cannot be tensors). A list column of uneven lengths is padded to `max_length`:
-  `labels` with -100 (ignored by the loss, Hugging Face's convention), others with `pad_id`.
+  (strings cannot be tensors). List columns are truncated to `max_length`.
+- `padding` (Hugging Face's names, DataCollatorWithPadding's): `longest` pads each batch's
+  list columns to the batch's longest row, so a batch of short rows costs only their length;
+  `max_length` pads every batch to `max_length`. `labels` pads with -100 (ignored by the loss,
+  Hugging Face's convention), `attention_mask` and `token_type_ids` with 0, every other list
+  column with `pad_id`; scalar columns are stacked.
 - Validation: `val_path`'s rows, else `val_fraction` of the rows drawn with `seed` (the same
   rows on every rank and every run).
 
@@ -35,6 +40,8 @@ from ringtrain.data.hf_files import cache_key, check_columns, data_files, file_f
 
 LABEL_COLUMNS = ("labels", "label")
 IGNORE_INDEX = -100  # data/tasks.py's: padded labels count neither in the loss nor in the metrics
+PADDINGS = ("longest", "max_length")  # Hugging Face's names for the same two choices
+MASK_COLUMNS = ("attention_mask", "token_type_ids")  # padded with 0 whatever pad_id is: a mask, not a token
 
 
 class HFRows(DataModule):
@@ -42,11 +49,14 @@ class HFRows(DataModule):
 
     def __init__(self, path: str | list[str], val_path: str | list[str] | None = None, val_fraction: float = 0.1,
                  columns: list[str] | dict[str, str] | None = None, tokenizer: str | None = None,
-                 text_column: str = "text", max_length: int = 64, pad_id: int = 0, seed: int = 0,
-                 format: str | None = None, cache_dir: str = "~/.cache/ringtrain"):  # noqa: A002
+                 text_column: str = "text", max_length: int = 64, padding: str = "longest", pad_id: int = 0,
+                 seed: int = 0, format: str | None = None, cache_dir: str = "~/.cache/ringtrain"):  # noqa: A002
         self.val_fraction, self.text_column, self.max_length, self.pad_id = val_fraction, text_column, max_length, pad_id
-        self.seed, self.cache_dir = seed, cache_dir
+        self.padding, self.seed, self.cache_dir = padding, seed, cache_dir
         check_positive_ints(self, "max_length")
+        if padding not in PADDINGS:
+            raise DataError(f"data.padding={padding!r} is not one of {', '.join(PADDINGS)}; longest pads each batch to "
+                            f"its longest row, max_length pads every row to data.max_length")
         if val_path is None and not 0 < val_fraction < 1:
             raise ValueError(f"data.val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1 (or set data.val_path)")
         self.keys = _batch_keys(columns)
@@ -91,7 +101,8 @@ class HFRows(DataModule):
             if column not in train.column_names:
                 raise DataError(f"data.columns.{key}={column!r}: the rows have no such column (they have "
                                 f"{', '.join(train.column_names)}); name one of them")
-        self.train, self.val = (RowBatches(split, keys, self.max_length, self.pad_id) for split in (train, val))
+        self.train, self.val = (RowBatches(split, keys, self.max_length, self.pad_id, self.padding)
+                                for split in (train, val))
         label = next((keys[k] for k in LABEL_COLUMNS if k in keys), None)
         self.dims.pop("num_classes", None)
         if label is not None and _is_integer(train.features[label]):
@@ -107,30 +118,35 @@ class HFRows(DataModule):
         return self._tokenized(rows, files, builder)
 
     def _tokenized(self, rows: Any, files: list[str], builder: str) -> Any:
-        """`rows` with input_ids and attention_mask (max_length each) in place of the text."""
+        """`rows` with input_ids and attention_mask (at most max_length each, unpadded: the
+        collate pads) in place of the text."""
         import datasets
 
-        tokenizer, length, pad = self.tokenizer, self.max_length, self.pad_id
+        tokenizer, length = self.tokenizer, self.max_length
 
         def tokenize(texts: list[str]) -> dict[str, list[list[int]]]:
             ids = [row[:length] for row in tokenizer.encode_many([text or "" for text in texts])]
-            return {"input_ids": [row + [pad] * (length - len(row)) for row in ids],
-                    "attention_mask": [[1] * len(row) + [0] * (length - len(row)) for row in ids]}
+            return {"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]}
 
         features = rows.features.copy()
         del features[self.text_column]
-        features["input_ids"] = datasets.Sequence(datasets.Value("int64"), length=length)
-        features["attention_mask"] = datasets.Sequence(datasets.Value("int8"), length=length)
-        name = "rows-" + cache_key(builder, self.text_column, length, pad, tokenizer.tokenizer_json, files=files)
+        features["input_ids"] = datasets.Sequence(datasets.Value("int64"))
+        features["attention_mask"] = datasets.Sequence(datasets.Value("int8"))
+        # "unpadded" in the key: the files of before, padded to max_length, are never read as these.
+        name = "rows-" + cache_key(builder, self.text_column, length, "unpadded", tokenizer.tokenizer_json, files=files)
         return mapped(rows, tokenize, name, self.cache_dir, datasets.Features(features),
                       input_columns=[self.text_column], remove_columns=[self.text_column])
 
 
 class RowBatches(torch.utils.data.Dataset):
-    """Row i of a `datasets.Dataset` as {batch key: tensor}; list columns padded to max_length."""
+    """Row i of a `datasets.Dataset` as {batch key: tensor}, list columns truncated to
+    max_length and unpadded; `collate_fn` pads a batch of them (module docstring: `padding`)."""
 
-    def __init__(self, rows: Any, keys: Mapping[str, str], max_length: int, pad_id: int):
-        self.rows, self.keys, self.max_length, self.pad_id = rows, dict(keys), max_length, pad_id
+    def __init__(self, rows: Any, keys: Mapping[str, str], max_length: int, pad_id: int, padding: str = "longest"):
+        self.rows, self.keys, self.max_length, self.pad_id, self.padding = rows, dict(keys), max_length, pad_id, padding
+        # An empty list has no values to tell torch its dtype: the column's says it.
+        self.empty_dtypes = {key: _torch_dtype(rows.features[column]) for key, column in self.keys.items()
+                             if column in rows.features}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -143,8 +159,23 @@ class RowBatches(torch.utils.data.Dataset):
         if not isinstance(value, list):
             return torch.tensor(value)
         value = value[: self.max_length]
-        fill = IGNORE_INDEX if key == "labels" else self.pad_id
-        return torch.tensor(value + [fill] * (self.max_length - len(value)))
+        return torch.tensor(value) if value else torch.empty(0, dtype=self.empty_dtypes.get(key, torch.int64))
+
+    def collate_fn(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One batch of `samples` (the DataLoader's collate, in its worker processes too):
+        scalar columns stacked, list columns padded to the longest row or to max_length."""
+        return {key: self._stacked(key, [sample[key] for sample in samples]) for key in samples[0]}
+
+    def _stacked(self, key: str, values: list[torch.Tensor]) -> torch.Tensor:
+        if values[0].dim() == 0:
+            return torch.stack(values)
+        width = self.max_length if self.padding == "max_length" else max(len(value) for value in values)
+        fill = IGNORE_INDEX if key == "labels" else 0 if key in MASK_COLUMNS else self.pad_id
+        longest = max(values, key=len)  # its item shape and dtype: an empty row's may not say
+        batch = torch.full((len(values), width, *longest.shape[1:]), fill, dtype=longest.dtype)
+        for row, value in zip(batch, values):
+            row[: len(value)] = value
+        return batch
 
 
 def _batch_keys(columns: list[str] | dict[str, str] | None) -> dict[str, str] | None:
@@ -167,6 +198,15 @@ def _is_numeric(feature: Any) -> bool:
         return _is_numeric(inner)
     dtype = getattr(feature, "dtype", "")
     return getattr(feature, "names", None) is not None or dtype.startswith(("int", "uint", "float", "bool"))
+
+
+def _torch_dtype(feature: Any) -> torch.dtype:
+    """The dtype torch.tensor gives the values of a (list) column: float32 for floats, bool, else int64."""
+    inner = getattr(feature, "feature", None)
+    if inner is not None:
+        return _torch_dtype(inner)
+    dtype = getattr(feature, "dtype", "")
+    return torch.float32 if dtype.startswith("float") else torch.bool if dtype == "bool" else torch.int64
 
 
 def _is_integer(feature: Any) -> bool:

@@ -23,6 +23,7 @@ from ringtrain.errors import UserError  # noqa: E402
 WORDS = "the king and queen of rome speak to romeo while juliet sleeps under a pale moon".split()
 MOODS = ["glad", "sad", "angry"]  # the label is the mood word a row holds
 MAX_LENGTH = 12
+WIDTHS: list[int] = []  # input_ids' width of each batch BagOfTokens is given
 
 
 class BagOfTokens(nn.Module):
@@ -33,6 +34,7 @@ class BagOfTokens(nn.Module):
         self.embed, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, num_classes)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        WIDTHS.append(input_ids.shape[1])
         mask = attention_mask.unsqueeze(-1).float()
         pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1)
         return {"logits": self.head(pooled)}
@@ -54,7 +56,7 @@ def rows(tmp_path_factory) -> Path:
     return root
 
 
-def test_columns_become_batch_keys_with_the_text_tokenized_and_lists_padded(rows, tmp_path):
+def test_columns_become_batch_keys_with_the_text_tokenized_and_batches_padded_to_their_longest_row(rows, tmp_path):
     data = HFRows(str(rows / "rows.jsonl"), tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH,
                   cache_dir=str(tmp_path / "cache"))
     assert data.dims == {"vocab_size": 280, "num_classes": None}  # the labels are read in setup()
@@ -62,14 +64,28 @@ def test_columns_become_batch_keys_with_the_text_tokenized_and_lists_padded(rows
     assert data.dims == {"vocab_size": 280, "num_classes": 3} and len(data.train) == 360 and len(data.val) == 40
     vocab = BPEVocab((rows / "tokenizer.json").read_text())
     records = [json.loads(line) for line in (rows / "rows.jsonl").read_text().splitlines()]
-    item = data.train[0]
-    assert sorted(item) == ["attention_mask", "input_ids", "label", "tokens"]  # numbers only: no text, no id
-    source = next(r for r in records if r["label"] == int(item["label"]) and
-                  vocab.encode(r["text"])[:MAX_LENGTH] == item["input_ids"][: int(item["attention_mask"].sum())].tolist())
-    ids = vocab.encode(source["text"])[:MAX_LENGTH]
-    assert item["input_ids"].tolist() == ids + [0] * (MAX_LENGTH - len(ids))
-    assert item["attention_mask"].tolist() == [1] * len(ids) + [0] * (MAX_LENGTH - len(ids))
-    assert item["tokens"].tolist() == source["tokens"] + [0] * (MAX_LENGTH - len(source["tokens"]))
+    stored = [len(ids) for ids in data.train.rows["input_ids"]]
+    assert max(stored) == MAX_LENGTH and min(stored) < MAX_LENGTH  # truncated, never padded
+    items = _short_rows(data.train, 8)
+    assert sorted(items[0]) == ["attention_mask", "input_ids", "label", "tokens"]  # numbers only: no text, no id
+    sources = []
+    for item in items:  # each row as stored: its tokens (at most max_length), unpadded
+        source = next(r for r in records if r["label"] == int(item["label"]) and
+                      vocab.encode(r["text"])[:MAX_LENGTH] == item["input_ids"].tolist())
+        assert item["attention_mask"].tolist() == [1] * len(item["input_ids"])
+        assert item["tokens"].tolist() == source["tokens"]
+        sources.append(source)
+    batch = data.train.collate_fn(items)
+    lengths = [len(item["input_ids"]) for item in items]
+    longest = max(lengths)
+    assert min(lengths) < longest < MAX_LENGTH  # short rows, of uneven lengths: padded to the longest only
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (8, longest)
+    assert batch["tokens"].shape == (8, max(len(s["tokens"]) for s in sources))
+    for i, (item, source) in enumerate(zip(items, sources)):
+        ids = vocab.encode(source["text"])[:MAX_LENGTH]
+        assert batch["input_ids"][i].tolist() == ids + [0] * (longest - len(ids))
+        assert batch["attention_mask"][i].tolist() == [1] * len(ids) + [0] * (longest - len(ids))
+    assert batch["label"].tolist() == [int(item["label"]) for item in items]  # scalars stacked
     # The same rows validate on every run, and none of them trains.
     again = HFRows(str(rows / "rows.jsonl"), tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH,
                    cache_dir=str(tmp_path / "cache"))
@@ -78,33 +94,92 @@ def test_columns_become_batch_keys_with_the_text_tokenized_and_lists_padded(rows
                                                                        set(map(tuple, again.train.rows["input_ids"]))) < 3
 
 
+def test_padding_max_length_pads_every_batch_to_max_length_and_masks_pad_with_zero_whatever_pad_id(rows, tmp_path):
+    data = HFRows(str(rows / "rows.jsonl"), tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH,
+                  padding="max_length", pad_id=7, cache_dir=str(tmp_path / "cache"))
+    data.setup()
+    items = _short_rows(data.train, 4)
+    batch = data.train.collate_fn(items)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (4, MAX_LENGTH)
+    for i, item in enumerate(items):
+        n = len(item["input_ids"])
+        assert n < MAX_LENGTH and batch["input_ids"][i].tolist() == item["input_ids"].tolist() + [7] * (MAX_LENGTH - n)
+        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (MAX_LENGTH - n)  # 0, never pad_id
+    longest = HFRows(str(rows / "rows.jsonl"), tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH,
+                     pad_id=7, cache_dir=str(tmp_path / "cache"))
+    longest.setup()
+    mask = longest.train.collate_fn(items)["attention_mask"]
+    assert mask.shape[1] < MAX_LENGTH and set(mask.flatten().tolist()) == {0, 1}
+
+
+def test_a_cache_of_padded_rows_from_before_is_not_read_as_unpadded_rows(rows, tmp_path):
+    """The Arrow file of the tokenized rows as the code before dynamic padding wrote it (every
+    row padded to max_length; here all zeros), named by the same options, sits in the cache:
+    the rows are tokenized anew, not read from it."""
+    import datasets
+
+    from ringtrain.data.hf_files import cache_key, load_rows, mapped
+
+    cache, files, tokenizer = str(tmp_path / "cache"), [str(rows / "rows.jsonl")], (rows / "tokenizer.json").read_text()
+    old = load_rows(files, "json", cache, "data.path")
+    features = old.features.copy()
+    del features["text"]
+    features["input_ids"] = datasets.Sequence(datasets.Value("int64"), length=MAX_LENGTH)
+    features["attention_mask"] = datasets.Sequence(datasets.Value("int8"), length=MAX_LENGTH)
+    name = "rows-" + cache_key("json", "text", MAX_LENGTH, 0, tokenizer, files=files)  # the old key's parts
+
+    def padded(texts: list[str]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [[0] * MAX_LENGTH] * len(texts), "attention_mask": [[0] * MAX_LENGTH] * len(texts)}
+
+    mapped(old, padded, name, cache, datasets.Features(features), input_columns=["text"], remove_columns=["text"])
+    assert (tmp_path / "cache" / "hf-mapped" / f"{name}.arrow").is_file()
+    data = HFRows(files[0], tokenizer=str(rows / "tokenizer.json"), max_length=MAX_LENGTH, cache_dir=cache)
+    data.setup()
+    stored = data.train.rows["input_ids"]
+    assert min(map(len, stored)) < MAX_LENGTH and all(any(ids) for ids in stored)
+
+
+def _short_rows(split, count: int) -> list[dict[str, torch.Tensor]]:
+    """The split's first `count` items shorter than MAX_LENGTH tokens (of uneven lengths)."""
+    return [item for item in map(split.__getitem__, range(len(split))) if len(item["input_ids"]) < MAX_LENGTH][:count]
+
+
 def test_chosen_columns_are_renamed_and_labels_lists_pad_with_ignore_index(rows, tmp_path):
     data = HFRows(str(rows / "rows.jsonl"), columns={"input_ids": "tokens", "labels": "tokens"}, max_length=6,
                   cache_dir="")
     data.setup()
     assert data.dims == {}  # a list of labels is not classes
-    for i in range(5):
-        item = data.train[i]
-        n = int((item["labels"] != -100).sum())  # the row's tokens are 0, 1, ..., n - 1
+    items = [data.train[i] for i in range(5)]
+    batch = data.train.collate_fn(items)
+    longest = max(len(item["labels"]) for item in items)
+    assert batch["labels"].shape == (5, longest) and longest < 6
+    for i, item in enumerate(items):
+        n = len(item["labels"])  # the row's tokens are 0, 1, ..., n - 1
         assert sorted(item) == ["input_ids", "labels"] and 1 <= n <= 5
-        assert item["input_ids"].tolist() == list(range(n)) + [0] * (6 - n)  # padded with pad_id
-        assert item["labels"].tolist() == list(range(n)) + [-100] * (6 - n)  # padded with -100: ignored by the loss
+        assert item["input_ids"].tolist() == item["labels"].tolist() == list(range(n))
+        assert batch["input_ids"][i].tolist() == list(range(n)) + [0] * (longest - n)  # padded with pad_id
+        assert batch["labels"][i].tolist() == list(range(n)) + [-100] * (longest - n)  # -100: ignored by the loss
     with pytest.raises(UserError, match=r"data.columns.labels='nope': rows.jsonl has no such column"):
         HFRows(str(rows / "rows.jsonl"), columns={"labels": "nope"})
 
 
 def classifier(rows: Path, cache: Path) -> list[str]:
     return ["data=hf_rows", f"data.path={rows / 'rows.jsonl'}", f"data.tokenizer={rows / 'tokenizer.json'}",
-            f"data.max_length={MAX_LENGTH}", "data.columns=[input_ids,attention_mask,label]", f"data.cache_dir={cache}",
+            "data.max_length=40", "data.columns=[input_ids,attention_mask,label]", f"data.cache_dir={cache}",
             "~model", f"+model._target_={__name__}.BagOfTokens", "optimizer=adam", "optimizer.lr=0.05",
             "trainer.batch_size=16", "trainer.num_workers=2", "trainer.checkpoint_every_n_steps=10"]
 
 
 def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exactly(rows, tmp_path):
     """60 steps straight, and 10 steps then the same run continued to 60 (mid-epoch, 23 steps
-    an epoch): the same weights and optimizer state, bit for bit."""
+    an epoch): the same weights and optimizer state, bit for bit. `ringtrain evaluate` on the
+    checkpoint, batching the rows otherwise, gives the run's final metrics."""
     common = classifier(rows, tmp_path / "cache")
+    WIDTHS.clear()
     result = train_in_process(common + ["trainer.max_steps=60"], tmp_path / "straight")
+    # Each batch, collated in the workers, as wide as its longest row (the longest of all is 34
+    # tokens), never data.max_length=40.
+    assert max(WIDTHS) <= 34 and len(set(WIDTHS)) > 5
     train_in_process(common + ["trainer.max_steps=10"], tmp_path / "resumed")
     train_in_process(common + ["trainer.max_steps=60"], tmp_path / "resumed")
     a, b = (torch.load(tmp_path / run / "checkpoints" / "last.pt", weights_only=True) for run in ("straight", "resumed"))
@@ -113,6 +188,18 @@ def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exa
     assert b["progress"] == a["progress"]
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(x, y) for x, y in zip(_tensors(a["optimizer"]), _tensors(b["optimizer"])))
+    # `ringtrain evaluate`'s plan and rank (in process: its Hydra app only composes their
+    # arguments) rebuild the data from the checkpoint's config and pad its batches of 5 through
+    # the same collate, without workers: the metrics are per-sample sums, so the run's.
+    from ringtrain.tools.evaluate import evaluate_worker, plan
+
+    stored = a["config"]  # the sections as the command line gives them: the stored ones, changed
+    job, _ = plan(str(tmp_path / "straight" / "checkpoints" / "last.pt"), "val", None,
+                  {"_target_": "ringtrain.strategies.single.Single"}, stored["model"], stored["data"], stored["task"],
+                  {**stored["trainer"], "val_batch_size": 5, "num_workers": 0})
+    evaluated = evaluate_worker(job).metrics
+    assert set(evaluated) == {"val/loss", "val/acc"}
+    assert evaluated == pytest.approx({k: result.metrics[k] for k in evaluated}, abs=1e-5)
 
 
 def _tensors(state) -> list[torch.Tensor]:
@@ -128,6 +215,7 @@ def test_rows_mistakes_are_refused_before_any_work(rows):
         ("data.text_column=body", "data.text_column='body': rows.jsonl has no such column (it has text, label, tokens, id)"),
         (f"data.path={rows / 'none.jsonl'}", "none.jsonl does not exist"),
         (f"data.tokenizer={rows / 'none.json'}", "no tokenizer file at"),
+        ("data.padding=do_not_pad", "data.padding='do_not_pad' is not one of longest, max_length; longest pads each batch"),
     ]:
         extra = [f"data.tokenizer={rows / 'tokenizer.json'}"] if "tokenizer" not in override else []
         with pytest.raises(UserError) as error:

@@ -29,9 +29,11 @@ WIDTHS: list[int] = []  # input_ids' width of each batch BagOfTokens is given
 class BagOfTokens(nn.Module):
     """A user's model of Hugging Face's shape: keyword inputs input_ids and attention_mask."""
 
-    def __init__(self, vocab_size: int, num_classes: int, width: int = 16):
+    def __init__(self, vocab_size: int, num_classes: int, width: int = 16, block_size: int | None = None):
         super().__init__()
         self.embed, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, num_classes)
+        if block_size is not None:  # the longest sequence it says it takes (config/sizes.py reads it)
+            self.block_size = block_size
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         WIDTHS.append(input_ids.shape[1])
@@ -221,6 +223,17 @@ def test_rows_mistakes_are_refused_before_any_work(rows):
         with pytest.raises(UserError) as error:
             validate(compose_config(base + extra + [override]))
         assert message in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("padding", ["longest", "max_length"])
+def test_a_model_with_fewer_positions_than_max_length_is_refused_before_work(rows, tmp_path, padding):
+    """The dry step's two rows are 25 tokens at most, but a later batch may be as long as
+    data.max_length=40: a model of 30 positions is refused, whichever the padding."""
+    with pytest.raises(UserError) as error:
+        validate(compose_config(classifier(rows, tmp_path / "cache") + [f"data.padding={padding}", "+model.block_size=30"]))
+    assert str(error.value) == ("the data's sequences are 40 tokens long but the model has 30 positions (block_size); "
+                                "raise the model's block_size to 40 or shorten data.max_length")
+    validate(compose_config(classifier(rows, tmp_path / "cache") + ["+model.block_size=40"]))
 
 
 HF_CLASSIFIER = """

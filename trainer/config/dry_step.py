@@ -9,7 +9,9 @@ before Hydra makes a run directory:
   2. the model is built on the meta device (no memory, no initialisation): a constructor
      that raises is one line with its message and the key to change;
   3. the sizes the model reports (embedding rows, positions) are held against the data's
-     (config/sizes.py);
+     (config/sizes.py): the positions against the batch's length, or against the Dataset's
+     int `max_length` where it has one and it is longer (a collate that pads each batch to
+     its longest row, data/hf_rows.py's, says so how long a later batch can be);
   4. the batch goes through data/batches.py, the path every step takes: the task splits it,
      the model is called on it (on meta tensors) and the task reads the output and takes
      its loss. A batch or an output the task cannot use is the contract's one line.
@@ -38,7 +40,7 @@ META = torch.device("meta")
 SAMPLES = 2  # a batch of two: batch norm and the like need more than one sample
 
 _checked: set[str] = set()
-_samples: dict[str, tuple[Any, dict] | None] = {}
+_samples: dict[str, tuple[Any, dict, int | None] | None] = {}
 
 
 def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
@@ -48,16 +50,16 @@ def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
         return
     sample = _sample(data)
     if sample is not None:
-        batch, dims = sample
+        batch, dims, max_length = sample
         built = _build_on_meta(model, dims)
         if built is not None:
-            _forward(built, check_task(build(task, "task")), batch, dims)
+            _forward(built, check_task(build(task, "task")), batch, dims, max_length)
     _checked.add(key)
 
 
-def _sample(data: Mapping) -> tuple[Any, dict] | None:
-    """(the first SAMPLES training samples collated, the data's sizes), or None when the data
-    cannot be set up before the run (it needs its prepare_data first)."""
+def _sample(data: Mapping) -> tuple[Any, dict, int | None] | None:
+    """(the first SAMPLES training samples collated, the data's sizes, its max_length), or
+    None when the data cannot be set up before the run (it needs its prepare_data first)."""
     key = _key(data)
     if key not in _samples:
         try:
@@ -71,9 +73,11 @@ def _sample(data: Mapping) -> tuple[Any, dict] | None:
     return _samples[key]
 
 
-def _first_batch(bundle) -> tuple[Any, dict] | None:
+def _first_batch(bundle) -> tuple[Any, dict, int | None] | None:
+    max_length = getattr(bundle.train, "max_length", None)
+    max_length = max_length if isinstance(max_length, int) and not isinstance(max_length, bool) else None
     try:
-        return first_batch(bundle.train, SAMPLES), dict(bundle.dims)
+        return first_batch(bundle.train, SAMPLES), dict(bundle.dims), max_length
     except ConfigError:  # a collate_fn that is not callable
         raise
     except Exception:  # samples the collate cannot stack: the run's loader says how
@@ -100,9 +104,13 @@ def _build_on_meta(node: Mapping, dims: dict) -> torch.nn.Module | None:
             ) from None
 
 
-def _forward(model: torch.nn.Module, task: Any, batch: Any, dims: dict) -> None:
+def _forward(model: torch.nn.Module, task: Any, batch: Any, dims: dict, max_length: int | None) -> None:
     inputs, _ = split_batch(task, batch)
-    check_model_sizes(model, dims, sequence_length(inputs))
+    length = sequence_length(inputs)
+    if length is not None and max_length is not None and max_length >= length:
+        check_model_sizes(model, dims, max_length, "data.max_length")
+    else:
+        check_model_sizes(model, dims, length)
     try:
         with torch.no_grad():
             training_loss(task, model, to_device(batch, META))

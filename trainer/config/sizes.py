@@ -133,9 +133,11 @@ def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
     return {name: dims[name] for name in filled}
 
 
-def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length: int | None) -> None:
+def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length: int | None,
+                      length_option: str = "data.seq_len") -> None:
     """The vocabulary and sequence length of the data against the model's embedding rows and
-    positions: a model too small for the data is one line naming both numbers and the fix."""
+    positions: a model too small for the data is one line naming both numbers and the fix
+    (`length_option`: the data's option that sets the length)."""
     vocab, rows = dims.get("vocab_size"), embedding_rows(model)
     if isinstance(vocab, int) and rows is not None and vocab > rows:
         raise ConfigError(
@@ -146,7 +148,7 @@ def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length
     if sequence_length is not None and limit is not None and sequence_length > limit[1]:
         raise ConfigError(
             f"the data's sequences are {sequence_length} tokens long but the model has {limit[1]} positions "
-            f"({limit[0]}); raise the model's {limit[0]} to {sequence_length} or shorten data.seq_len"
+            f"({limit[0]}); raise the model's {limit[0]} to {sequence_length} or shorten {length_option}"
         )
 
 

@@ -148,6 +148,12 @@ class RowBatches(torch.utils.data.Dataset):
         self.empty_dtypes = {key: _torch_dtype(rows.features[column]) for key, column in self.keys.items()
                              if column in rows.features}
 
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest a batch gets (data/batches.py): the pre-check holds the model's positions
+        against it, since its first rows may be shorter than later batches."""
+        return self.max_length
+
     def __len__(self) -> int:
         return len(self.rows)
 

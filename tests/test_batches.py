@@ -241,3 +241,31 @@ def test_a_collate_fn_that_is_not_callable_is_one_line():
     dataset.collate_fn = "pad"
     with pytest.raises(ConfigError, match="the Lengths dataset's collate_fn is a str, not a callable; make it a function"):
         first_batch(dataset, 2)
+
+
+class LongLengths(Lengths):
+    max_sequence_length = 8  # rows of up to 8 tokens: the longest batch this Dataset makes
+
+
+class FourPositions(LengthsNet):
+    def __init__(self, vocab_size: int, num_classes: int):
+        super().__init__(vocab_size, num_classes)
+        self.block_size = 4  # what config/sizes.py reads as the model's positions
+
+
+def test_a_dataset_that_says_its_longest_batch_is_checked_against_the_models_positions_before_work():
+    """The dry step sees the first two rows (3 and 2 tokens here, which four positions hold);
+    the Dataset's max_sequence_length says a later batch can be 8 tokens long."""
+    from conftest import compose_config
+    from ringtrain.config.schema import validate
+
+    assert [len(row) for row in LongLengths(256, 4).rows[:2]] == [3, 2]
+    node = f"{__name__}.LongLengths"
+    cfg = compose_config([
+        "~data", f"+data.train._target_={node}", "+data.train.n=256", "+data.train.seed=4",
+        f"+data.val._target_={node}", "+data.val.n=64", "+data.val.seed=1", f"+data.dims.vocab_size={VOCAB}",
+        "+data.dims.num_classes=2", "task=classification", "~model", f"+model._target_={__name__}.FourPositions",
+    ])
+    with pytest.raises(ConfigError, match=r"the data's sequences are 8 tokens long but the model has 4 positions "
+                                          r"\(block_size\); raise the model's block_size to 8 or shorten the data's max_sequence_length"):
+        validate(cfg)

@@ -10,8 +10,9 @@ before Hydra makes a run directory:
      that raises is one line with its message and the key to change;
   3. the sizes the model reports (embedding rows, positions) are held against the data's
      (config/sizes.py): the positions against the batch's length, or against the Dataset's
-     int `max_length` where it has one and it is longer (a collate that pads each batch to
-     its longest row, data/hf_rows.py's, says so how long a later batch can be);
+     int `max_sequence_length` where it has one and it is longer (a Dataset whose collate
+     pads each batch to its longest row, data/hf_rows.py's, says so how long a later batch
+     can be: data/batches.py);
   4. the batch goes through data/batches.py, the path every step takes: the task splits it,
      the model is called on it (on meta tensors) and the task reads the output and takes
      its loss. A batch or an output the task cannot use is the contract's one line.
@@ -40,7 +41,7 @@ META = torch.device("meta")
 SAMPLES = 2  # a batch of two: batch norm and the like need more than one sample
 
 _checked: set[str] = set()
-_samples: dict[str, tuple[Any, dict, int | None] | None] = {}
+_samples: dict[str, tuple[Any, dict, int | None] | None] = {}  # (batch, dims, longest batch)
 
 
 def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
@@ -50,16 +51,16 @@ def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
         return
     sample = _sample(data)
     if sample is not None:
-        batch, dims, max_length = sample
+        batch, dims, longest = sample
         built = _build_on_meta(model, dims)
         if built is not None:
-            _forward(built, check_task(build(task, "task")), batch, dims, max_length)
+            _forward(built, check_task(build(task, "task")), batch, dims, longest, _length_option(data))
     _checked.add(key)
 
 
 def _sample(data: Mapping) -> tuple[Any, dict, int | None] | None:
-    """(the first SAMPLES training samples collated, the data's sizes, its max_length), or
-    None when the data cannot be set up before the run (it needs its prepare_data first)."""
+    """(the first SAMPLES training samples collated, the data's sizes, the longest batch it
+    says it makes: its Dataset's max_sequence_length), or None when the data cannot be set up before the run (it needs its prepare_data first)."""
     key = _key(data)
     if key not in _samples:
         try:
@@ -74,10 +75,10 @@ def _sample(data: Mapping) -> tuple[Any, dict, int | None] | None:
 
 
 def _first_batch(bundle) -> tuple[Any, dict, int | None] | None:
-    max_length = getattr(bundle.train, "max_length", None)
-    max_length = max_length if isinstance(max_length, int) and not isinstance(max_length, bool) else None
+    longest = getattr(bundle.train, "max_sequence_length", None)
+    longest = longest if isinstance(longest, int) and not isinstance(longest, bool) else None
     try:
-        return first_batch(bundle.train, SAMPLES), dict(bundle.dims), max_length
+        return first_batch(bundle.train, SAMPLES), dict(bundle.dims), longest
     except ConfigError:  # a collate_fn that is not callable
         raise
     except Exception:  # samples the collate cannot stack: the run's loader says how
@@ -104,11 +105,16 @@ def _build_on_meta(node: Mapping, dims: dict) -> torch.nn.Module | None:
             ) from None
 
 
-def _forward(model: torch.nn.Module, task: Any, batch: Any, dims: dict, max_length: int | None) -> None:
+def _length_option(data: Mapping) -> str:
+    """What sets a longest batch, as the refusal names it: data.max_length for hf_rows."""
+    return "data.max_length" if "max_length" in data else "the data's max_sequence_length"
+
+
+def _forward(model: torch.nn.Module, task: Any, batch: Any, dims: dict, longest: int | None, option: str) -> None:
     inputs, _ = split_batch(task, batch)
     length = sequence_length(inputs)
-    if length is not None and max_length is not None and max_length >= length:
-        check_model_sizes(model, dims, max_length, "data.max_length")
+    if length is not None and longest is not None and longest >= length:
+        check_model_sizes(model, dims, longest, option)
     else:
         check_model_sizes(model, dims, length)
     try:

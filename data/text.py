@@ -33,7 +33,7 @@ def check_text_file(path: str) -> None:
     """Cheap checks before any work starts: the file is there and starts as UTF-8 text."""
     if not path:
         raise DataError(
-            "data.path is not set; pass a UTF-8 text file, e.g. data.path=../shared/data/tinyshakespeare.txt"
+            "data.path is not set; pass a UTF-8 text file, e.g. data.path=tinyshakespeare.txt (README: Tiny Shakespeare)"
         )
     file = Path(path).expanduser()
     if not file.exists():

@@ -194,8 +194,11 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path, args, lin
         (["trainer.bach_size=4"], "trainer.bach_size is not a setting of trainer; check the spelling (known: accelerator,"),
         (["strategy.nproc_per_node=2"], "strategy.nproc_per_node is not a setting of strategy=single; it belongs to strategy=ddp"),
         (["model.d_model=64"], "model.d_model is not a setting of this model; it belongs to model=transformer"),
-        (["model=transfomer"], "model=transfomer is not an option of model; choose one of hf_gpt2, linear, mlp, transformer"),
-        (["optimiser.lr=0.1"], "optimiser is not a config group; the groups are data, model, optimizer,"),
+        (["model=transfomer"], "model=transfomer is not an option of model; choose one of hf_gpt2, linear, mlp, transformer "
+                               "(did you mean transformer?)"),
+        (["model=small_cnn"], "choose one of hf_gpt2, linear, mlp, transformer; your own? put model/small_cnn.yaml in a "
+                              "config folder and pass --config-dir <folder>"),
+        (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are data, model, optimizer,"),
         (["optimiser=adam"], "experiment, debug, hparams_search"),
         (["trainer.devices=2"], "trainer.devices is not a setting here; use strategy=ddp strategy.nproc_per_node=N"),
         (["trainer.fast_dev_run=true"], "use debug=fast_dev_run"),

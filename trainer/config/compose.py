@@ -11,6 +11,7 @@ says which conf/<name>.yaml the command composes and how its messages name it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -196,7 +197,7 @@ def compose_or_explain(overrides: list[str], config_dir: str | None = None, prim
     except YAMLError as err:  # a config file that is not YAML: PyYAML's multi-line report
         raise ConfigError(yaml_error_message(err)) from None
     except MissingConfigException as err:
-        raise ConfigError(_missing_option_message(err, primary)) from None
+        raise ConfigError(_missing_option_message(err, primary, config_dir)) from None
     except ConfigCompositionException as err:
         raise ConfigError(_composition_message(err, overrides, config_dir, primary)) from None
 
@@ -225,13 +226,16 @@ def _compose(overrides: list[str], config_dir: str | None, config_name: str, wit
         return compose(config_name=config_name, overrides=extra + overrides, return_hydra_config=with_hydra)
 
 
-def _missing_option_message(err, primary: PrimaryConfig) -> str:
+def _missing_option_message(err, primary: PrimaryConfig, config_dir: str | None = None) -> str:
     missing = err.missing_cfg_file or ""
     group, _, option = missing.rpartition("/")
     if group and err.options:
-        hint = ""
+        close = difflib.get_close_matches(option, err.options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
         if group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
             hint = " (Optuna and joblib come with pip install -e '.[sweep]', submitit with '.[slurm]')"
+        elif not close and not config_dir:  # most likely the user's own option, in a folder not given
+            hint = f"; your own? put {group}/{option}.yaml in a config folder and pass --config-dir <folder>"
         return (
             f"{group}={option} is not an option of {group}; choose one of "
             f"{', '.join(sorted(err.options))}{hint}"
@@ -297,10 +301,11 @@ def _unknown_key_message(key: str, overrides: list[str], config_dir: str | None,
 def _unknown_top_level_message(name: str, whole_key: bool, top_level: list[str], primary: PrimaryConfig) -> str:
     if not primary.presets:  # a tool: its top level is its settings
         return f"{name} is not a setting of {primary.program}; the settings are {', '.join(top_level)}"
-    groups = ", ".join(top_level + list(primary.presets))
-    if whole_key:
-        return f"{name} is not a config group or setting; the groups are {groups}"
-    return f"{name} is not a config group; the groups are {groups}"
+    names = top_level + list(primary.presets)
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    what = "a config group or setting" if whole_key else "a config group"
+    return f"{name} is not {what}; {hint}the groups are {', '.join(names)}"
 
 
 def _options_defining(group: str, dotted_key: str) -> list[str]:

@@ -378,14 +378,15 @@ def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, 
 @pytest.mark.parametrize("rendezvous", ["standalone", pytest.param("static", marks=pytest.mark.slow)])
 def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(tmp_path, reference, rendezvous):
     # Static: the run id is "none", so the run directory is named by the clock and a restart
-    # finds it through rank 0's note (trainer/rundir.py).
+    # finds it through rank 0's note (checkpoints/restart_notes.py).
     launcher = torchrun_static_rendezvous("--max-restarts=1") if rendezvous == "static" else None
     job_pids: dict = {}
     run_with_a_restart(DDP, tmp_path, "restart-no-dir", launcher=launcher, pids=job_pids)
     runs = list((tmp_path / "outputs" / "runs").iterdir())
     assert len(runs) == 1, f"the restart started another run directory: {runs}"
     agent = job_pids["launcher"]
-    assert not list(Path(tempfile.gettempdir()).glob(f"ringtrain-torchrun-{agent}-*")), "the restart note was left"
+    notes = Path(tempfile.gettempdir()) / f"ringtrain-restart-notes-{os.getuid()}"
+    assert not list(notes.glob(f"torchrun-{agent}-*")), "the restart note was left"
     assert_identical(runs[0], reference(2))
 
 

@@ -54,7 +54,8 @@ from ringtrain.loop.fit import fit
 from ringtrain.loop.progress import FitResult
 from ringtrain.checkpoints.resume import checkpoint_to_resume
 from ringtrain.config.continuation import config_to_continue
-from ringtrain.checkpoints.rundir import RunDirectoryLock, RunRecord, forget_restart_note, leave_restart_note
+from ringtrain.checkpoints.restart_notes import forget_restart_note, leave_restart_note
+from ringtrain.checkpoints.rundir import RunDirectoryLock, RunRecord
 from ringtrain.loop.signals import StopSignals
 from ringtrain.loop.watchdog import watching
 
@@ -137,7 +138,7 @@ def train_worker(run: RunConfig, run_dir: str, built: BuiltComponents | None = N
 def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, record: RunRecord | None,
                 stop: StopSignals, return_weights: bool) -> FitResult:
     dist = run.strategy.setup_process(run.trainer.accelerator)
-    clean_exit = False
+    clean_exit = completed = False
     directory_lock = RunDirectoryLock(run_dir)  # taken by rank 0, whose run_dir everyone shares
     try:
         shared_dir = _claim_run_directory(dist, run_dir, directory_lock)
@@ -175,8 +176,7 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
             result = dataclasses.replace(result, model_state=weights if dist.is_main else None)
         if dist.is_main:
             _report(result, model, shared_dir)
-            if not result.stopped:
-                forget_restart_note()
+        completed = not result.stopped
         clean_exit = True
         return result
     except Exception as err:
@@ -190,6 +190,8 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
             first_to_report(USER_ERROR_EXIT)
         raise
     finally:
+        if dist.is_main:
+            forget_restart_note(completed)
         directory_lock.release()
         teardown_distributed(clean_exit)
 

@@ -6,13 +6,14 @@ that is started again must land in the same directory, and two different jobs ne
   hydra.run.dir given        that directory, every time
   SLURM (sbatch, submitit)   outputs/runs/slurm-<job id>[_<array task>]: SLURM keeps the job id
                              when it requeues a job
-  torchrun, --rdzv-id=X      outputs/runs/torchrun-X: the id names the job, restarts keep it
+  torchrun, --rdzv-id=X      outputs/runs/torchrun-X: the id names the job, restarts keep it;
+                             --standalone makes up a random id, so each start of the command
+                             is a new run there (restarts within it keep the id)
   anything else              outputs/runs/<date>_<time>_<pid>: the pid keeps apart two jobs
                              started in the same second
-torchrun without an id restarts its workers with the same command but a new clock, so rank 0
-leaves a note (`restart_note`) naming its directory, keyed by the torchrun agent's pid (the
-workers' parent, alive across restarts), and a restarted rank 0 reads it
-(`directory_before_restart`).
+torchrun without an id (a static rendezvous: --master-addr/--master-port) restarts its workers
+with the same command but a new clock, so rank 0 leaves a note naming its directory for the
+restarted workers (checkpoints/restart_notes.py).
 
 While a job runs, its rank 0 holds `RunDirectoryLock` on the directory, so that a second job
 (the same command started twice, two runs given one hydra.run.dir) is refused in one line
@@ -51,48 +52,6 @@ def run_name() -> str:
     if run_id not in ("", "none"):
         return f"torchrun-{run_id}"
     return time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{os.getpid()}"
-
-
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def restart_note() -> Path:
-    """The note naming rank 0's run directory for the torchrun agent running this worker."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return Path(tempfile.gettempdir()) / f"ringtrain-torchrun-{os.getppid()}-{run_id}.dir"
-
-
-def leave_restart_note(run_dir: Path) -> None:
-    """Rank 0 under torchrun: remember the run directory for restarted workers."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return
-    try:
-        write_text_atomically(restart_note(), str(run_dir))
-    except OSError:  # no writable temp dir: a restart then starts a new directory
-        pass
-
-
-def forget_restart_note() -> None:
-    """Rank 0 under torchrun, after the run completed: no restart will read the note again.
-    (Kept after a failure or a stop: torchrun may restart the workers then.) Without this every
-    torchrun job left a note in the temp directory for good."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return
-    try:
-        restart_note().unlink()
-    except OSError:
-        pass
-
-
-def directory_before_restart() -> str | None:
-    """The run directory of this torchrun job's earlier attempt, when this is a restart."""
-    if restart_count() == 0:
-        return None
-    try:
-        return restart_note().read_text().strip() or None
-    except OSError:
-        return None
 
 
 # Where a job's record goes (hydra.output_subdir's value before ringtrain turned Hydra's

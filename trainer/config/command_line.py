@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ringtrain.checkpoints.rundir import directory_before_restart, why_not_writable
+from ringtrain.checkpoints.restart_notes import directory_before_restart
+from ringtrain.checkpoints.rundir import why_not_writable
 from ringtrain.config import compose
 from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS, SECTIONS, Outputs, option_nodes
 from ringtrain.config.schema import validate
@@ -85,7 +86,7 @@ def hydra_overrides_for_this_rank(argv: list[str], rank: int | None = None) -> l
     * trainer.resume=<path> continues in that checkpoint's own run directory (its .hydra/
       keeps the run's config), unless hydra.run.dir is given.
     * A torchrun worker restarted after a failure goes back to the directory its job used
-      before (trainer/rundir.py), so trainer.resume=auto finds the checkpoint there.
+      before (checkpoints/restart_notes.py), so trainer.resume=auto finds the checkpoint there.
     """
     rank = (env_rank() if under_torchrun() else 0) if rank is None else rank
     if rank != 0:

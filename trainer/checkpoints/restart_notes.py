@@ -1,0 +1,153 @@
+"""How a torchrun worker restarted after a failure finds the run directory its job used.
+
+torchrun without an id (`--rdzv-id`, or the one `--standalone` makes up) names no job, so the
+run directory is named by the clock (checkpoints/rundir.py), and torchrun restarts its workers
+(`--max-restarts`) with the same command but a new clock. So rank 0 leaves a note naming its
+directory (`leave_restart_note`), and a restarted rank 0 reads it (`directory_before_restart`).
+
+A note belongs to one torchrun agent, the workers' parent, which lives across their restarts:
+it is named by the agent's pid and the time that process started (so that a later process
+given the same pid is not taken for it), and kept in a directory of this user's own under the
+temp directory (`NOTES_DIRECTORY`), where no other user can leave a note for a job to read.
+
+Notes cannot pile up: rank 0 removes its note when no restart will follow (the run completed,
+or the agent has no restarts left: torchrun restarts workers only after a failure, at most
+`--max-restarts` times, and a stop by a signal to torchrun itself ends the agent), and every
+new note first sweeps away the notes of agents that no longer run (one stopped by Ctrl-C or
+killed, say), and those an earlier ringtrain left in the temp directory itself.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ringtrain.checkpoints.atomic import write_text_atomically
+
+NOTES_DIRECTORY = "ringtrain-restart-notes-{user}"  # under tempfile.gettempdir()
+_PREFIX = "torchrun-"  # a note: torchrun-<agent pid>-<agent start>-<run id>.dir
+_OLD_PREFIX = "ringtrain-torchrun-"  # an earlier ringtrain's: <temp dir>/ringtrain-torchrun-<pid>-<run id>.dir
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restarts_left() -> int:
+    """How many more times this torchrun agent restarts its workers after a failure."""
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return max(0, most - restart_count())
+
+
+def restart_note() -> Path | None:
+    """The note naming rank 0's run directory for the torchrun agent running this worker
+    (None: there is no notes directory of this user's own to keep it in)."""
+    directory = notes_directory()
+    agent = os.getppid()
+    started = process_start(agent)
+    if directory is None or started is None:
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return directory / f"{_PREFIX}{agent}-{started}-{run_id}.dir"
+
+
+def leave_restart_note(run_dir: Path) -> None:
+    """Rank 0 under torchrun: remember the run directory for restarted workers."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return
+    sweep_stale_notes()
+    note = restart_note()
+    if note is None:
+        return
+    try:
+        write_text_atomically(note, str(run_dir))
+    except OSError:  # no writable temp dir: a restart then starts a new directory
+        pass
+
+
+def forget_restart_note(completed: bool) -> None:
+    """Rank 0 under torchrun, as it ends: remove the note unless torchrun restarts the workers,
+    whose rank 0 reads it then (after a failure or a stop, while the agent has restarts left)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or (not completed and restarts_left() > 0):
+        return
+    if (note := restart_note()) is None:
+        return
+    try:
+        note.unlink()
+    except OSError:
+        pass
+
+
+def directory_before_restart() -> str | None:
+    """The run directory of this torchrun job's earlier attempt, when this is a restart."""
+    if restart_count() == 0 or (note := restart_note()) is None:
+        return None
+    try:
+        return note.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def sweep_stale_notes() -> None:
+    """Remove the notes of torchrun agents that no longer run: nothing will read them."""
+    directory = notes_directory()
+    stale = [] if directory is None else [
+        note for note in directory.glob(f"{_PREFIX}*.dir")
+        if not _agent_runs(*note.name[len(_PREFIX):].split("-", 2)[:2])
+    ]
+    stale += [  # an earlier ringtrain's notes, named by the agent's pid alone
+        note for note in Path(tempfile.gettempdir()).glob(f"{_OLD_PREFIX}*.dir")
+        if not _agent_runs(note.name[len(_OLD_PREFIX):].split("-", 1)[0], None)
+    ]
+    for note in stale:
+        try:
+            note.unlink()
+        except OSError:  # removed meanwhile by another job's sweep, or another user's
+            pass
+
+
+def notes_directory() -> Path | None:
+    """This user's notes directory, made if missing; None when the temp directory has one by
+    that name that is not this user's own directory (a note read from there could send a
+    restart's checkpoints anywhere)."""
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    directory = Path(tempfile.gettempdir()) / NOTES_DIRECTORY.format(user=user)
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        status = os.lstat(directory)
+    except OSError:
+        return None
+    if not directory.is_dir() or directory.is_symlink():
+        return None
+    if hasattr(os, "getuid") and (status.st_uid != os.getuid() or status.st_mode & 0o022):
+        return None
+    return directory
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat),
+    so that a note's agent is told apart from a later process given the same pid; None when
+    no such process runs. Without /proc (macOS) "" for any process that runs."""
+    if os.name == "nt":  # where os.kill(pid, 0) would send Ctrl-C: take every agent as running
+        return ""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        if os.path.exists("/proc/self/stat"):
+            return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:  # another user's process: it runs
+        pass
+    return ""
+
+
+def _agent_runs(pid: str, started: str | None) -> bool:
+    """Whether the agent a note names still runs (`started` None: any process with that pid)."""
+    if not pid.isdigit():
+        return True  # not a note's name: leave the file alone
+    now = process_start(int(pid))
+    return now is not None and (started is None or now == started)

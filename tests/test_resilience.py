@@ -338,6 +338,11 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
         assert not job.kill_leftovers(), "the launcher left workers behind"
     assert status != 0, output[-4000:]  # torchrun's own status after a signal (1)
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 2)
+    # Each rank says it got the signal, once, in rank 0's format, the others with their rank.
+    notices = re.findall(r"^\[[\d :,-]+\]\[ringtrain\](\[rank \d\])?\[WARNING\] - received SIGTERM: finishing step",
+                         output, re.MULTILINE)
+    assert sorted(notices) == ["", "[rank 1]"], output[-4000:]
+    assert output.count("received SIGTERM") == 2, output[-4000:]
 
     output = job_ok(continue_as_printed(output, REPO))  # the torchrun command, as printed by rank 0
     assert resumed_from_step(output) == saved

@@ -82,7 +82,8 @@ def hydra_overrides_for_this_rank(argv: list[str], rank: int | None = None) -> l
 
     * Ranks other than 0 write nothing into Hydra's run directory: every rank composes the
       config, but the directory could differ between processes started a second apart, so
-      rank 0's is broadcast once the process group is up (trainer/run.py).
+      rank 0's is broadcast once the process group is up (trainer/run.py). They log to the
+      console only, as rank 0 does with their rank named (conf/hydra/job_logging/other_ranks.yaml).
     * trainer.resume=<path> continues in that checkpoint's own run directory (its .hydra/
       keeps the run's config), unless hydra.run.dir is given.
     * A torchrun worker restarted after a failure goes back to the directory its job used
@@ -90,7 +91,7 @@ def hydra_overrides_for_this_rank(argv: list[str], rank: int | None = None) -> l
     """
     rank = (env_rank() if under_torchrun() else 0) if rank is None else rank
     if rank != 0:
-        return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
+        return ["hydra.output_subdir=null", "hydra/job_logging=other_ranks", "hydra.run.dir=."]
     args = argv[1:]
     if any(a in ("-m", "--multirun") for a in args) or any(a.startswith("hydra.run.dir=") for a in args):
         return []

@@ -258,7 +258,10 @@ trainer: {{batch_size: 16, max_steps: 60, num_workers: 2}}
 
 
 @pytest.mark.slow
-def test_a_transformers_classifier_trains_on_hf_rows_from_yaml_alone(rows, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_transformers_classifier_trains_on_hf_rows_from_yaml_alone(rows, tmp_path, ranks):
+    """Batches padded each to its own longest row train a transformers model, also under ddp
+    (each rank's batches have widths of their own: DDP needs only equal batch counts)."""
     pytest.importorskip("transformers")
     from conftest import run_cli
     from helpers import ok
@@ -266,6 +269,7 @@ def test_a_transformers_classifier_trains_on_hf_rows_from_yaml_alone(rows, tmp_p
     (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
     (tmp_path / "my_conf" / "experiment" / "reviews.yaml").write_text(
         HF_CLASSIFIER.format(rows=rows, max_length=MAX_LENGTH, cache=tmp_path / "cache"))
-    ok(run_cli(["--config-dir", "my_conf", "experiment=reviews", "hydra.run.dir=run"], cwd=tmp_path, timeout=600))
+    strategy = ["strategy=ddp", f"strategy.nproc_per_node={ranks}", "trainer.num_workers=0"] if ranks > 1 else []
+    ok(run_cli(["--config-dir", "my_conf", "experiment=reviews", "hydra.run.dir=run", *strategy], cwd=tmp_path, timeout=600))
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())["final"]
     assert metrics["val/acc"] > 0.9, metrics

@@ -71,8 +71,8 @@ def strip_legacy_local_rank_arg(argv: list[str]) -> list[str]:
 def refuse_multirun_under_torchrun(argv: list[str]) -> None:
     if under_torchrun() and any(a in ("-m", "--multirun") for a in argv):
         raise ConfigError(
-            "a multirun (-m) under torchrun would run the whole sweep on every rank; run "
-            "`python train.py -m strategy=ddp strategy.nproc_per_node=N ...` instead"
+            "a multirun (-m) under torchrun would run the whole sweep on every rank; run it without torchrun, "
+            "each job starting its own ranks: `ringtrain -m strategy=ddp strategy.nproc_per_node=N ...`"
         )
 
 

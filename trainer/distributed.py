@@ -66,6 +66,15 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launcher_ranks() -> tuple[int, int]:
+    """(all ranks, ranks on this node) the launcher started: WORLD_SIZE and LOCAL_WORLD_SIZE,
+    (1, 1) when no launcher did."""
+    if not under_torchrun():
+        return 1, 1
+    world = int(os.environ["WORLD_SIZE"] or 1)
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+
+
 def resolve_device(accelerator: str, local_rank: int) -> torch.device:
     if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

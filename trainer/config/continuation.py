@@ -7,6 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.checkpoints.resume import KEPT_SECTIONS, first_difference
 from ringtrain.config.compose import PRESET_GROUPS, PRESET_SECTIONS
+from ringtrain.distributed import under_torchrun
 from ringtrain.errors import ConfigError
 
 
@@ -22,7 +23,8 @@ def config_to_continue(composed: DictConfig, overrides: list[str]) -> DictConfig
     path = composed.trainer.resume
     stored = OmegaConf.create(load_checkpoint(path, mmap=True, verify=False)["config"])  # the config only (checksums: resume.py)
     result = stored.copy()
-    for override in OverridesParser.create().parse_overrides(overrides):
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    for override in parsed:
         key = override.key_or_group
         if key.startswith("hydra") or override.is_delete():
             continue
@@ -34,6 +36,12 @@ def config_to_continue(composed: DictConfig, overrides: list[str]) -> DictConfig
         elif key in result:
             result[key] = composed[key]
     result.trainer.resume = path
+    strategy, typed = result.get("strategy"), {override.key_or_group for override in parsed}
+    if under_torchrun() and isinstance(strategy, DictConfig) and "nproc_per_node" in strategy \
+            and "strategy.nproc_per_node" not in typed:
+        # The stored run may have started its own ranks (strategy.nproc_per_node=N); this one
+        # runs on torchrun's, whose number decides (the strategy refuses a different one typed).
+        result.strategy.nproc_per_node = 1
     for section in KEPT_SECTIONS:
         if OmegaConf.to_container(result[section]) != OmegaConf.to_container(stored[section]):
             changed = first_difference(OmegaConf.to_container(stored[section]), OmegaConf.to_container(result[section]), section)

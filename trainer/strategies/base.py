@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.distributed import DistInfo, resolve_device
+from ringtrain.distributed import DistInfo, launcher_ranks, resolve_device
+from ringtrain.errors import ConfigError
 from ringtrain.checkpoints.state_dicts import (
     full_model_state_dict,
     full_optimizer_state_dict,
@@ -44,11 +45,22 @@ class Strategy:
     forwards_in_lockstep = False
     # How long a collective may wait for another rank (None: there are no other ranks).
     timeout_minutes: float | None = None
+    # The conf/strategy option this class is, for messages (a subclass of yours inherits it).
+    option = "single"
 
     # --- before any work ------------------------------------------------------------------------
 
     def check(self, trainer: Any) -> None:
-        """Refuse trainer settings this strategy cannot honour (ConfigError, one line)."""
+        """Refuse trainer settings this strategy cannot honour, and ranks started in a way it
+        does not match (ConfigError, one line). A subclass calls super().check(trainer)."""
+        ranks, _ = launcher_ranks()
+        if ranks > 1 and not self.spans_processes:
+            # Each rank would train alone, as a job of its own: rank 0 in the run directory, the
+            # others (told to write nothing there) in the current folder, and resume from it next time.
+            raise ConfigError(
+                f"torchrun started {ranks} ranks, but strategy={self.option} trains in one process; "
+                f"add strategy=ddp (or strategy=fsdp), or run without torchrun"
+            )
 
     # --- processes ------------------------------------------------------------------------------
 

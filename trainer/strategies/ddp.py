@@ -20,6 +20,8 @@ from ringtrain.strategies.process_group import ProcessGroupStrategy
 class DDP(ProcessGroupStrategy):
     """DistributedDataParallel (conf/strategy/ddp.yaml); its options are DDP's own."""
 
+    option = "ddp"
+
     def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,
                  scale_lr_by_world_size: bool,
                  bucket_cap_mb: float, find_unused_parameters: bool, gradient_as_bucket_view: bool,

@@ -19,7 +19,10 @@ log = logging.getLogger(__name__)
 class DataParallel(Strategy):
     """nn.DataParallel (conf/strategy/dp.yaml)."""
 
+    option = "dp"
+
     def check(self, trainer: Any) -> None:
+        super().check(trainer)
         if trainer.compile:
             raise ConfigError(
                 "trainer.compile=true does not work with strategy=dp (DataParallel copies the model in every "

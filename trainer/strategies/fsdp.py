@@ -46,6 +46,7 @@ STATE_DICT_TYPES = ("full", "sharded")
 class FSDP(ProcessGroupStrategy):
     """FSDP2 over every rank (conf/strategy/fsdp.yaml)."""
 
+    option = "fsdp"
     forwards_in_lockstep = True  # each sharded layer's forward all-gathers its parameters
 
     def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,

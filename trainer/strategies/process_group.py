@@ -16,7 +16,7 @@ import torch
 
 from ringtrain.errors import ConfigError
 from ringtrain.strategies.base import Strategy
-from ringtrain.distributed import DistInfo, join_process_group, under_torchrun
+from ringtrain.distributed import DistInfo, join_process_group, launcher_ranks, under_torchrun
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -42,6 +42,15 @@ class ProcessGroupStrategy(Strategy):
         self.scale_lr_by_world_size = scale_lr_by_world_size  # lr * world_size, the seed tutorial's rule
 
     def check(self, trainer: Any) -> None:
+        super().check(trainer)
+        _, local_ranks = launcher_ranks()
+        if under_torchrun() and self.nproc_per_node not in (1, local_ranks):
+            # nproc_per_node is how many ranks ringtrain starts itself; under torchrun it starts none.
+            raise ConfigError(
+                f"strategy.nproc_per_node={self.nproc_per_node} asks for {self.nproc_per_node} ranks on this machine, "
+                f"but torchrun started {local_ranks} here; under torchrun its --nproc_per_node decides: drop "
+                f"strategy.nproc_per_node, or run torchrun --nproc_per_node={self.nproc_per_node}"
+            )
         if self.backend == "nccl" and (trainer.accelerator == "cpu" or not torch.cuda.is_available()):
             raise ConfigError(
                 "strategy.backend=nccl needs a CUDA device on every rank and none is visible; "

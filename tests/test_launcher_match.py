@@ -1,9 +1,11 @@
 """A strategy must match how the ranks were started: torchrun's ranks with a one-process strategy
 (single, dp) would each train alone as a job of its own (rank 1 writing into the current
 folder), and a strategy.nproc_per_node other than torchrun's would be ignored. Both are refused
-before any work, in one line for the job."""
+before any work, in one line for the job. And ringtrain warns when it starts more CPU ranks
+itself than there are cores."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -137,3 +139,51 @@ def test_a_self_launched_run_continues_under_torchrun_on_torchruns_ranks(tmp_pat
     assert validate(config).strategy.spans_processes
     with pytest.raises(ConfigError, match="strategy.nproc_per_node=3 asks for 3 ranks on this machine, but torchrun started 2"):
         validate(continued([f"trainer.resume={path}", "strategy.nproc_per_node=3"]))
+
+
+# --- ringtrain's own ranks on CPU: a warning when they outnumber the cores --------------------------
+
+
+class _Launched(Exception):
+    """Raised by the stand-in for launch_ranks: the ranks would start here."""
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    """A machine whose affinity mask allows 2 cores; launching ranks raises _Launched instead."""
+    from ringtrain.strategies import launch
+
+    def launch_ranks(nprocs, *args, **kwargs):
+        raise _Launched(nprocs)
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(launch, "launch_ranks", launch_ranks)
+
+
+def _launch(caplog, nprocs: int, accelerator: str) -> list[str]:
+    """The warnings of launching `nprocs` ddp ranks on `accelerator`."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ringtrain"), pytest.raises(_Launched):
+        strategy_option("ddp", nproc_per_node=nprocs).launch(print, accelerator=accelerator)
+    return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+
+def test_more_cpu_ranks_than_cores_is_one_warning(two_cores, caplog, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert _launch(caplog, 64, "cpu") == [
+        "strategy.nproc_per_node=64 starts 64 CPU ranks on 2 cores: each rank gets a fraction of a core and the job "
+        "runs slower than with fewer ranks; use strategy.nproc_per_node=2 or fewer"
+    ]
+    assert _launch(caplog, 2, "cpu") == []  # as many ranks as cores
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert len(_launch(caplog, 3, "auto")) == 1  # auto without a GPU is the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _launch(caplog, 3, "auto") == []  # one GPU per rank: the cores are not what is shared
+
+
+def test_no_core_warning_under_torchrun(two_cores, torchrun_env, caplog):
+    # Under torchrun ringtrain starts no ranks (torchrun's --nproc_per_node is torchrun's business).
+    caplog.set_level(logging.WARNING, logger="ringtrain")
+    assert strategy_option("ddp").launch(lambda: "ran here", accelerator="cpu") == "ran here"
+    assert not caplog.records

@@ -75,8 +75,13 @@ def launcher_ranks() -> tuple[int, int]:
     return world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)
 
 
+def runs_on_cpu(accelerator: str) -> bool:
+    """Whether trainer.accelerator puts the ranks on the CPU (auto: when no CUDA device is visible)."""
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
 def resolve_device(accelerator: str, local_rank: int) -> torch.device:
-    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+    if runs_on_cpu(accelerator):
         return torch.device("cpu")
     count = torch.cuda.device_count()
     if local_rank >= count:

@@ -108,7 +108,8 @@ def launch(run: RunConfig, run_dir: str, built: BuiltComponents | None = None,
     """Train on this process, or on the ranks the strategy starts (ddp/fsdp without torchrun);
     the trainer's stop signals reach those ranks through this process too (Ctrl-C, `kill`)."""
     entry = train_worker if built is None else _worker_returning_weights
-    return run.strategy.launch(entry, run, run_dir, built, record, stop_signals=tuple(run.trainer.stop_signals))
+    return run.strategy.launch(entry, run, run_dir, built, record, stop_signals=tuple(run.trainer.stop_signals),
+                               accelerator=run.trainer.accelerator)
 
 
 def sweep_value(result: FitResult) -> float:

@@ -64,9 +64,11 @@ class Strategy:
 
     # --- processes ------------------------------------------------------------------------------
 
-    def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = ()) -> Any:
+    def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = (),
+               accelerator: str = "auto") -> Any:
         """Run `fn(*args)` on every rank this strategy trains with; return rank 0's result.
-        `stop_signals` sent to this process reach every rank (they stop as the loop does)."""
+        `stop_signals` sent to this process reach every rank (they stop as the loop does);
+        `accelerator` is trainer.accelerator, the device the ranks will use."""
         return fn(*args)
 
     def setup_process(self, accelerator: str) -> DistInfo:

@@ -16,7 +16,7 @@ import torch
 
 from ringtrain.errors import ConfigError
 from ringtrain.strategies.base import Strategy
-from ringtrain.distributed import DistInfo, join_process_group, launcher_ranks, under_torchrun
+from ringtrain.distributed import DistInfo, join_process_group, launcher_ranks, runs_on_cpu, under_torchrun
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -57,11 +57,14 @@ class ProcessGroupStrategy(Strategy):
                 "use strategy.backend=gloo (or auto) on CPU"
             )
 
-    def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = ()) -> Any:
+    def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = (),
+               accelerator: str = "auto") -> Any:
         if under_torchrun() or self.nproc_per_node == 1:
             return fn(*args)
-        from ringtrain.strategies.launch import launch_ranks
+        from ringtrain.strategies.launch import launch_ranks, warn_if_ranks_share_cores
 
+        if runs_on_cpu(accelerator):
+            warn_if_ranks_share_cores(self.nproc_per_node)
         return launch_ranks(self.nproc_per_node, fn, args, max_restarts=self.max_restarts, stop_signals=stop_signals)
 
     def lr_scale(self, world_size: int) -> float:

@@ -234,7 +234,7 @@ def check_data_fits(data: DataBundle, job: EvalJob) -> None:
 
 def launch(job: EvalJob) -> EvalResult | None:
     """The result on rank 0 (None on the other ranks of a torchrun job)."""
-    result = job.strategy.launch(evaluate_worker, job)
+    result = job.strategy.launch(evaluate_worker, job, accelerator=job.trainer.accelerator)
     return result if int(os.environ.get("RANK", "0")) == 0 else None
 
 

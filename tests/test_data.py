@@ -217,6 +217,19 @@ def test_validation_shards_cover_every_sample_once_without_padding():
     assert sorted(torch.cat(shards).flatten().tolist()) == sorted(data.inputs.flatten().tolist())
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_limit_val_batches_is_one_processs_first_batches_shared_among_the_ranks(world_size):
+    """limit_batches=3 with batches of 8: the first 24 samples of the order, each on one rank,
+    for any number of ranks (not 3 batches per rank)."""
+    data = made(RegressionData, num_samples=10, num_val_samples=101).val
+    loaders = [build_val_loader(data, 8, r, world_size, CPU, limit_batches=3) for r in range(world_size)]
+    seen = torch.cat([x for loader in loaders for x, _ in loader.batches()])
+    assert sorted(seen.flatten().tolist()) == sorted(data.inputs[:24].flatten().tolist())
+    # With the training's overfit limit too, the smaller of the two is the set.
+    small = [build_val_loader(data, 8, r, world_size, CPU, limit_samples=10, limit_batches=3) for r in range(world_size)]
+    assert sum(len(x) for loader in small for x, _ in loader.batches()) == 10
+
+
 @pytest.mark.parametrize("task,outputs,targets", [
     (RegressionTask(), (4, 1), ("float", (4, 1))),
     (ClassificationTask(), (4, 3), ("long", (4,))),

@@ -119,6 +119,21 @@ def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)
 
 
+def test_limit_val_batches_gives_one_processs_metric_on_two_ranks(char_run, tmp_path):
+    """limit_val_batches=3 with batches of 5 is the first 15 validation samples, shared among
+    the ranks: two ranks report one process's value (not two ranks' 3 batches each)."""
+    checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
+
+    def evaluate(name: str, *args: str) -> float:
+        ok(run_module("evaluate", [checkpoint, "trainer.val_batch_size=5", f"output={tmp_path / name}", *args]))
+        return json.loads((tmp_path / name).read_text())["metrics"]["val/loss"]
+
+    one = evaluate("one.json", "trainer.limit_val_batches=3")
+    two = evaluate("two.json", "trainer.limit_val_batches=3", "strategy=ddp", "strategy.nproc_per_node=2")
+    assert json.loads((tmp_path / "two.json").read_text())["world_size"] == 2
+    assert two == pytest.approx(one, rel=1e-6)  # each rank's own 3 batches (30 samples) gave 2.0278 for 2.0441
+
+
 def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
     """Other data of the same kind (a copy of the text under another name) gives the same loss."""
     data = Path(torch.load(char_run / "checkpoints" / "last.pt", weights_only=True)["config"]["data"]["path"])

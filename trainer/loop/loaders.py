@@ -189,7 +189,7 @@ class BatchLoader:
         self.order = order
         self.device = device
         self.drop_last = drop_last
-        self.limit_batches = limit_batches  # > 0: only the first batches of each epoch
+        self.limit_batches = limit_batches  # > 0: only the first batches of each epoch (overfit_batches)
         self.workers = workers
         self._loader: DataLoader | None = None  # built on first use, kept (persistent workers)
         self._epoch_order = _EpochOrder()
@@ -264,9 +264,11 @@ def build_val_loader(
     dataset, batch_size, rank, world_size, device, limit_samples=0, limit_batches=0,
     workers: WorkerOptions = WorkerOptions(),
 ) -> BatchLoader:
-    """Each sample on exactly one rank; `limit_samples` > 0 validates on the first samples only,
-    `limit_batches` > 0 on each rank's first batches only."""
-    length = min(len(dataset), limit_samples) if limit_samples else len(dataset)
-    return BatchLoader(
-        dataset, batch_size, Shards(length, rank, world_size), device, limit_batches=limit_batches, workers=workers
-    )
+    """Each sample on exactly one rank. The limits are global, so the ranks together validate
+    on the samples one process would: `limit_samples` > 0 the first samples only,
+    `limit_batches` > 0 (trainer.limit_val_batches) one process's first batches, the first
+    limit_batches * batch_size samples, whatever the number of ranks."""
+    length = len(dataset)
+    for limit in (limit_samples, limit_batches * batch_size):
+        length = min(length, limit) if limit else length
+    return BatchLoader(dataset, batch_size, Shards(length, rank, world_size), device, workers=workers)

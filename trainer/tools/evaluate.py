@@ -28,7 +28,8 @@ elsewhere, pass data.path=<path>.
 
 The metrics are computed exactly as the training loop's validation: the split sharded over
 the ranks without padding, per-batch sums and counts all-reduced (data.tasks), autocast per
-`trainer.precision`; so the same checkpoint gives the val/loss the run logged at that step,
+`trainer.precision`; trainer.limit_val_batches=K is one process's first K batches, shared
+among the ranks; so the same checkpoint gives the val/loss the run logged at that step,
 for any number of ranks. Rank 0 prints one `name=value` line per metric on stdout and writes
 `metrics.json`: {"checkpoint", "step", "split", "strategy", "overrides", "output", "world_size",
 "metrics"}. With -m, each job writes its own checkpoint's file.

@@ -125,6 +125,18 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
         (["model=mlp", "+model.in_features=5"], "model.in_features=5 but the data has in_features=3072"),
         (["model=transformer", "data.seq_len=128"], "data.seq_len=128 exceeds model.block_size=64"),
         (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
+        # The data's lengths against the batch and the ranks, from the data the dry step set up.
+        (["trainer.batch_size=20000", "trainer.drop_last=true"],
+         "trainer.drop_last=true drops every batch: the training set has 10000 samples, too few for one batch of "
+         "trainer.batch_size=20000; set trainer.batch_size=10000 or lower, or trainer.drop_last=false"),
+        (["trainer.batch_size=6000", "trainer.drop_last=true", "strategy=ddp", "strategy.nproc_per_node=2"],
+         "too few for one batch of trainer.batch_size=6000 on each of 2 processes (12000 samples); set "
+         "trainer.batch_size=5000 or lower"),
+        (["data.num_val_samples=2", "strategy=ddp", "strategy.nproc_per_node=3"],
+         "the validation set has 2 samples but 3 processes need at least one each"),
+        (["trainer.limit_val_batches=1", "trainer.val_batch_size=1", "strategy=ddp", "strategy.nproc_per_node=2"],
+         "trainer.limit_val_batches=1 validates on 1 samples (one process's first batches), fewer than the 2 "
+         "processes that share them"),
         # Which of the strategy's sizes is wrong, and its value.
         (["strategy=ddp", "strategy.nproc_per_node=0"], "strategy.nproc_per_node=0 must be positive"),
         (["strategy=ddp", "strategy.timeout_minutes=-1"], "strategy.timeout_minutes=-1 must be positive"),
@@ -142,6 +154,17 @@ def test_bad_config_gives_one_clear_error(overrides, message):
         validate(compose_config(overrides))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_under_torchrun_the_pre_check_counts_torchruns_ranks(monkeypatch):
+    """A rank of `torchrun --nproc_per_node=4` checks the data for 4 ranks, whatever
+    strategy.nproc_per_node says (torchrun started the ranks)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"one batch of trainer.batch_size=3000 on each of 4 processes \(12000 samples\); "
+                                          r"set trainer.batch_size=2500 or lower"):
+        validate(compose_config(["trainer.batch_size=3000", "trainer.drop_last=true", "strategy=ddp"]))
+    validate(compose_config(["trainer.batch_size=2500", "trainer.drop_last=true", "strategy=ddp"]))
 
 
 # Function targets the next test follows: each notes that it was called.
@@ -177,6 +200,11 @@ def test_the_pre_check_calls_no_function_target_and_the_run_builds_it(tmp_path):
 @pytest.mark.parametrize("args,line", [
     (["trainer.precision=fp8"], "error: trainer.precision='fp8' is not supported; use one of 32, bf16-mixed, 16-mixed"),
     (["strategy=ddp", "strategy.timeout_minutes=0"], "error: strategy.timeout_minutes=0 must be positive"),
+    # Only the data knows this (the dry step sets it up ahead): still before the run directory.
+    (["trainer.batch_size=1000000", "trainer.drop_last=true"],
+     "error: trainer.drop_last=true drops every batch: the training set has 10000 samples, too few for one batch of "
+     "trainer.batch_size=1000000; set trainer.batch_size=10000 or lower, or trainer.drop_last=false (a step then "
+     "trains on the whole set)"),
     # A function target is not called ahead (print would print); what it cannot take is said.
     (["scheduler._target_=builtins.print"],
      "error: scheduler._target_='builtins.print' takes no argument 'optimizer', which ringtrain passes it; "

@@ -59,6 +59,34 @@ def test_drop_last_drops_the_short_batch(tmp_path, drop_last, steps_per_epoch):
     assert result.steps == 2 * steps_per_epoch  # 100 samples in batches of 32
 
 
+def test_a_batch_larger_than_the_data_is_the_whole_set_and_the_log_says_so(tmp_path, caplog):
+    """Without drop_last a batch over the data is not refused: each step trains on all of it."""
+    with caplog.at_level("INFO", logger="ringtrain"):
+        result = train_in_process(["data.num_samples=50", "trainer.batch_size=1000", "trainer.max_steps=3"], tmp_path / "a")
+    assert result.steps == 3 and result.metrics["val/loss"] > 0
+    assert ("trainer.batch_size=1000 is more than the training set's 50 samples: each batch is the whole set, "
+            "50 samples") in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ringtrain"):  # a batch the data fills: nothing to say
+        train_in_process(["data.num_samples=50", "trainer.batch_size=50", "trainer.max_steps=1"], tmp_path / "b")
+    assert "run directory" in caplog.text and "is more than" not in caplog.text
+
+
+def test_drop_last_with_data_only_the_run_can_set_up_is_refused_when_it_is_built(tmp_path):
+    """The Python API's data sets (like data that needs its prepare_data) reach no pre-check:
+    the run refuses a batch that drop_last leaves nothing of when it builds the data."""
+    from ringtrain import Trainer
+    from ringtrain.data.tasks import RegressionTask
+
+    def points(n):
+        return torch.utils.data.TensorDataset(torch.randn(n, 1), torch.randn(n, 1))
+
+    trainer = Trainer(tmp_path / "run", batch_size=64, drop_last=True, max_steps=2, progress_bar=False)
+    with pytest.raises(ConfigError, match=r"the training set has 40 samples, too few for one batch of "
+                                          r"trainer.batch_size=64; set trainer.batch_size=40 or lower"):
+        trainer.fit(torch.nn.Linear(1, 1), points(40), points(8), RegressionTask())
+
+
 def test_progress_bar_shows_steps_and_the_train_loss(tmp_path, capsys):
     train_in_process(["trainer.progress_bar=true", "trainer.max_steps=10", "trainer.log_every_n_steps=5"], tmp_path)
     err = capsys.readouterr().err

@@ -28,6 +28,7 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.config.builders import build_data, build_model, check_task
 from ringtrain.checkpoints.files import RunDirError
 from ringtrain.config.components import build
+from ringtrain.config.data_lengths import check_data_lengths
 from ringtrain.config.schema import RunConfig, gpu_preset_notice, validate
 from ringtrain.distributed import (
     DistInfo,
@@ -42,7 +43,6 @@ from ringtrain.errors import (
     NONFINITE_EXIT,
     STOPPED_BY_SIGNAL_EXIT,
     USER_ERROR_EXIT,
-    ConfigError,
     TrainingStopped,
     UserError,
     first_to_report,
@@ -156,12 +156,9 @@ def _train_rank(run: RunConfig, run_dir: str, built: BuiltComponents | None, rec
             data = built.data if built else build_data(run.data, dist)
         with failures_reported_as_mistakes(f"building the task{component_name(run.task)}", "check the task.* settings", dist):
             task = built.task if built else check_task(build(run.task, "task"))
-        for split, dataset in (("training", data.train), ("validation", data.val)):
-            if len(dataset) < dist.world_size:  # every rank trains and validates on its own share
-                raise ConfigError(
-                    f"the {split} set has {len(dataset)} samples but {dist.world_size} processes "
-                    f"need at least one each; use fewer processes or more data"
-                )
+        # Every rank trains and validates on its own share: said ahead where the pre-check could
+        # set the data up, here for the rest (prepare_data first, the Python API's data sets).
+        check_data_lengths(len(data.train), len(data.val), run.trainer, dist.world_size)
         # Same seed on every rank: identical initial weights. Then a per-rank seed, so dropout
         # masks differ between ranks (the data order is the sampler's business, not this RNG's).
         torch.manual_seed(run.trainer.seed)

@@ -5,7 +5,9 @@ before Hydra makes a run directory:
   1. the data is set up (its `prepare_data`, a download say, is not run: data that needs it
      first is left to the run) and its first two training samples are collated, as the
      loader collates them: with the Dataset's own `collate_fn` where it has one, else
-     torch's default collate (samples a collate cannot stack are left to the run);
+     torch's default collate (samples a collate cannot stack are left to the run); its
+     splits' lengths are kept for the pre-check's next check (`data_lengths`: a batch or a
+     number of ranks the data cannot fill, config/data_lengths.py);
   2. the model is built on the meta device (no memory, no initialisation): a constructor
      that raises is one line with its message and the key to change;
   3. the sizes the model reports (embedding rows, positions) are held against the data's
@@ -42,6 +44,7 @@ SAMPLES = 2  # a batch of two: batch norm and the like need more than one sample
 
 _checked: set[str] = set()
 _samples: dict[str, tuple[Any, dict, int | None] | None] = {}  # (batch, dims, longest batch)
+_lengths: dict[str, tuple[int, int] | None] = {}  # (training samples, validation samples)
 
 
 def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
@@ -71,7 +74,22 @@ def _sample(data: Mapping) -> tuple[Any, dict, int | None] | None:
             else:
                 raise
         _samples[key] = None if bundle is None else _first_batch(bundle)
+        _lengths[key] = None if bundle is None else _split_lengths(bundle)
     return _samples[key]
+
+
+def data_lengths(data: Mapping) -> tuple[int, int] | None:
+    """The (training, validation) samples of the data as step 1 set it up, or None where it
+    did not (a model or task built by a function; data that needs its prepare_data first) or
+    the data has no length."""
+    return _lengths.get(_key(data))
+
+
+def _split_lengths(bundle) -> tuple[int, int] | None:
+    try:
+        return len(bundle.train), len(bundle.val)
+    except TypeError:  # a Dataset without __len__: the run's loader says what it lacks
+        return None
 
 
 def _first_batch(bundle) -> tuple[Any, dict, int | None] | None:

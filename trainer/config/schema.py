@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ringtrain.config.compose import CONF_DIR, SECTIONS
+from ringtrain.config.data_lengths import check_data_lengths, check_validation_limit
 from ringtrain.errors import ConfigError
 from ringtrain.strategies.base import Strategy
 
@@ -101,7 +102,7 @@ class RunConfig:
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the composed config and return it typed; raise ConfigError on the first mistake."""
     from ringtrain.config.builders import check_components
-    from ringtrain.config.dry_step import dry_step
+    from ringtrain.config.dry_step import data_lengths, dry_step
     from ringtrain.config.sizes import defer_data_sizes
 
     _reject_unknown_sections(cfg)
@@ -132,13 +133,17 @@ def validate(cfg: DictConfig) -> RunConfig:
     check_components(run.model, run.data, run.task, run.optimizer, run.scheduler, run.trainer.max_steps,
                      init_from=None if resuming_a_file else run.trainer.init_from)
     dry_step(run.model, run.data, run.task)
+    if (lengths := data_lengths(run.data)) is not None:  # each rank's share and batch, before any work
+        check_data_lengths(*lengths, run.trainer, run.strategy.planned_ranks())
     return run
 
 
 def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
-    """The cross-field checks of the trainer section, then the strategy's own refusals."""
+    """The cross-field checks of the trainer section, then the strategy's own refusals (its
+    ranks against torchrun's among them), then what needs its ranks."""
     _check_trainer(trainer)
     strategy.check(trainer)
+    check_validation_limit(trainer, strategy.planned_ranks())
 
 
 def build_strategy(node: Any) -> Strategy:

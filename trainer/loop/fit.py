@@ -84,6 +84,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
         logger.config(run.resolved)
         logger.advance(progress.step)
         _report_layout_change(state, progress, saved_layout)
+        _report_batch_of_the_whole_share(state)
         _stop_if_signalled_before_training(state, progress)
         if progress.step >= parts.total_steps and state.stopped is None:
             # A finished run started again (a requeue, the same command): report its metrics.
@@ -125,7 +126,7 @@ def _train_rest_of_epoch(state: FitState, progress: Progress, speed: ThroughputR
     start = progress.samples_into_epoch
     epoch = loader.epoch(progress.epoch, start=start)
     if epoch.num_batches == 0:
-        if start == 0:  # set_up_training refuses this; a data set that changed size since would spin here
+        if start == 0:  # the run refuses this (config/data_lengths.py); a data set that changed size since would spin here
             raise ConfigError(f"epoch {progress.epoch} has no batch of {cfg.batch_size}; lower trainer.batch_size")
         # A run continued with more ranks or a bigger batch: the few samples left make no full
         # batch (drop_last), or lie past the epoch's overfit_batches; an uninterrupted epoch
@@ -157,6 +158,19 @@ def _report_layout_change(state: FitState, progress: Progress, saved: Layout) ->
             f"{change}; continuing at sample {progress.samples_into_epoch} of epoch {progress.epoch}, "
             f"step {progress.step} of {state.parts.total_steps}"
         )
+
+
+def _report_batch_of_the_whole_share(state: FitState) -> None:
+    """One line when trainer.batch_size is more than a rank's share of the training set: each
+    batch is then the whole share (drop_last=true is refused before work), not batch_size."""
+    batch, share, ranks = state.config.trainer.batch_size, len(state.parts.train_loader.order), state.dist.world_size
+    if share < batch and ranks == 1:
+        state.logger.info(f"trainer.batch_size={batch} is more than the training set's {share} samples: each "
+                          f"batch is the whole set, {share} samples")
+    elif share < batch:
+        state.logger.info(f"trainer.batch_size={batch} is more than each process's share of the training set "
+                          f"({share} samples, {ranks} processes): each batch is the whole share, {share} samples "
+                          f"per process, {share * ranks} in all")
 
 
 def _stop_if_signalled_before_training(state: FitState, progress: Progress) -> None:

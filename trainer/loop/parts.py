@@ -13,7 +13,6 @@ from torch.optim.lr_scheduler import LRScheduler
 from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo
-from ringtrain.errors import ConfigError
 from ringtrain.loop.loaders import BatchLoader, build_train_loader, build_val_loader, worker_options
 from ringtrain.config.optim import build_optimizer, build_scheduler
 from ringtrain.loop.precision import Precision, set_matmul_precision
@@ -107,12 +106,6 @@ def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader, B
         limit_samples=overfit * cfg.batch_size * dist.world_size, limit_batches=cfg.limit_val_batches,
         workers=workers,
     )
-    if len(train_loader) == 0:
-        raise ConfigError(
-            f"the training set has {len(data.train)} samples, too few for one batch of "
-            f"{cfg.batch_size} on each of {dist.world_size} processes; lower trainer.batch_size "
-            f"or the number of processes"
-        )
     return train_loader, val_loader
 
 

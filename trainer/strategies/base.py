@@ -71,6 +71,11 @@ class Strategy:
         `accelerator` is trainer.accelerator, the device the ranks will use."""
         return fn(*args)
 
+    def planned_ranks(self) -> int:
+        """How many ranks `launch` will run on, known before any work: the pre-check holds the
+        data and the batch against it (config/data_lengths.py)."""
+        return 1
+
     def setup_process(self, accelerator: str) -> DistInfo:
         """This process's rank, world size and device (and its process group, if any)."""
         return DistInfo(0, 0, 1, resolve_device(accelerator, 0), None)

@@ -67,6 +67,9 @@ class ProcessGroupStrategy(Strategy):
             warn_if_ranks_share_cores(self.nproc_per_node)
         return launch_ranks(self.nproc_per_node, fn, args, max_restarts=self.max_restarts, stop_signals=stop_signals)
 
+    def planned_ranks(self) -> int:
+        return launcher_ranks()[0] if under_torchrun() else self.nproc_per_node
+
     def lr_scale(self, world_size: int) -> float:
         return float(world_size) if self.scale_lr_by_world_size else 1.0
 

@@ -269,7 +269,7 @@ def test_a_transformers_classifier_trains_on_hf_rows_from_yaml_alone(rows, tmp_p
     (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
     (tmp_path / "my_conf" / "experiment" / "reviews.yaml").write_text(
         HF_CLASSIFIER.format(rows=rows, max_length=MAX_LENGTH, cache=tmp_path / "cache"))
-    strategy = ["strategy=ddp", f"strategy.nproc_per_node={ranks}", "trainer.num_workers=0"] if ranks > 1 else []
+    strategy = ["strategy=ddp", f"strategy.nproc_per_node={ranks}"] if ranks > 1 else []
     ok(run_cli(["--config-dir", "my_conf", "experiment=reviews", "hydra.run.dir=run", *strategy], cwd=tmp_path, timeout=600))
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())["final"]
     assert metrics["val/acc"] > 0.9, metrics

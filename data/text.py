@@ -1,6 +1,6 @@
 """Language modelling over any UTF-8 text file, by characters or with a BPE tokenizer.
 
-    python train.py model=transformer data=text data.path=../shared/data/tinyshakespeare.txt
+    python train.py model=transformer data=text data.path=tinyshakespeare.txt  # README: Tiny Shakespeare
     python train.py model=transformer data=text data.path=input.txt data.tokenizer=tokenizer.json
 
 The vocabulary is the set of characters in the file (sorted by code point), or, with

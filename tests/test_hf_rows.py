@@ -204,6 +204,21 @@ def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exa
     assert evaluated == pytest.approx({k: result.metrics[k] for k in evaluated}, abs=1e-5)
 
 
+def test_sample_refuses_a_classifier_whose_data_keeps_a_tokenizer(rows, tmp_path):
+    """The classifier's checkpoint keeps a BPE vocabulary, but its task is classification:
+    `ringtrain sample` says so in one line, exit 2 (it crashed indexing (batch, classes) logits)."""
+    from conftest import run_module
+    from helpers import refused
+
+    common = [o for o in classifier(rows, tmp_path / "cache") if not o.startswith("trainer.num_workers")]
+    train_in_process(common + ["trainer.max_steps=1"], tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert torch.load(checkpoint, weights_only=True)["vocab"]  # what the old refusal looked at
+    refused(run_module("sample", [f"checkpoint={checkpoint}"], cwd=tmp_path),
+            f"{checkpoint} holds {__name__}.BagOfTokens, trained with ringtrain.data.tasks.ClassificationTask "
+            f"on data of sizes (num_classes, vocab_size): not a language model", "task=language_model")
+
+
 def _tensors(state) -> list[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]

@@ -170,8 +170,8 @@ def token_checkpoint(tmp_path_factory) -> Path:
 
 def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
     refused(run_module("sample", [f"checkpoint={token_checkpoint}"]),
-            "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text or "
-            "data=token_file")
+            "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text, "
+            "token_file or hf_text")
 
 
 def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):
@@ -183,6 +183,7 @@ def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):
     message = str(refusal.value)
     assert "holds ringtrain.models.mlp.MLPClassifier, trained with ringtrain.data.tasks.ClassificationTask" in message
     assert "(in_features, num_classes): not a language model" in message and "data=tokens" not in message
+    assert "sample needs a run of task=language_model" in message
 
 
 @pytest.mark.parametrize("args,phrases", [

@@ -40,6 +40,7 @@ from ringtrain.config.compose import PrimaryConfig
 from ringtrain.config.components import build, is_node, locate
 from ringtrain.config.sizes import position_limit
 from ringtrain.data.batches import logits as predictions
+from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.tools.app import call_with_settings, run_tool, settings_for
@@ -48,6 +49,8 @@ SAMPLE = PrimaryConfig(
     "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
 )
 SEPARATOR = "\n---------------\n"
+# The data whose checkpoints keep a vocabulary to decode with (data/vocab.py), for messages.
+LANGUAGE_MODEL_DATA = "data=text, token_file or hf_text"
 
 
 @torch.inference_mode()
@@ -80,7 +83,11 @@ def generate(
     try:
         for _ in range(max_new_tokens):
             context = idx if block_size is None else idx[:, -block_size:]
-            logits = predictions(task, model, context)[:, -1, :].float()
+            logits = predictions(task, model, context)
+            if logits.dim() != 3:  # e.g. a classifier's (batch, classes): no token to predict
+                raise ConfigError(f"the model's output has shape {tuple(logits.shape)}, not (batch, positions, "
+                                  f"vocabulary) logits: not a language model, so there is no text to sample")
+            logits = logits[:, -1, :].float()
             if temperature == 0:
                 next_ids = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -124,18 +131,35 @@ def read_prompt(prompt: str) -> str:
 
 
 def refuse_a_model_that_is_not_a_language_model(state: dict, checkpoint: str) -> None:
-    """A language model's data gives it a vocabulary size (data=text, tokens, token_file do);
-    a model trained on data that gives none (a regression, classes) predicts no next token."""
-    if state.get("vocab") or "vocab_size" in (state.get("data_dims") or {}):
-        return
+    """Only a run trained with a language-model task (data/tasks.py LanguageModelTask, or a
+    subclass: data=text, token_file, hf_text, hf_gpt2 with shift_labels) predicts next tokens.
+    A classifier's data may still keep a vocabulary (hf_rows with a tokenizer), so the task
+    decides; only a checkpoint whose task cannot be read is judged by its data's vocabulary."""
     config = state.get("config") or {}
+    verdict = _trained_as_a_language_model(config.get("task"))
+    if verdict or (verdict is None and (state.get("vocab") or "vocab_size" in (state.get("data_dims") or {}))):
+        return
     model = (config.get("model") or {}).get("_target_", "its model")
     task = (config.get("task") or {}).get("_target_", "its task")
+    sizes = ", ".join(sorted(state.get("data_dims") or {}))
+    data = f"on data of sizes ({sizes})" if verdict is False else f"on data that gives no vocabulary ({sizes or 'no sizes'})"
     raise ConfigError(
-        f"{checkpoint} holds {model}, trained with {task} on data that gives no vocabulary "
-        f"({', '.join(sorted(state.get('data_dims') or {})) or 'no sizes'}): not a language model, so there is no "
-        f"text to sample; `ringtrain evaluate checkpoint=...` reports its metrics"
+        f"{checkpoint} holds {model}, trained with {task} {data}: not a language model, so there is no "
+        f"text to sample (sample needs a run of task=language_model: {LANGUAGE_MODEL_DATA}); "
+        f"`ringtrain evaluate checkpoint=...` reports its metrics"
     )
+
+
+def _trained_as_a_language_model(node: Any) -> bool | None:
+    """Whether the stored task node is a LanguageModelTask (or a subclass); None when it
+    cannot tell (no node, or a class not importable here)."""
+    if not is_node(node):
+        return None
+    try:
+        kind = locate(node["_target_"], "task")
+    except ConfigError:
+        return None
+    return inspect.isclass(kind) and issubclass(kind, LanguageModelTask)
 
 
 def sample(
@@ -160,8 +184,8 @@ def sample(
     refuse_a_model_that_is_not_a_language_model(state, checkpoint)
     if not state.get("vocab"):
         raise ConfigError(
-            "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
-            "data=text or data=token_file"
+            f"this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
+            f"{LANGUAGE_MODEL_DATA}"
         )
     try:
         vocab = vocab_from_state(state["vocab"])

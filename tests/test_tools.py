@@ -55,3 +55,25 @@ def test_a_multirun_keeps_multirun_yaml_out_of_the_current_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["multirun.yaml"]
     assert not list((tmp_path / "cwd").iterdir())
+
+
+def test_ringtrain_help_is_ringtrains_and_names_every_other_command(tmp_path):
+    shown = run_module("ringtrain", ["--help"], cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.startswith("ringtrain: train a model") and "powered by Hydra" not in shown.stdout
+    commands = shown.stdout.split("== Other commands ==", 1)[1]
+    for tool in TOOLS:
+        assert re.search(rf"^  ringtrain {tool} \w+=", commands, re.MULTILINE), tool
+
+
+@pytest.mark.parametrize("typed,meant", [("exprt", "export"), ("evalute", "evaluate"), ("prepare-token", "prepare_tokens")])
+def test_a_mistyped_command_is_one_line_naming_the_command_meant(typed, meant, tmp_path):
+    proc = run_module("ringtrain", [typed, "checkpoint=x"], cwd=tmp_path)
+    assert refused(proc) == (f"error: {typed} is not a ringtrain command; did you mean {meant}? "
+                             f"(commands: train, evaluate, sample, consolidate, export, prepare_tokens)")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_config_groups_name_alone_is_left_to_hydras_override_message(tmp_path):
+    """`ringtrain trainer` is close to train, but it is the trainer group missing its =option."""
+    assert "cannot read the override 'trainer' (missing EQUAL" in refused(run_module("ringtrain", ["trainer"], cwd=tmp_path))

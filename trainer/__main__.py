@@ -10,11 +10,15 @@
 Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
 `--config-dir` and `-m` work the same in each.
 """
+import difflib
 import gc
 import importlib
+import importlib.util
 import os
+import re
 import signal
 import sys
+from pathlib import Path
 
 TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens")
 
@@ -37,10 +41,34 @@ def main() -> None:
     tool = "train"
     if len(sys.argv) > 1 and sys.argv[1].replace("-", "_") in TOOLS:
         tool = sys.argv.pop(1).replace("-", "_")
+    elif len(sys.argv) > 1:
+        _refuse_a_mistyped_command(sys.argv[1])
     try:
         importlib.import_module(f"ringtrain.tools.{tool}").main()
     finally:
         _skip_the_last_collections()
+
+
+def _refuse_a_mistyped_command(first: str) -> None:
+    """`ringtrain exprt checkpoint=x`: a bare word close to a command's name is a typo of it, not an
+    override (Hydra would say only "missing EQUAL"). One line, exit 2. A config group's name
+    (`ringtrain trainer`, `ringtrain experiment`) is left to Hydra's message, which says
+    group=option: it is not a command mistyped."""
+    if not re.fullmatch(r"[A-Za-z][\w-]*", first):
+        return
+    close = difflib.get_close_matches(first.replace("-", "_").lower(), TOOLS, n=1, cutoff=0.6)
+    if not close or first in _config_groups():
+        return
+    print(f"error: {first} is not a ringtrain command; did you mean {close[0]}? (commands: {', '.join(TOOLS)})",
+          file=sys.stderr)
+    sys.exit(2)
+
+
+def _config_groups() -> set[str]:
+    """The folders of ringtrain's conf/ (model, trainer, experiment, ...), without importing torch."""
+    spec = importlib.util.find_spec("ringtrain.conf")
+    folders = spec.submodule_search_locations if spec else None
+    return {p.name for folder in folders or () for p in Path(folder).iterdir() if p.is_dir()}
 
 
 def _skip_the_last_collections() -> None:

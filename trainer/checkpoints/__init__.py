@@ -2,6 +2,8 @@
 
   atomic.py    replacing any file atomically and durably (temp file, fsync, rename, fsync
                the directory); imports nothing of ringtrain, so every layer may use it
+  json_text.py JSON any parser reads (metrics.json, eval/*.json, sweep_summary.json):
+               non-finite floats written as null
   checksums.py whether a checkpoint's bytes are those written (the CRC-32 of each zip record
                torch.save writes, and of each shard file)
   files.py     one checkpoint file: its format and names, writing it, reading and verifying it

@@ -17,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.checkpoints.json_text import json_text
 from ringtrain.checkpoints.rundir import RECORD_SUBDIR_VARIABLE
 
 log = logging.getLogger("ringtrain")
@@ -32,7 +33,7 @@ class SweepSummary(Callback):
         # The jobs' records: where take_over (tools/run_record.py) had each job write it.
         record_subdir = config.hydra.job.env_set.get(RECORD_SUBDIR_VARIABLE) or config.hydra.output_subdir
         summary = summarize_sweep(sweep_dir, record_subdir)
-        write_text_atomically(sweep_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+        write_text_atomically(sweep_dir / SUMMARY_FILE, json_text(summary, indent=2))
         for line in format_summary(summary):
             log.info(line)
 
@@ -41,29 +42,31 @@ def summarize_sweep(sweep_dir: Path, record_subdir: str | None = ".hydra") -> di
     """Every job directory of the sweep (one with a record in `record_subdir`, or with
     metrics.json) with its overrides (from the record) and final metric; the best per metric.
 
-    A job without metrics.json failed or was interrupted; it is listed with value None. A
-    diverged job (non-finite metric) is listed but never best.
+    A job without metrics.json failed or was interrupted: value None. A diverged job (its
+    metric null in metrics.json, or NaN in one written before metrics were strict JSON) has
+    value None and diverged true: listed as diverged, never best.
     """
     jobs = []
     for job_dir in sorted(p for p in sweep_dir.iterdir() if _is_job_dir(p, record_subdir)):
         overrides_file = job_dir / str(record_subdir) / "overrides.yaml"
         overrides = list(OmegaConf.load(overrides_file)) if record_subdir and overrides_file.exists() else []
         job = {"dir": job_dir.name, "overrides": [str(o) for o in overrides],
-               "monitor": None, "mode": None, "value": None}
+               "monitor": None, "mode": None, "value": None, "diverged": False}
         metrics_file = job_dir / "metrics.json"
         if metrics_file.exists():
             metrics = json.loads(metrics_file.read_text())
+            value = metrics["final"].get(metrics["monitor"])
+            finite = value is not None and math.isfinite(value)
             job.update(
-                monitor=metrics["monitor"], mode=metrics["mode"],
-                value=metrics["final"].get(metrics["monitor"]), steps=metrics["steps"],
-                train_seconds=metrics["train_seconds"],
+                monitor=metrics["monitor"], mode=metrics["mode"], value=value if finite else None,
+                diverged=not finite, steps=metrics["steps"], train_seconds=metrics["train_seconds"],
             )
         jobs.append(job)
 
     best: dict[str, dict] = {}
     for job in jobs:
         value = job["value"]
-        if value is None or not math.isfinite(value):
+        if value is None:
             continue
         current = best.get(job["monitor"])
         better = current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"])
@@ -89,6 +92,9 @@ def format_summary(summary: dict) -> list[str]:
     for monitor, job in summary["best"].items():
         lines.append(f"best {monitor} {job['value']:.5g}: {label(job)}")
     for job in jobs:
-        value = "failed" if job["value"] is None else f"{job['monitor']}={job['value']:.5g}"
+        if job["value"] is not None:
+            value = f"{job['monitor']}={job['value']:.5g}"
+        else:
+            value = f"{job['monitor']}=diverged" if job["diverged"] else "failed"
         lines.append(f"  {value}  {label(job)}")
     return lines

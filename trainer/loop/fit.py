@@ -21,6 +21,7 @@ from typing import Any, Iterator
 from torch import nn
 
 from ringtrain.checkpoints.files import load_checkpoint
+from ringtrain.checkpoints.json_text import nonfinite_names
 from ringtrain.config.schema import RunConfig
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo
@@ -111,6 +112,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
             "final": state.metrics, "monitor": task.monitor, "mode": task.mode,
             "best": progress.best_metric, "steps": progress.step, "train_seconds": train_seconds,
             "stopped": state.stopped, "skipped_steps": progress.skipped_steps,
+            "nonfinite": nonfinite_names(state.metrics),  # written as null in "final"
         })
     return FitResult(
         metrics=state.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,

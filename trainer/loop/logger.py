@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.checkpoints.json_text import json_text
 
 log = logging.getLogger("ringtrain")
 
@@ -146,9 +147,10 @@ class RunLogger:
         self.scalars(metrics, step)
 
     def summary(self, values: dict) -> None:
-        """metrics.json in the run directory: final and best metrics, for scripts and sweeps."""
+        """metrics.json in the run directory: final and best metrics, for scripts and sweeps;
+        strict JSON, a non-finite metric as null (checkpoints/json_text.py)."""
         if self.enabled:
-            write_text_atomically(self.run_dir / "metrics.json", json.dumps(values, indent=2, default=str))
+            write_text_atomically(self.run_dir / "metrics.json", json_text(values, indent=2, default=str))
 
     def close(self) -> None:
         self._console.close()

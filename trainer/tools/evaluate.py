@@ -36,7 +36,6 @@ for any number of ranks. Rank 0 prints one `name=value` line per metric on stdou
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -49,6 +48,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.checkpoints.json_text import json_text
 from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
 from ringtrain.config.builders import build_data, check_components, check_task
 from ringtrain.config.components import build
@@ -242,7 +242,7 @@ def launch(job: EvalJob) -> EvalResult | None:
 def write_metrics(path: Path, record: dict) -> None:
     """metrics.json, replaced atomically (a reader never sees half a file)."""
     try:
-        write_text_atomically(path, json.dumps(record, indent=2) + "\n")
+        write_text_atomically(path, json_text(record, indent=2) + "\n")  # a NaN metric as null
     except OSError as err:
         raise ConfigError(f"cannot write {path} ({err.strerror or err}); pass output=<a writable file>") from None
 

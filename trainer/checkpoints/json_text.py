@@ -1,0 +1,35 @@
+"""JSON that every parser reads: what ringtrain writes for scripts (metrics.json,
+eval/*.json, sweep_summary.json).
+
+Python's json writes a NaN or an infinity as the bare words NaN / Infinity, which are not
+JSON: JavaScript's JSON.parse refuses the file and jq turns them into null. A run that
+diverged has such metrics, so non-finite floats are written as null ("no finite value"), and
+`allow_nan=False` makes any that slipped past an error here rather than a broken file.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def finite_or_none(value: Any) -> Any:
+    """`value` with every non-finite float in it (in dicts, lists and tuples) made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
+def json_text(value: Any, **dumps_options: Any) -> str:
+    """json.dumps of `value` with non-finite floats as null (strict JSON)."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **dumps_options)
+
+
+def nonfinite_names(values: dict[str, Any]) -> list[str]:
+    """The names in `values` whose number is NaN or infinite (null in the file)."""
+    return [name for name, value in values.items()
+            if isinstance(value, (int, float)) and not math.isfinite(value)]

@@ -124,7 +124,18 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
         (["trainer.resume=/nonexistent/last.pt"], "trainer.resume='/nonexistent/last.pt' is not a file"),
         (["model=mlp", "+model.in_features=5"], "model.in_features=5 but the data has in_features=3072"),
         (["model=transformer", "data.seq_len=128"], "data.seq_len=128 exceeds model.block_size=64"),
-        (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0"),
+        (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0 (0: save only "
+                                                  "at evaluations, at the end and on a stop signal)"),
+        # Another optimizer or schedule over a preset: the preset's keys it does not take, and the fix.
+        (["optimizer._target_=torch.optim.RMSprop"],
+         "optimizer.nesterov: torch.optim.RMSprop takes no argument 'nesterov'; the optimizer preset set it: "
+         "remove it with ~optimizer.nesterov; its arguments are lr, alpha"),
+        (["optimizer._target_=torch.optim.Adam"],
+         "the optimizer preset set it (and nesterov): remove them with ~optimizer.momentum ~optimizer.nesterov;"),
+        (["scheduler=cosine", "scheduler._target_=torch.optim.lr_scheduler.StepLR", "+scheduler.step_size=3"],
+         "scheduler.min_lr: torch.optim.lr_scheduler.StepLR takes no argument 'min_lr'; the scheduler preset set "
+         "it: remove it with ~scheduler.min_lr;"),
+        (["+optimizer.momentun=0.9"], "takes no argument 'momentun'; did you mean optimizer.momentum?"),
         # The data's lengths against the batch and the ranks, from the data the dry step set up.
         (["trainer.batch_size=20000", "trainer.drop_last=true"],
          "trainer.drop_last=true drops every batch: the training set has 10000 samples, too few for one batch of "
@@ -154,6 +165,15 @@ def test_bad_config_gives_one_clear_error(overrides, message):
         validate(compose_config(overrides))
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_another_optimizer_over_the_preset_builds_once_its_leftovers_are_removed():
+    """The README's example: any torch.optim class by _target_, the sgd preset's keys it lacks removed."""
+    from ringtrain.config.optim import build_optimizer
+
+    run = validate(compose_config(["optimizer._target_=torch.optim.RMSprop", "~optimizer.nesterov"]))
+    optimizer = build_optimizer(run.optimizer, torch.nn.Linear(2, 1), torch.device("cpu"))
+    assert type(optimizer) is torch.optim.RMSprop and optimizer.defaults["lr"] == 0.01
 
 
 def test_under_torchrun_the_pre_check_counts_torchruns_ranks(monkeypatch):

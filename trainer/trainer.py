@@ -38,6 +38,12 @@ DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.01}
 
 
 class Trainer:
+    """A run's settings, checked when the Trainer is made: the options of
+    conf/trainer/default.yaml as keywords, an optimizer and a scheduler (`_target_` dicts or
+    callables), a strategy, and the run directory for checkpoints, metrics.json and
+    TensorBoard events (a new one under outputs/runs/ when not given). `fit` trains a model
+    with them; the module docstring has an example."""
+
     def __init__(
         self,
         run_dir: str | Path | None = None,
@@ -67,7 +73,7 @@ class Trainer:
     ) -> FitResult:
         """Train `model` in place on `train_set`, validate on `val_set`; return the final metrics.
 
-        `task` gives the loss and metrics: data.tasks.RegressionTask(), ClassificationTask(),
+        `task` gives the loss and metrics: ringtrain.data.tasks.RegressionTask(), ClassificationTask(),
         LanguageModelTask(), LossTask(loss=...) or any object with the same methods.
         `vocab` (data/vocab.py's plain form) is kept in checkpoints for sampling.
         """

@@ -120,9 +120,9 @@ def check(
     arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k not in reserved}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    for name in arguments:
-        if name not in named:
-            _check_unnamed(node, key, target, name, named, takes_any, provided)
+    unnamed = [name for name in arguments if name not in named]
+    for name in unnamed:
+        _check_unnamed(node, key, target, name, named, takes_any, provided, unnamed)
     positional = len(node.get("_args_") or ())
     for index, (name, parameter) in enumerate(named.items()):
         required = parameter.default is inspect.Parameter.empty
@@ -170,14 +170,24 @@ def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passe
 
 
 def _check_unnamed(node: Mapping, key: str, target: Callable, name: str, named: Mapping, takes_any: bool,
-                   provided: set[str]) -> None:
+                   provided: set[str], unnamed: list[str]) -> None:
     """An argument the target does not name: refused, unless a **kwargs catch-all takes it
-    (where a typo may still show against what the target builds)."""
+    (where a typo may still show against what the target builds). One a shipped preset of the
+    group sets (`optimizer._target_=torch.optim.RMSprop` over sgd's nesterov) is the preset's
+    leftover, not a typo: the fix removes it, with every other such leftover in one go."""
     if takes_any:
         _check_forwarded(node, key, target, name)
         return
+    from ringtrain.config.compose import options_defining
+
+    leftovers = [n for n in unnamed if options_defining(key, n)]
     close = difflib.get_close_matches(name, list(named), n=1)
-    hint = f"did you mean {key}.{close[0]}? " if close else ""
+    if name in leftovers:
+        others = [n for n in leftovers if n != name]
+        also, them = (f" (and {', '.join(others)})", "them") if others else ("", "it")
+        hint = f"the {key} preset set it{also}: remove {them} with {' '.join(f'~{key}.{n}' for n in leftovers)}; "
+    else:
+        hint = f"did you mean {key}.{close[0]}? " if close else ""
     raise ConfigError(
         f"{key}.{name}: {node['_target_']} takes no argument {name!r}; {hint}"
         f"its arguments are {', '.join(n for n in named if n not in provided) or 'none'}"

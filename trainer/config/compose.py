@@ -280,7 +280,7 @@ def _unknown_key_message(key: str, overrides: list[str], config_dir: str | None,
     parent_path = key.rpartition(".")[0]
     parent = OmegaConf.select(cfg, parent_path)
     chosen_groups = cfg.hydra.runtime.choices
-    owners = _options_defining(section, rest) if section in chosen_groups else []
+    owners = options_defining(section, rest) if section in chosen_groups else []
     if owners and section == "strategy":
         chosen = chosen_groups[section]
         picks = " or ".join(f"{section}={o}" for o in owners)
@@ -308,7 +308,7 @@ def _unknown_top_level_message(name: str, whole_key: bool, top_level: list[str],
     return f"{name} is not {what}; {hint}the groups are {', '.join(names)}"
 
 
-def _options_defining(group: str, dotted_key: str) -> list[str]:
+def options_defining(group: str, dotted_key: str) -> list[str]:
     """The options of conf/<group>/ whose file sets `dotted_key`."""
     from omegaconf import OmegaConf
 

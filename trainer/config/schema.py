@@ -210,15 +210,24 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
 
 # --- cross-field checks ---------------------------------------------------------------------
 
+# What 0 does for the settings where it stands for a default (conf/trainer/default.yaml).
+ZERO_MEANS = {
+    "val_batch_size": "trainer.batch_size",
+    "eval_every_n_steps": "evaluate at each epoch's end and at the last step",
+    "limit_val_batches": "the whole validation set",
+    "checkpoint_every_n_steps": "save only at evaluations, at the end and on a stop signal",
+    "overfit_batches": "off, train on the whole training set",
+    "profile_steps": "no profiler",
+}
+
 
 def _check_trainer(t: TrainerConfig) -> None:
     for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
-    for name in ("val_batch_size", "eval_every_n_steps", "limit_val_batches", "checkpoint_every_n_steps",
-                 "overfit_batches", "profile_steps"):
+    for name, zero in ZERO_MEANS.items():
         if getattr(t, name) < 0:
-            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0 means default)")
+            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0: {zero})")
     if t.max_steps <= 0 and t.max_epochs <= 0:
         raise ConfigError(
             "trainer.max_epochs and trainer.max_steps are both <= 0; set one of them positive"

@@ -1,5 +1,6 @@
-"""What a run tells its user and its scripts: strict JSON for a diverged run and the sweep's
-reading of it. Each run is the default (linear) job trained in this process for a few steps."""
+"""What a run tells its user and its scripts: strict JSON for a diverged run, the sweep's
+reading of it, a skipped update said once, a warmup longer than the run, where the profiler's
+trace went. Each run is the default (linear) job trained in this process for a few steps."""
 from __future__ import annotations
 
 import json
@@ -79,3 +80,39 @@ def test_the_sweep_lists_a_diverged_job_as_diverged_and_never_best(sweep_dir, tm
     lines = format_summary(summary)
     assert sum(line.startswith("  val/loss=diverged") for line in lines) == 3
     assert lines[1].startswith("best val/loss ") and lines[1].endswith("job 2_fine")
+
+
+def test_skipped_updates_are_said_once_and_counted_on_the_done_line(tmp_path):
+    result, lines = _train_logged(["optimizer.lr=1e6", "trainer.max_steps=10", "trainer.on_nonfinite=skip"], tmp_path)
+    assert result.skipped_steps > 1
+    warnings = lines.text(logging.WARNING).splitlines()
+    assert len(warnings) == 1, warnings
+    assert "update skipped, non-finite " in warnings[0] and "(trainer.on_nonfinite=skip)" in warnings[0]
+    assert warnings[0].startswith(f"step {10 - result.skipped_steps + 1}: ")  # once it diverged, every step skips
+    done = next(line for line in lines.text().splitlines() if line.startswith("done: "))
+    assert f", {result.skipped_steps} updates skipped (non-finite)" in done
+
+
+def test_a_run_without_skips_or_a_long_warmup_says_neither(tmp_path):
+    result, lines = _train_logged(["trainer.max_steps=3"], tmp_path)
+    assert result.skipped_steps == 0
+    assert not lines.text(logging.WARNING) and "skipped" not in lines.text()
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning_at_the_start(tmp_path):
+    result, lines = _train_logged(["scheduler=cosine", "trainer.max_steps=3"], tmp_path)
+    assert result.steps == 3
+    assert lines.text(logging.WARNING) == (
+        "scheduler.warmup_steps=100 is not below the run's 3 steps: the learning rate is still warming up when "
+        "training ends; lower scheduler.warmup_steps"
+    )
+
+
+def test_debug_profiler_says_where_its_trace_is(tmp_path):
+    result, lines = _train_logged(["debug=profiler"], tmp_path)
+    assert result.steps == 10
+    (trace,) = (tmp_path / "profiler").glob("rank0.*.pt.trace.json")
+    said = [line for line in lines.text().splitlines() if line.startswith("profiler trace")]
+    assert said == [f"profiler trace of 5 steps: {trace}; open it with TensorBoard's PyTorch Profiler plugin "
+                    f"(pip install torch-tb-profiler; tensorboard --logdir {tmp_path}) or on https://ui.perfetto.dev"]
+    assert json.loads(trace.read_text())["traceEvents"]

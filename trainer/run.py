@@ -244,7 +244,8 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
 def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
     ended = "stopped early" if result.stopped else "done"
-    log.info(f"{ended}: {result.steps} steps in {result.train_seconds:.2f}s" + (f", {metrics}" if metrics else ""))
+    skipped = f", {result.skipped_steps} updates skipped (non-finite)" if result.skipped_steps else ""
+    log.info(f"{ended}: {result.steps} steps in {result.train_seconds:.2f}s{skipped}" + (f", {metrics}" if metrics else ""))
     summary = getattr(model, "summary", None)
     if callable(summary):  # a model may say what it learned (the tutorial's w and b)
         log.info(summary())

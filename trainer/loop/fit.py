@@ -11,7 +11,6 @@ what differs.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -34,6 +33,7 @@ from ringtrain.loop.logger import RunLogger
 from ringtrain.loop.meter import TrainMeter
 from ringtrain.loop.nonfinite import NonFiniteWatch
 from ringtrain.loop.parts import TrainingParts, set_up_training
+from ringtrain.loop.profiling import step_profiler
 from ringtrain.loop.progress import FitResult, Layout, Progress
 from ringtrain.loop.signals import StopAgreement, StopSignals
 from ringtrain.loop.step import optimizer_step
@@ -81,11 +81,12 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     state = FitState(run, dist, parts, task, Checkpointer(run, dist, run_dir, data, task), logger, stop, agreement, nonfinite)
 
     # The checkpointer last: on an exception it waits for a background write before the rest closes.
-    with logger, _profiler(cfg.profile_steps, dist, Path(run_dir)) as profiler, agreement, state.checkpointer:
+    with logger, step_profiler(cfg.profile_steps, dist, Path(run_dir)) as profiler, agreement, state.checkpointer:
         logger.config(run.resolved)
         logger.advance(progress.step)
         _report_layout_change(state, progress, saved_layout)
         _report_batch_of_the_whole_share(state)
+        _report_warmup_past_the_end(state)
         _stop_if_signalled_before_training(state, progress)
         if progress.step >= parts.total_steps and state.stopped is None:
             # A finished run started again (a requeue, the same command): report its metrics.
@@ -175,6 +176,29 @@ def _report_batch_of_the_whole_share(state: FitState) -> None:
                           f"per process, {share * ranks} in all")
 
 
+def _report_first_skip(state: FitState, step: int) -> None:
+    """One line at the run's first skipped update (later ones are counted: train/skipped_steps,
+    metrics.json, the done line); a run skipping most updates must not look like a good one."""
+    counted = "later skips are counted in train/skipped_steps and on the final line"
+    if state.nonfinite.first_skip:
+        state.logger.warning(f"step {step}: update skipped, non-finite {state.nonfinite.first_skip} "
+                             f"(trainer.on_nonfinite=skip); {counted}")
+    else:  # 16-mixed: GradScaler's own skip, which it makes now and then by design
+        state.logger.info(f"step {step}: update skipped by GradScaler (float16 gradients overflowed; it lowers "
+                          f"its loss scale and goes on); {counted}")
+
+
+def _report_warmup_past_the_end(state: FitState) -> None:
+    """One line when the warmup outlasts the run: the lr never reaches optimizer.lr (not an
+    error: a short trial run of a long config is common)."""
+    schedule = state.config.scheduler
+    warmup = schedule.get("warmup_steps", 0) if isinstance(schedule, dict) else 0
+    total = state.parts.total_steps
+    if warmup and warmup >= total:
+        state.logger.warning(f"scheduler.warmup_steps={warmup} is not below the run's {total} steps: the learning "
+                             f"rate is still warming up when training ends; lower scheduler.warmup_steps")
+
+
 def _stop_if_signalled_before_training(state: FitState, progress: Progress) -> None:
     """A stop signal that came while the run set up (loaded its checkpoint, built its data)
     stops it before its first step, agreed by every rank: nothing new to save."""
@@ -198,8 +222,11 @@ def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Bat
     watchdog.feed(watchdog.TRAINING, step)
     log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
     lr_used = parts.scheduler.get_last_lr()[0] if log_now else None
+    skipped_before = progress.skipped_steps
     grad_norm = optimizer_step(parts, state.task, micro_batches, state.meter, state.nonfinite, progress, step,
                                cfg.grad_clip_norm, measure_grad_norm=log_now or state.nonfinite.needs_grad_norm)
+    if progress.skipped_steps and not skipped_before:
+        _report_first_skip(state, step)
     progress.finish_step(position, epoch_done)
     every = cfg.eval_every_n_steps  # by default at each epoch's end; always at the last step
     evaluate_now = step == total_steps or (step % every == 0 if every else epoch_done)
@@ -272,22 +299,6 @@ def _evaluate_and_checkpoint(state: FitState, progress: Progress) -> dict[str, f
     if state.config.trainer.checkpoint:
         state.checkpointer.save(state.parts, progress, best=improved)
     return metrics
-
-
-def _profiler(profile_steps: int, dist: DistInfo, run_dir: Path) -> contextlib.AbstractContextManager:
-    """torch.profiler over `profile_steps` optimizer steps after two to settle (rank 0 only);
-    the trace goes to <run dir>/profiler, for TensorBoard's PyTorch Profiler plugin or Perfetto."""
-    if not (profile_steps and dist.is_main):
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device.type == "cuda" else [])
-    return profile(
-        activities=activities,
-        schedule=schedule(wait=1, warmup=1, active=profile_steps, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(run_dir / "profiler"), worker_name="rank0"),
-        record_shapes=True,
-    )
 
 
 def _format(metrics: dict[str, float]) -> str:

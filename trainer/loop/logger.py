@@ -122,6 +122,10 @@ class RunLogger:
         if self.enabled:
             log.info(message)
 
+    def warning(self, message: str) -> None:
+        if self.enabled:
+            log.warning(message)
+
     def error(self, message: str) -> None:
         if self.enabled:
             log.error(message)

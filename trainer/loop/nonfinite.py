@@ -12,7 +12,8 @@
           non-finite gradient between checks, the step after it. The run exits with status 3;
           in a sweep the job scores the worst value.
   skip    skip that optimizer update (the schedule still advances), count it
-          (`train/skipped_steps` in TensorBoard and metrics.json) and go on. Deciding needs
+          (`train/skipped_steps` in TensorBoard and metrics.json, the final `done:` line;
+          the first skip is a warning naming its step and value) and go on. Deciding needs
           the gradient norm and one flag read, a host sync, per step.
   ignore  apply every update, as a plain loop would.
 Every rank decides alike: the losses checked are each rank's own, but the gradient norm is
@@ -38,6 +39,7 @@ class NonFiniteWatch:
         self._unchecked: list[tuple[int, torch.Tensor]] = []
         self._first_bad: int | None = None  # the first non-finite step found
         self._bad_value = float("nan")
+        self.first_skip: str | None = None  # skip: what was non-finite at the first skipped update
 
     @property
     def needs_grad_norm(self) -> bool:
@@ -52,9 +54,14 @@ class NonFiniteWatch:
             return True
         if self.policy == "skip":
             bad = ~torch.isfinite(torch.stack(losses).float()).all()
-            if grad_norm is not None and not self.uses_scaler:
-                bad = bad | ~torch.isfinite(grad_norm.float())
-            return not bool(bad)  # the one host sync skip costs
+            watched_norm = grad_norm if not self.uses_scaler else None
+            if watched_norm is not None:
+                bad = bad | ~torch.isfinite(watched_norm.float())
+            if not bool(bad):  # the one host sync skip costs
+                return True
+            if self.first_skip is None:  # said once by the loop (fit.py); a second sync, once
+                self.first_skip = _what_was_nonfinite(losses, watched_norm)
+            return False
         return True
 
     def check(self, step: int, grad_norm: torch.Tensor | None, weight_norm: Callable[[], torch.Tensor]) -> bool:
@@ -89,3 +96,11 @@ class NonFiniteWatch:
             f"non-finite loss or gradient norm ({self._bad_value}) at step {self._first_bad}; stopped at step {step} "
             f"({saved}): lower optimizer.lr, clip with trainer.grad_clip_norm, or set trainer.on_nonfinite=skip"
         )
+
+
+def _what_was_nonfinite(losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> str:
+    """"loss nan", "gradient norm inf", or both: what made on_nonfinite=skip skip an update."""
+    found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
+    if grad_norm is not None and not torch.isfinite(grad_norm.float()):
+        found.append(f"gradient norm {float(grad_norm)}")
+    return " and ".join(found)

@@ -119,6 +119,18 @@ def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     assert two["metrics"]["train/loss"] == pytest.approx(one["metrics"]["train/loss"], abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [["strategy=dp"], ["strategy=fsdp", "strategy.nproc_per_node=2"]])
+def test_evaluate_under_dp_and_fsdp_gives_one_processs_metric(char_run, tmp_path, strategy):
+    """The strategies `ringtrain evaluate --help` lists beside single and ddp."""
+    checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
+    ok(run_module("evaluate", [checkpoint, f"output={tmp_path / 'one.json'}"]))
+    ok(run_module("evaluate", [checkpoint, f"output={tmp_path / 'other.json'}", *strategy]))
+    one, other = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "other.json"))
+    assert other["strategy"] == strategy[0].split("=")[1] and other["world_size"] == len(strategy)
+    assert other["metrics"]["val/loss"] == pytest.approx(one["metrics"]["val/loss"], abs=1e-6)
+
+
 def test_limit_val_batches_gives_one_processs_metric_on_two_ranks(char_run, tmp_path):
     """limit_val_batches=3 with batches of 5 is the first 15 validation samples, shared among
     the ranks: two ranks report one process's value (not two ranks' 3 batches each)."""
@@ -223,7 +235,8 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
     (["split=test"], ["split='test' is not one of val, train"]),
     (["+model.widht=3"], ["takes no argument 'widht'"]),
     (["strategy.nproc_per_node=2"], ["not a setting of strategy=auto", "belongs to strategy=ddp"]),
-    (["strategy=fsdp"], ["strategy=fsdp needs a process group", "strategy.nproc_per_node >= 2"]),
+    (["strategy=fsdp"], ["strategy=fsdp evaluates with the model sharded over 2 or more ranks",
+                         "add strategy.nproc_per_node=2", "strategy=single"]),
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]

@@ -15,8 +15,9 @@ A Hydra app like every ringtrain command (`python -m ringtrain evaluate ...` is 
 the settings are conf/evaluate.yaml (`ringtrain evaluate --help`): `checkpoint` (required),
 `split` (val | train), `output` (where the metrics go; default `<run dir>/eval/<checkpoint>-<split>.json`,
 e.g. eval/best-val.json: one file per checkpoint and split, so evaluating another never replaces it)
-and `strategy` (auto | single | ddp; auto is ddp under torchrun, else single; the run's own
-strategy is not reused, evaluation is cheap). The checkpoint's stored sections model, data,
+and `strategy` (auto | single | dp | ddp | fsdp; auto is ddp under torchrun, else single;
+fsdp needs strategy.nproc_per_node >= 2 or torchrun; the run's own strategy is not reused,
+evaluation is cheap). The checkpoint's stored sections model, data,
 task and trainer are sections of the config (tools/stored_sections.py), so they are changed
 as on training's command line: `data.path=x` changes a key the config has, `+data.x=1` adds
 one, `~data.x` removes one; e.g. trainer.val_batch_size, trainer.limit_val_batches,
@@ -31,7 +32,7 @@ the ranks without padding, per-batch sums and counts all-reduced (data.tasks), a
 `trainer.precision`; trainer.limit_val_batches=K is one process's first K batches, shared
 among the ranks; so the same checkpoint gives the val/loss the run logged at that step,
 for any number of ranks. Rank 0 prints one `name=value` line per metric on stdout and writes
-`metrics.json`: {"checkpoint", "step", "split", "strategy", "overrides", "output", "world_size",
+the output file (<run dir>/eval/<checkpoint>-<split>.json): {"checkpoint", "step", "split", "strategy", "overrides", "output", "world_size",
 "metrics"}. With -m, each job writes its own checkpoint's file.
 """
 from __future__ import annotations
@@ -135,8 +136,13 @@ def default_output(checkpoint: str, split: str) -> Path:
 
 
 def evaluation_strategy(section: dict) -> Strategy:
-    """The strategy of strategy=auto|single|ddp with its keys (strategy.nproc_per_node=2)."""
+    """The strategy of strategy=auto|single|dp|ddp|fsdp with its keys (strategy.nproc_per_node=2)."""
     strategy = build_strategy(section)
+    if getattr(strategy, "option", None) == "fsdp" and strategy.nproc_per_node < 2 and not under_torchrun():
+        raise ConfigError(
+            "strategy=fsdp evaluates with the model sharded over 2 or more ranks: add strategy.nproc_per_node=2 "
+            "(or run under torchrun); one process evaluates with strategy=single, the default"
+        )
     if under_torchrun() and not strategy.spans_processes:
         raise ConfigError(
             f"strategy={_strategy_option(section)} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)"

@@ -108,6 +108,22 @@ def test_a_missing_file_is_one_line_before_any_run_directory(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_folder_holding_model_safetensors_is_refused_with_that_file_as_the_fix(tmp_path):
+    """A save_pretrained / `export format=hf` folder: the line names the file inside to pass."""
+    from conftest import compose_config
+    from ringtrain.config.schema import validate
+    from ringtrain.errors import ConfigError
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    for folder, fix in [("hf", f"pass {tmp_path / 'hf' / 'model.safetensors'}"),
+                        ("empty", "pass a checkpoint (.pt) or a .safetensors file to start from, or null")]:
+        with pytest.raises(ConfigError) as refusal:
+            validate(compose_config(TINY + FROZEN + [f"trainer.init_from={tmp_path / folder}"]))
+        assert str(refusal.value) == f"trainer.init_from='{tmp_path / folder}' is not a file; {fix}"
+
+
 @pytest.mark.slow
 def test_a_run_that_resumes_ignores_init_from(source, tmp_path, caplog):
     """The second half of an interrupted fine-tuning run continues from its own checkpoint:

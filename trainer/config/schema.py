@@ -305,10 +305,11 @@ def _check_run_control(t: TrainerConfig) -> None:
     # A continued run (trainer.resume=<path>) ignores init_from: its file may be gone by then.
     resuming_a_file = t.resume not in (None, "auto")
     if t.init_from is not None and not resuming_a_file and not os.path.isfile(t.init_from):
-        raise ConfigError(
-            f"trainer.init_from={t.init_from!r} is not a file; pass a checkpoint (.pt) or a .safetensors "
-            f"file to start from, or null"
-        )
+        # A save_pretrained / `ringtrain export format=hf` folder holds its weights as model.safetensors.
+        weights = os.path.join(str(t.init_from), "model.safetensors")
+        fix = f"pass {weights}" if os.path.isdir(t.init_from) and os.path.isfile(weights) else (
+            "pass a checkpoint (.pt) or a .safetensors file to start from, or null")
+        raise ConfigError(f"trainer.init_from={t.init_from!r} is not a file; {fix}")
     if t.keep_last_k < 1:
         raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
     if t.on_nonfinite not in NONFINITE_POLICIES:

@@ -50,6 +50,9 @@ def test_a_multirun_keeps_multirun_yaml_out_of_the_current_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [line.split(":")[0] for line in proc.stdout.splitlines()] == [f"wrote {tmp_path / 'tokens'}"] * 2
     assert "vocab_size 256" in proc.stdout.splitlines()[1]  # the second job's byte vocabulary
+    # The second job replaces the first's files, and says so.
+    assert [line for line in proc.stderr.splitlines() if line.startswith("notice:")] == [
+        f"notice: {tmp_path / 'tokens'} already holds train.bin, val.bin, meta.json: replacing them with the new tokens"]
     assert not list((tmp_path / "cwd").iterdir())
     proc = run_module("prepare_tokens", args + [f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path / "cwd")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -77,3 +80,16 @@ def test_a_mistyped_command_is_one_line_naming_the_command_meant(typed, meant, t
 def test_a_config_groups_name_alone_is_left_to_hydras_override_message(tmp_path):
     """`ringtrain trainer` is close to train, but it is the trainer group missing its =option."""
     assert "cannot read the override 'trainer' (missing EQUAL" in refused(run_module("ringtrain", ["trainer"], cwd=tmp_path))
+
+
+def test_prepare_tokens_names_an_earlier_tokenizer_it_leaves_stale(tmp_path, capsys):
+    from ringtrain.tools.prepare_tokens import prepare_tokens
+
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20, encoding="utf-8")
+    common = {"input": str(tmp_path / "text.txt"), "output": str(tmp_path / "tokens")}
+    prepare_tokens(vocab="bpe", vocab_size=270, **common)
+    assert capsys.readouterr().err == ""  # a new folder: nothing replaced
+    prepare_tokens(vocab="char", **common)
+    assert capsys.readouterr().err == (f"notice: {tmp_path / 'tokens'} already holds train.bin, val.bin, meta.json: "
+                                       f"replacing them with the new tokens (tokenizer.json there is the earlier "
+                                       f"tokenizer's, not these tokens')\n")

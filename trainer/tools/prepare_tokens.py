@@ -13,13 +13,15 @@ settings and their defaults are conf/prepare_tokens.yaml (`ringtrain prepare_tok
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Literal
 
 import hydra
 from omegaconf import DictConfig
 
 from ringtrain.config.compose import PrimaryConfig
-from ringtrain.data.bpe import read_tokenizer
+from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.tools.app import call_with_settings, run_tool, settings_for
@@ -49,6 +51,7 @@ def prepare_tokens(
             )
         if random_tokens < 2 or not 1 <= vocab_size <= MAX_VOCAB_SIZE:
             raise ConfigError(f"random_tokens must be at least 2 and vocab_size between 1 and {MAX_VOCAB_SIZE}")
+        notice_replaced_files(output, writes_tokenizer=False)
         return prepare_random(output, random_tokens, vocab_size, seed)
     if input is None:
         raise ConfigError(f"input is required (or random_tokens=N vocab_size=V): {PREPARE_TOKENS.usage}")
@@ -60,8 +63,25 @@ def prepare_tokens(
         if vocab_size is not None:
             raise ConfigError(f"vocab_size is a setting of vocab=bpe or random_tokens, not of vocab={vocab}; "
                               f"add vocab=bpe or drop it")
+        notice_replaced_files(output, writes_tokenizer=False)
         return prepare_text(input, output, vocab, val_fraction)
-    return prepare_text(input, output, "bpe", val_fraction, tokenizer=bpe_tokenizer(input, tokenizer, vocab_size))
+    chosen = bpe_tokenizer(input, tokenizer, vocab_size)
+    notice_replaced_files(output, writes_tokenizer=True)
+    return prepare_text(input, output, "bpe", val_fraction, tokenizer=chosen)
+
+
+def notice_replaced_files(output: str, writes_tokenizer: bool) -> None:
+    """One line on stderr when `output` already holds token files: they are replaced (each
+    atomically), and a run of data=token_file on that folder reads the new ones; an earlier
+    tokenizer.json that this vocabulary does not replace is named as stale."""
+    folder = Path(output)
+    present = [name for name in ("train.bin", "val.bin", "meta.json") if (folder / name).is_file()]
+    if not present:
+        return
+    stale = (folder / TOKENIZER_FILE).is_file() and not writes_tokenizer
+    print(f"notice: {output} already holds {', '.join(present)}: replacing them with the new tokens"
+          + (f" ({TOKENIZER_FILE} there is the earlier tokenizer's, not these tokens')" if stale else ""),
+          file=sys.stderr)
 
 
 def bpe_tokenizer(input: str, tokenizer: str | None, vocab_size: int | None):  # noqa: A002

@@ -235,8 +235,9 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
     (["split=test"], ["split='test' is not one of val, train"]),
     (["+model.widht=3"], ["takes no argument 'widht'"]),
     (["strategy.nproc_per_node=2"], ["not a setting of strategy=auto", "belongs to strategy=ddp"]),
-    (["strategy=fsdp"], ["strategy=fsdp evaluates with the model sharded over 2 or more ranks",
-                         "add strategy.nproc_per_node=2", "strategy=single"]),
+    # The strategy's own refusal (FSDP.check), worded for training and evaluation alike.
+    (["strategy=fsdp"], ["strategy=fsdp needs a process group", "strategy.nproc_per_node >= 2",
+                         "for one process use strategy=single"]),
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]

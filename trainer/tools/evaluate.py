@@ -138,11 +138,6 @@ def default_output(checkpoint: str, split: str) -> Path:
 def evaluation_strategy(section: dict) -> Strategy:
     """The strategy of strategy=auto|single|dp|ddp|fsdp with its keys (strategy.nproc_per_node=2)."""
     strategy = build_strategy(section)
-    if getattr(strategy, "option", None) == "fsdp" and strategy.nproc_per_node < 2 and not under_torchrun():
-        raise ConfigError(
-            "strategy=fsdp evaluates with the model sharded over 2 or more ranks: add strategy.nproc_per_node=2 "
-            "(or run under torchrun); one process evaluates with strategy=single, the default"
-        )
     if under_torchrun() and not strategy.spans_processes:
         raise ConfigError(
             f"strategy={_strategy_option(section)} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)"

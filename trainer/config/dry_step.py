@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,9 +42,19 @@ from ringtrain.errors import ConfigError, UserError
 META = torch.device("meta")
 SAMPLES = 2  # a batch of two: batch norm and the like need more than one sample
 
+
+
+class _SetUp(NamedTuple):
+    """What step 1 learned of a data node, kept for the pre-check's next jobs and checks."""
+
+    batch: Any  # the first SAMPLES training samples collated; None: the collate cannot stack them
+    dims: dict
+    longest: int | None  # the longest batch the training Dataset says it makes (max_sequence_length)
+    lengths: tuple[int, int] | None  # (training, validation) samples; None: a Dataset without __len__
+
+
 _checked: set[str] = set()
-_samples: dict[str, tuple[Any, dict, int | None] | None] = {}  # (batch, dims, longest batch)
-_lengths: dict[str, tuple[int, int] | None] = {}  # (training samples, validation samples)
+_set_up: dict[str, _SetUp | None] = {}  # None: the data needs its prepare_data first
 
 
 def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
@@ -52,20 +62,20 @@ def dry_step(model: Mapping, data: Mapping, task: Mapping) -> None:
     key = _key(model, data, task)
     if key in _checked or not all(_is_class(node) for node in (model, task)):
         return
-    sample = _sample(data)
-    if sample is not None:
-        batch, dims, longest = sample
-        built = _build_on_meta(model, dims)
+    set_up = _data_set_up(data)
+    if set_up is not None and set_up.batch is not None:
+        built = _build_on_meta(model, set_up.dims)
         if built is not None:
-            _forward(built, check_task(build(task, "task")), batch, dims, longest, _length_option(data))
+            _forward(built, check_task(build(task, "task")), set_up.batch, set_up.dims, set_up.longest,
+                     _length_option(data))
     _checked.add(key)
 
 
-def _sample(data: Mapping) -> tuple[Any, dict, int | None] | None:
-    """(the first SAMPLES training samples collated, the data's sizes, the longest batch it
-    says it makes: its Dataset's max_sequence_length), or None when the data cannot be set up before the run (it needs its prepare_data first)."""
+def _data_set_up(data: Mapping) -> _SetUp | None:
+    """The data node set up once (step 1), or None when it cannot be before the run (it needs
+    its prepare_data first)."""
     key = _key(data)
-    if key not in _samples:
+    if key not in _set_up:
         try:
             bundle = build_data(data, prepare=False)
         except UserError:
@@ -73,16 +83,17 @@ def _sample(data: Mapping) -> tuple[Any, dict, int | None] | None:
                 bundle = None  # its prepare_data fetches what setup() reads: the run does both
             else:
                 raise
-        _samples[key] = None if bundle is None else _first_batch(bundle)
-        _lengths[key] = None if bundle is None else _split_lengths(bundle)
-    return _samples[key]
+        _set_up[key] = None if bundle is None else _SetUp(
+            _first_batch(bundle), dict(bundle.dims), _longest_batch(bundle), _split_lengths(bundle))
+    return _set_up[key]
 
 
 def data_lengths(data: Mapping) -> tuple[int, int] | None:
     """The (training, validation) samples of the data as step 1 set it up, or None where it
     did not (a model or task built by a function; data that needs its prepare_data first) or
     the data has no length."""
-    return _lengths.get(_key(data))
+    set_up = _set_up.get(_key(data))
+    return None if set_up is None else set_up.lengths
 
 
 def _split_lengths(bundle) -> tuple[int, int] | None:
@@ -92,11 +103,14 @@ def _split_lengths(bundle) -> tuple[int, int] | None:
         return None
 
 
-def _first_batch(bundle) -> tuple[Any, dict, int | None] | None:
+def _longest_batch(bundle) -> int | None:
     longest = getattr(bundle.train, "max_sequence_length", None)
-    longest = longest if isinstance(longest, int) and not isinstance(longest, bool) else None
+    return longest if isinstance(longest, int) and not isinstance(longest, bool) else None
+
+
+def _first_batch(bundle) -> Any:
     try:
-        return first_batch(bundle.train, SAMPLES), dict(bundle.dims), longest
+        return first_batch(bundle.train, SAMPLES)
     except ConfigError:  # a collate_fn that is not callable
         raise
     except Exception:  # samples the collate cannot stack: the run's loader says how

@@ -202,6 +202,19 @@ def test_training_order_is_distributed_samplers_index_for_index(length, world_si
             assert ours.indices(epoch).tolist() == list(theirs)
 
 
+@pytest.mark.parametrize("length,world_size,batch", [(21, 2, 4), (7, 4, 1), (10, 3, 2)])
+def test_a_resumed_epoch_pads_its_end_as_the_uninterrupted_epoch_does(length, world_size, batch):
+    """An epoch that does not split evenly over the ranks is padded with its first samples,
+    whatever position it resumed from: the rest of each rank's order is the uninterrupted
+    order's tail, sample for sample, padding included."""
+    for rank in range(world_size):
+        order = ShuffledShards(length, rank, world_size, seed=5, shuffle=True, drop_last=False)
+        whole = order.indices(3).tolist()
+        for steps_done in range(1, len(whole) // batch):
+            start = steps_done * batch * world_size  # the global position after those steps
+            assert order.indices(3, start=start).tolist() == whole[steps_done * batch:], (rank, start)
+
+
 def test_epochs_shuffle_differently_and_ranks_split_each_epoch_exactly():
     data = made(RegressionData, num_samples=200).train
     loaders = [build_train_loader(data, 10, r, 2, seed=0, drop_last=False, device=CPU) for r in (0, 1)]

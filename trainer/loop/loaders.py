@@ -54,8 +54,8 @@ class ShuffledShards:
     samples of the epoch's single-process permutation are consumed, whatever the number of
     ranks or the batch size that consumed them (rank r of N takes every N-th sample, so N ranks
     that each took k samples consumed exactly the first k*N). The rest of the epoch is the rest
-    of the permutation, cut to a multiple of N (drop_last) or padded up to one by repeating it,
-    dealt out every N-th: every rank gets the same number of samples (DDP needs equal batch
+    of the permutation, cut to a multiple of N (drop_last) or padded up to one with the epoch's
+    first samples (whatever the start), dealt out every N-th: every rank gets the same number of samples (DDP needs equal batch
     counts on every rank), and a run continued with another number of ranks or another batch
     size trains each remaining sample once. From start 0 this is DistributedSampler's order.
     `limit` > 0: the epoch is only the permutation's first `limit` samples (overfit_batches).
@@ -85,10 +85,14 @@ class ShuffledShards:
             order = torch.randperm(self.length, generator=generator)
         else:
             order = torch.arange(self.length)
-        order = order[start : self.end]
-        total = self.share(start) * self.world_size
-        if total > len(order):  # pad: repeat the rest until every rank has its share
-            order = order.repeat(math.ceil(total / len(order)))
+        epoch_order = order[: self.end]
+        order, total = epoch_order[start:], self.share(start) * self.world_size
+        if total > len(order):
+            # Pad with the epoch's first samples, as DistributedSampler does: a function of the
+            # epoch alone, so a run resumed mid-epoch pads its last step as the uninterrupted
+            # run did (padding with the rest's first samples trained another sample there).
+            missing = total - len(order)
+            order = torch.cat([order, epoch_order.repeat(math.ceil(missing / len(epoch_order)))[:missing]])
         return order[self.rank : total : self.world_size]
 
 

@@ -16,9 +16,10 @@
           the first skip is a warning naming its step and value) and go on. Deciding needs
           the gradient norm and one flag read, a host sync, per step.
   ignore  apply every update, as a plain loop would.
-Every rank decides alike: the losses checked are each rank's own, but the gradient norm is
-taken after DDP's all-reduce and the weights' norm is the global one, the same on every rank;
-a loss made non-finite by non-finite weights is non-finite on every rank. With 16-mixed,
+Every rank decides alike: the losses are each rank's own (a rank's micro-batch may give a
+NaN loss and a finite gradient), so the flag each policy reads is all-reduced first (skip:
+every step, in the sync it costs anyway; stop: at each check); the gradient norm is taken
+after DDP's all-reduce and the weights' norm is the global one. With 16-mixed,
 GradScaler already skips overflowing steps (that is its job: a float16 overflow is expected
 now and then) and those skips are counted the same way; on_nonfinite then watches the loss only.
 """
@@ -28,17 +29,23 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as torch_dist
+
+from ringtrain.distributed import DistInfo
+
+_NONE_BAD = float("inf")  # "no non-finite step here", for the all-reduce that takes the earliest
 
 
 class NonFiniteWatch:
-    def __init__(self, policy: str, device: torch.device, uses_scaler: bool):
+    def __init__(self, policy: str, dist: DistInfo, uses_scaler: bool):
         self.policy = policy
         self.uses_scaler = uses_scaler
-        self.device = device
+        self.dist = dist
+        self.device = dist.device
         # stop: (step, loss) of every micro-batch since the last check, read at the next one.
         self._unchecked: list[tuple[int, torch.Tensor]] = []
         self._first_bad: int | None = None  # the first non-finite step found
-        self._bad_value = float("nan")
+        self._bad_value: float | None = None  # None: found on another rank
         self.first_skip: str | None = None  # skip: what was non-finite at the first skipped update
 
     @property
@@ -57,7 +64,7 @@ class NonFiniteWatch:
             watched_norm = grad_norm if not self.uses_scaler else None
             if watched_norm is not None:
                 bad = bad | ~torch.isfinite(watched_norm.float())
-            if not bool(bad):  # the one host sync skip costs
+            if not self._on_any_rank(bad):  # the one host sync skip costs
                 return True
             if self.first_skip is None:  # said once by the loop (fit.py); a second sync, once
                 self.first_skip = _what_was_nonfinite(losses, watched_norm)
@@ -79,12 +86,28 @@ class NonFiniteWatch:
         if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
             return False
         values = torch.stack(losses)
-        finite = torch.isfinite(values)
-        if bool(finite.all()):
+        bad = ~torch.isfinite(values)
+        first = int(bad.nonzero()[0]) if bool(bad.any()) else None
+        earliest = self._earliest_on_any_rank(steps[first] if first is not None else _NONE_BAD)
+        if earliest == _NONE_BAD:
             return False
-        first = int((~finite).nonzero()[0])
-        self._first_bad, self._bad_value = steps[first], float(values[first])
+        # The value is this rank's, or unknown here: the step is where another rank found it.
+        self._first_bad = int(earliest)
+        self._bad_value = float(values[first]) if first is not None and steps[first] == earliest else None
         return True
+
+    def _on_any_rank(self, bad: torch.Tensor) -> bool:
+        if self.dist.is_distributed:
+            bad = bad.to(self.device, torch.int32)
+            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
+        return bool(bad)
+
+    def _earliest_on_any_rank(self, step: float) -> float:
+        if not self.dist.is_distributed:
+            return step
+        earliest = torch.tensor([step], dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(earliest, op=torch_dist.ReduceOp.MIN)
+        return float(earliest)
 
     def first_bad_step(self) -> int | None:
         """The first non-finite step found by `check` so far, or None."""
@@ -93,7 +116,8 @@ class NonFiniteWatch:
     def stop_message(self, step: int, last_checkpoint: Path) -> str:
         saved = f"{last_checkpoint} is from before it" if last_checkpoint.exists() else "nothing was saved"
         return (
-            f"non-finite loss or gradient norm ({self._bad_value}) at step {self._first_bad}; stopped at step {step} "
+            f"non-finite loss or gradient norm ({'on another rank' if self._bad_value is None else self._bad_value}) "
+            f"at step {self._first_bad}; stopped at step {step} "
             f"({saved}): lower optimizer.lr, clip with trainer.grad_clip_norm, or set trainer.on_nonfinite=skip"
         )
 
@@ -103,4 +127,4 @@ def _what_was_nonfinite(losses: list[torch.Tensor], grad_norm: torch.Tensor | No
     found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
     if grad_norm is not None and not torch.isfinite(grad_norm.float()):
         found.append(f"gradient norm {float(grad_norm)}")
-    return " and ".join(found)
+    return " and ".join(found) or "loss on another rank"

@@ -154,6 +154,29 @@ def training_loss(task: Any, model: nn.Module, batch: Any) -> tuple[torch.Tensor
     return task.loss(pick_output(task, call_model(model, inputs)), target), target
 
 
+def counted(task: Any, targets: torch.Tensor) -> int | torch.Tensor:
+    """How many units a batch's training loss averages over: its samples, or what the task's
+    `count` says (a tensor: a language model's tokens not labelled -100 vary per batch)."""
+    count = getattr(task, "count", None)
+    return count(targets) if callable(count) else samples_in(targets)
+
+
+def summed_training_loss(task: Any, model: nn.Module, batch: Any, count: int | torch.Tensor) -> torch.Tensor:
+    """The batch's training loss summed over its `count` units (`counted`): the task's
+    `loss_sum`, else its mean loss (or the model's own, task.model_loss) times the count."""
+    inputs, target = split_batch(task, batch)
+    if getattr(task, "model_loss", False):
+        mean = model_loss(call_model(model, inputs, labels=target))
+        if not isinstance(count, torch.Tensor):
+            return mean * count
+        # Nothing to count (every label -100): the model's mean is 0/0; where() makes the batch's
+        # share 0 and passes its backward no gradient, so the NaN never reaches the weights.
+        return torch.where(count > 0, mean * count, torch.zeros_like(mean))
+    outputs = pick_output(task, call_model(model, inputs))
+    loss_sum = getattr(task, "loss_sum", None)
+    return loss_sum(outputs, target) if callable(loss_sum) else task.loss(outputs, target) * count
+
+
 def predictions(task: Any, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(the output the task reads, the target) of one batch: what validation scores. A
     model_loss task is scored by its own metrics too, on the logits."""

@@ -1,10 +1,15 @@
 """What a data set asks of a model: the training loss and the validation metrics.
 
 A task turns model outputs and targets into
-  loss(outputs, targets)        the mean training loss of a batch (what backward() sees)
+  loss(outputs, targets)        the mean training loss of a batch
   eval_sums(outputs, targets)   per-batch *sums* plus a "count", e.g. {"loss": Σ, "count": n}
+and, where its loss averages over tokens rather than samples (targets of -100 ignored):
+  loss_sum(outputs, targets)    the batch's loss summed over what it counts
+  count(targets)                how many it counts: a tensor, since it varies per batch
 Sums, not means, so that batches and ranks add up exactly: the validation metric of N ranks
-is their summed sums over their summed counts, equal to the single-process metric. Every sum
+is their summed sums over their summed counts, equal to the single-process metric, and the
+training loss of an optimizer step is its micro-batches' and ranks' summed loss over their
+summed count (data/batches.py step_losses), whatever the accumulation and the ranks. Every sum
 is a tensor on the targets' device, so the sums of a batch stack and all-reduce as one.
 `monitor` names the metric a sweep optimises and best.pt is chosen by, `mode` its direction;
 both are constructor arguments, so `task.monitor=val/loss task.mode=min` overrides them.
@@ -69,12 +74,18 @@ class ClassificationTask(BatchSettings):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(outputs.float(), targets)
 
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(outputs.float(), targets, reduction="sum")
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return (targets != IGNORE_INDEX).sum()
+
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         outputs = outputs.float()
         return {
             "loss": F.cross_entropy(outputs, targets, reduction="sum"),
             "acc": (outputs.argmax(1) == targets).sum().float(),
-            "count": torch.tensor(float(len(targets)), device=targets.device),
+            "count": self.count(targets).double(),
         }
 
 
@@ -102,6 +113,16 @@ class LanguageModelTask(BatchSettings):
         if self.shift_labels:
             outputs, targets = outputs[:, :-1], targets[:, 1:]
         return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten())
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.shift_labels:
+            outputs, targets = outputs[:, :-1], targets[:, 1:]
+        return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """The tokens the loss averages over: the targets not -100 (after the shift: a model
+        that computes its own loss, task.model_loss, shifts Hugging Face labels the same way)."""
+        return ((targets[:, 1:] if self.shift_labels else targets) != IGNORE_INDEX).sum()
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.shift_labels:

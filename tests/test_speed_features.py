@@ -213,13 +213,13 @@ def test_steps_between_log_steps_read_nothing_from_the_device(precision, monkeyp
 def test_the_sync_check_catches_an_item_call_inserted_in_the_step(monkeypatch, tmp_path):
     import ringtrain.loop.fit as loop
 
-    original_add = loop.TrainMeter.add
+    original_add = loop.TrainMeter.add_sum  # the run accumulates a language model's tokens
 
-    def add_reading_the_loss(self, loss, samples, tokens):  # the classic: loss.item() every step
-        original_add(self, loss, samples, tokens)
+    def add_reading_the_loss(self, loss, count, samples, tokens):  # the classic: loss.item() every step
+        original_add(self, loss, count, samples, tokens)
         self.last_loss = loss.item()
 
-    monkeypatch.setattr(loop.TrainMeter, "add", add_reading_the_loss)
+    monkeypatch.setattr(loop.TrainMeter, "add_sum", add_reading_the_loss)
     syncs = _syncs_per_step(SYNC_TEST_RUN, tmp_path, monkeypatch)
     flagged = {step for step, calls in syncs.items() if any("Tensor.item at test_speed_features.py" in c for c in calls)}
     assert flagged == set(range(1, 13))

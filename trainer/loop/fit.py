@@ -76,7 +76,7 @@ def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None,
     parts.continue_from(progress, cfg)
     watchdog.feed(watchdog.SETTING_UP, progress.step)
     agreement = StopAgreement(timeout_minutes=run.strategy.timeout_minutes)
-    nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist.device, uses_scaler=parts.precision.scaler is not None)
+    nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None)
     logger = RunLogger(Path(run_dir), dist.is_main, parts.total_steps, cfg.progress_bar)
     state = FitState(run, dist, parts, task, Checkpointer(run, dist, run_dir, data, task), logger, stop, agreement, nonfinite)
 
@@ -224,7 +224,8 @@ def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Bat
     lr_used = parts.scheduler.get_last_lr()[0] if log_now else None
     skipped_before = progress.skipped_steps
     grad_norm = optimizer_step(parts, state.task, micro_batches, state.meter, state.nonfinite, progress, step,
-                               cfg.grad_clip_norm, measure_grad_norm=log_now or state.nonfinite.needs_grad_norm)
+                               cfg.grad_clip_norm, measure_grad_norm=log_now or state.nonfinite.needs_grad_norm,
+                               dist=state.dist)
     if progress.skipped_steps and not skipped_before:
         _report_first_skip(state, step)
     progress.finish_step(position, epoch_done)

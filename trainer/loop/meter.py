@@ -22,25 +22,46 @@ class TrainMeter:
         self._reset()
 
     def _reset(self) -> None:
-        self.losses: list[torch.Tensor] = []  # mean loss of each micro-batch
-        self.sizes: list[int] = []  # its number of samples
+        self.means: list[torch.Tensor] = []  # the mean loss of a micro-batch ...
+        self.sizes: list[int] = []  # ... over this many samples
+        self.sums: list[torch.Tensor] = []  # the summed loss of a micro-batch ...
+        self.counts: list[torch.Tensor] = []  # ... over this many (tokens)
+        self.samples = 0
         self.tokens = 0
         self.since = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
-        self.losses.append(loss)
+    def add_mean(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
+        self.means.append(loss)
         self.sizes.append(samples)
+        self.samples += samples
+        self.tokens += tokens
+
+    def add_sum(self, loss_sum: torch.Tensor, count: torch.Tensor, samples: int, tokens: int) -> None:
+        """A micro-batch whose loss is summed over `count` (data/batches.py counted)."""
+        self.sums.append(loss_sum)
+        self.counts.append(count)
+        self.samples += samples
         self.tokens += tokens
 
     def read(self, dist: DistInfo) -> dict[str, float]:
         """The global mean train loss (all-reduced) and global throughput since the last read."""
         seconds = max(time.perf_counter() - self.since, 1e-9)
-        sizes = torch.tensor(self.sizes, dtype=torch.float64, device=self.losses[0].device)
-        loss_sum = torch.dot(torch.stack(self.losses).double(), sizes)
-        tokens = torch.tensor(float(self.tokens), dtype=torch.float64, device=sizes.device)
-        totals = torch.stack([loss_sum, sizes.sum(), tokens])
-        loss_sum, samples, tokens = all_reduce_sum(dist, totals.to(dist.device)).tolist()
-        values = {"train/loss": loss_sum / samples, "throughput/samples_per_sec": samples / seconds}
+        device = (self.means or self.sums)[0].device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        count = torch.zeros((), dtype=torch.float64, device=device)
+        if self.means:
+            sizes = torch.tensor(self.sizes, dtype=torch.float64, device=device)
+            loss_sum, count = loss_sum + torch.dot(torch.stack(self.means).double(), sizes), count + sizes.sum()
+        if self.sums:
+            loss_sum = loss_sum + torch.stack(self.sums).double().sum()
+            count = count + torch.stack(self.counts).double().sum()
+        samples = torch.tensor(float(self.samples), dtype=torch.float64, device=device)
+        tokens = torch.tensor(float(self.tokens), dtype=torch.float64, device=device)
+        totals = torch.stack([loss_sum, count, samples, tokens])
+        loss_sum, count, samples, tokens = all_reduce_sum(dist, totals.to(dist.device)).tolist()
+        values = {"train/loss": loss_sum / max(count, 1.0)}
+        if samples:
+            values["throughput/samples_per_sec"] = samples / seconds
         if tokens:
             values["throughput/tokens_per_sec"] = tokens / seconds
         self._reset()

@@ -5,6 +5,11 @@ its input, and recomputes its activations during the backward pass (torch.utils.
 non-reentrant). Gradients are unchanged; a step costs about one extra forward of the blocks,
 and activation memory drops from every block's intermediates to one block's plus the block
 inputs. Use it when a batch or context does not fit otherwise.
+
+`position_ids` (B, T), optional, give each token's position, for rows that pack several
+examples end to end (data/packing.py): positions restart at 0 where an example begins, and
+attention stays inside each example (a block-diagonal causal mask). Without them every row is
+one sequence, and attention takes SDPA's is_causal fast path.
 """
 import math
 from dataclasses import dataclass
@@ -64,6 +69,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool for SDPA: query t sees key s when s <= t and both are in the same
+    example. An example begins wherever a position is not the previous one plus one, the rule
+    transformers' find_packed_sequence_indices reads packed position_ids by."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    example = starts.cumsum(dim=1)  # (B, T): the example each token belongs to
+    T = position_ids.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return ((example[:, :, None] == example[:, None, :]) & causal).unsqueeze(1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t only attends to positions <= t."""
 
@@ -76,13 +93,14 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: (B, 1, T, T) bool, True where a query may attend to a key; None: causal."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim): SDPA batches over the leading dims.
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
@@ -112,8 +130,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         x = x + self.mlp(self.ln2(x))
         return x
 
@@ -163,23 +181,28 @@ class Transformer(nn.Module):
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.fc_out.weight, mean=0.0, std=residual_std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids, T <= block_size -> logits (B, T, vocab_size)."""
-        if idx.dim() != 2:
-            raise ValueError(f"expected token ids of shape (B, T), got shape {tuple(idx.shape)}")
-        T = idx.size(1)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: (B, T) token ids, T <= block_size -> logits (B, T, vocab_size).
+        position_ids: (B, T), for packed rows (module docstring); None: 0 .. T - 1.
+        Keyword names as Hugging Face's, so a dict batch calls model(**batch)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"expected token ids of shape (B, T), got shape {tuple(input_ids.shape)}")
+        T = input_ids.size(1)
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size={self.config.block_size}; "
                 f"feed at most block_size tokens (crop the context) or raise model.block_size"
             )
-        positions = torch.arange(T, device=idx.device)
-        x = self.dropout(self.token_embedding(idx) + self.position_embedding(positions))
+        if position_ids is None:
+            positions, mask = torch.arange(T, device=input_ids.device), None
+        else:
+            positions, mask = position_ids, packed_causal_mask(position_ids)
+        x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(positions))
         recompute = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             # Non-reentrant: works with torch.compile, DDP and inputs that need no grad, and
             # replays dropout with the RNG state of the forward, so gradients are exact.
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            x = checkpoint(block, x, mask, use_reentrant=False) if recompute else block(x, mask)
         return self.lm_head(self.ln_f(x))
 
     def num_parameters(self, exclude_embeddings: bool = True) -> int:

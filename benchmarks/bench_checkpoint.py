@@ -7,20 +7,20 @@ the sharded way; this shows how much the full way gathers, and what each costs i
 
 For each world size: the same Transformer as benchmarks/bench_memory.py, sharded with FSDP2,
 2 AdamW steps (so the optimizer has its moments), then each rank saves as the training loop
-does (trainer/loop.py `_save`), three times, on CPU/gloo in fresh spawned processes:
+does (trainer/checkpoints/manager.py), three times, on CPU/gloo in fresh spawned processes:
   full     full_model_state_dict + full_optimizer_state_dict (every rank takes part, rank 0
-           receives), then rank 0 writes the file durably (trainer/checkpoint.py)
-  sharded  save_sharded (trainer/fsdp.py): every rank writes its shards, rank 0 renames
+           receives), then rank 0 writes the file durably (trainer/checkpoints/files.py)
+  sharded  save_sharded (trainer/checkpoints/sharded.py): every rank writes its shards, rank 0 renames
 Reported: the tensor bytes the save gathers on rank 0 (counted from the gathered state dicts),
 the median save time, and the bytes on disk. Then every rank loads the checkpoint back into
 a freshly sharded model and optimizer, and the round trip is checked exact.
 
-Then what checksums cost (trainer/checkpoints/checksums.py), one process, the same model after
+Then what checksums cost (trainer/checkpoints/files.py), one process, the same model after
 2 AdamW steps, `--repeats` times each, medians:
-  write    CheckpointStore.save of the full state (the background writer's work) with
+  write    CheckpointManager.save of the full state (the background writer's work) with
            torch.save's CRC-32 on (ringtrain's checksums) and off; for a sharded checkpoint
-           the CRC-32 of its shard files that CheckpointStore.save records
-  stop     the training loop's Checkpointer.save with background writes (bench_checkpoint_stop's
+           the CRC-32 of its shard files that CheckpointManager.save records
+  stop     the training loop's CheckpointManager.save with background writes (bench_checkpoint_stop's
            measure: what training waits for), CRC-32 on and off
   load     verifying a file's checksums (resume, the tools), beside torch.load of it; a shards
            directory's
@@ -43,13 +43,12 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests")]
 
 from bench_memory import MIB, parse_arguments, train_steps  # noqa: E402
+from helpers import CheckpointStore  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.checkpoints.checksums import directory_checksums, file_damage, shards_damage  # noqa: E402
-from ringtrain.checkpoints.files import save_checkpoint  # noqa: E402
-from ringtrain.checkpoints.store import CheckpointStore  # noqa: E402
+from ringtrain.checkpoints.files import check_file_bytes, check_shards, directory_checksums, save_checkpoint  # noqa: E402
 from ringtrain.checkpoints.sharded import load_sharded, save_sharded  # noqa: E402
 from ringtrain.checkpoints.state_dicts import (  # noqa: E402
     full_model_state_dict,
@@ -192,7 +191,7 @@ def checksum_costs(config: dict, batch: int, repeats: int) -> None:
 
     with tempfile.TemporaryDirectory() as directory:  # on the VM's disk, as bench_checkpoint_stop
         directory = Path(directory)
-        store = CheckpointStore(directory, keep_last_k=1)
+        store = CheckpointStore(directory, keep_last_k=1)  # tests/helpers.py: the manager, one process
         row("full: background write", *paired_seconds(with_crc32(False, lambda: store.save(state, 1, best=False)),
                                                       with_crc32(True, lambda: store.save(state, 1, best=False)),
                                                       repeats))
@@ -203,9 +202,9 @@ def checksum_costs(config: dict, batch: int, repeats: int) -> None:
         row("full: load (torch.load; verify)",
             *paired_seconds(lambda: torch.load(directory / "last.pt", weights_only=True),
                             lambda: (torch.load(directory / "last.pt", weights_only=True),
-                                     file_damage(directory / "last.pt")), repeats))
+                                     check_file_bytes(directory / "last.pt")), repeats))
         recorded = directory_checksums(directory / "step.shards")
-        verifying = median_seconds(lambda: shards_damage(directory / "step.shards", recorded), repeats)
+        verifying = median_seconds(lambda: check_shards(directory / "step.shards", recorded), repeats)
         row("sharded: verify on load", 0.0, verifying, verifying)
         data = (directory / "last.pt").read_bytes()
     # 8 steps between saves: on a quiet VM enough for the previous write to end, so a longer

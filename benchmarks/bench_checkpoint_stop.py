@@ -7,8 +7,8 @@ thread while training goes on.
 
 One process, the Transformer of benchmarks/bench_memory.py (8 layers x 512, vocab 8192:
 29.5 M parameters, fp32, AdamW, so a checkpoint holds weights and two moments, ~340 MiB). The
-real `Checkpointer.save` of the training loop (trainer/loop/checkpointing.py) with the single
-strategy's state gathering and a real CheckpointStore in a temporary directory (keep_last_k=1).
+real `CheckpointManager.save` (trainer/checkpoints/manager.py) with the single strategy's
+state gathering, in a temporary directory (keep_last_k=1).
 Between two saves, `--steps` training steps on random tokens (the time a background write has;
 a save that comes before the previous write finished waits for it, and that wait is counted
 as stopped time). Each mode saves `--saves` times; the first save of each is a warm-up.
@@ -34,27 +34,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from ringtrain.distributed import DistInfo  # noqa: E402
-from ringtrain.loop.checkpointing import Checkpointer  # noqa: E402
-from ringtrain.loop.progress import Progress  # noqa: E402
+from ringtrain.checkpoints.manager import CheckpointManager  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.strategies.single import Single  # noqa: E402
 
 CONFIG = dict(vocab_size=8192, block_size=128, n_layers=8, n_heads=8, d_model=512, dropout=0.0)
 
 
-class _Parts(SimpleNamespace):
-    """What Checkpointer.save reads of the loop's TrainingParts."""
-
-    def state_dict(self) -> dict:
-        return {"scheduler": {"last_epoch": 0}, "scaler": {}}
-
-
-def _checkpointer(directory: Path, background: bool) -> Checkpointer:
-    trainer = SimpleNamespace(keep_last_k=1, async_checkpoint=background)
-    run = SimpleNamespace(trainer=trainer, resolved={"model": dict(CONFIG)})
-    dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
-    data = SimpleNamespace(dims={"vocab_size": CONFIG["vocab_size"]}, vocab=None)
-    return Checkpointer(run, dist, directory, data, SimpleNamespace(monitor="val/loss"))
+def _manager(directory: Path, background: bool) -> CheckpointManager:
+    trainer = SimpleNamespace(keep_last_k=1, async_checkpoint=background, checkpoint=True, checkpoint_every_n_steps=0)
+    return CheckpointManager(directory, trainer, DistInfo(rank=0, local_rank=0, world_size=1,
+                                                          device=torch.device("cpu"), backend=None))
 
 
 def _train_step(model, optimizer, generator, batch: int) -> float:
@@ -73,20 +63,24 @@ def measure(background: bool, saves: int, steps: int, batch: int) -> dict:
     model = Transformer(**CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
-    parts = _Parts(strategy=Single(), model=model, optimizer=optimizer)
-    progress = Progress()
+    strategy, step = Single(), 0
     stopped, step_seconds = [], []
+
+    def state(shards: Path) -> dict:  # what the loop gathers: the strategy's weights and the rest
+        return {**strategy.checkpoint_weights(model, optimizer, lambda: shards), "scheduler": {"last_epoch": step},
+                "progress": {"step": step}, "rng": [], "config": {"model": dict(CONFIG)}, "format": 2}
+
     with tempfile.TemporaryDirectory() as directory:
-        checkpointer = _checkpointer(Path(directory), background)
+        checkpoints = _manager(Path(directory), background)
         for save in range(saves + 1):
             for _ in range(steps):
                 step_seconds.append(_train_step(model, optimizer, generator, batch))
-                progress.step += 1
+                step += 1
             started = time.perf_counter()
-            checkpointer.save(parts, progress, best=False)
+            checkpoints.save(step, state, best=False)
             stopped.append(time.perf_counter() - started)
-        checkpointer.flush()
-        written = torch.load(checkpointer.last, weights_only=True, mmap=True)
+        checkpoints.flush()
+        written = torch.load(checkpoints.last, weights_only=True, mmap=True)
         exact = all(torch.equal(written["model"][k], v) for k, v in model.state_dict().items())
     return {"stopped": stopped[1:], "step": statistics.mean(step_seconds[steps:]), "exact": exact}
 

@@ -6,7 +6,7 @@ Every row trains the same model (models/transformer.py in `experiment=gpt2_small
 the same synthetic tokens (data/tokens.py), batch 16, AdamW (lr 6e-4, betas 0.9/0.95, weight
 decay 0.1 on matrices), gradient clipping at 1.0, bf16 autocast, no gradient accumulation:
 
-  ringtrain eager        `experiment=gpt2_small`, ringtrain's own loop (trainer.run.train_worker;
+  ringtrain eager        `experiment=gpt2_small`, ringtrain's own loop (trainer.run.train_rank;
   ringtrain compiled     fused AdamW on CUDA), checkpoints off, evaluation and the train-loss
                          read only after the last timed step; the second row adds trainer.compile
   raw loop eager         a hand-written loop: batches gathered from the token tensor, pinned and
@@ -22,7 +22,7 @@ decay 0.1 on matrices), gradient clipping at 1.0, bf16 autocast, no gradient acc
 Each row runs `--warmup` optimizer steps (compilation happens there), then `--windows` windows
 of `--steps` steps, each timed between two device synchronisations; the fastest window counts
 (a shared machine's load only ever slows a window down). Printed per row: tokens/s, ms/step, MFU (from the
-model's flops_per_token() and the device's peak, trainer/throughput.py, or --peak-tflops),
+model's flops_per_token() and the device's peak, trainer/callbacks/throughput.py, or --peak-tflops),
 peak GPU memory, and the ratio to the faster raw loop.
 
     python benchmarks/bench_gpt.py              # a GPU; --warmup 10 --steps 50 --windows 3
@@ -49,8 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.config.optim import parameter_groups  # noqa: E402
-from ringtrain.loop.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
+from ringtrain.optim import parameter_groups  # noqa: E402
+from ringtrain.callbacks.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 TINY = dict(vocab_size=256, block_size=64, n_layers=2, n_heads=2, d_model=64)
@@ -123,9 +123,12 @@ class StepClock:
 def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
     from hydra import compose, initialize_config_dir
 
-    import ringtrain.loop.fit as loop
+    from ringtrain.callbacks.base import Callback
+    from ringtrain.config.app import register_resolvers
     from ringtrain.config.schema import validate
-    from ringtrain.run import train_worker
+    from ringtrain.run import train_rank
+
+    register_resolvers()
 
     shape, total = setup.shape, setup.total_steps
     overrides = [
@@ -139,21 +142,16 @@ def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
         f"optimizer.lr={LR}", f"trainer.grad_clip_norm={CLIP}",
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        run = validate(compose(config_name="train", overrides=overrides))
+        job = validate(compose(config_name="train", overrides=overrides))
     clock = StepClock(setup)
-    original_step = loop.optimizer_step
 
-    def timed_step(self, *args, **kwargs):
-        result = original_step(self, *args, **kwargs)
-        clock.step_done()
-        return result
+    class Clock(Callback):  # the step's end, as the raw loop's clock reads it
+        def on_step_end(self, run, step):
+            clock.step_done()
 
-    loop.optimizer_step = timed_step
-    try:
-        with tempfile.TemporaryDirectory() as run_dir:
-            train_worker(run, run_dir)
-    finally:
-        loop.optimizer_step = original_step
+    job.callbacks["clock"] = Clock()
+    with tempfile.TemporaryDirectory() as run_dir:
+        train_rank(job, run_dir)
     return clock.seconds
 
 

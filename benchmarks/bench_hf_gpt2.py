@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
-from ringtrain.config.optim import parameter_groups  # noqa: E402
+from ringtrain.optim import parameter_groups  # noqa: E402
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 
 VOCAB, POSITIONS = 64, 64
@@ -93,7 +93,7 @@ def ringtrain_loop(steps: int) -> tuple[float, float]:
     from omegaconf import open_dict
 
     from ringtrain.config.schema import validate
-    from ringtrain.run import train_worker
+    from ringtrain.run import train_rank
 
     overrides = [
         "data=tokens", "task=language_model", "optimizer=adamw", f"optimizer.lr={LR}", f"trainer.max_steps={steps}",
@@ -107,7 +107,7 @@ def ringtrain_loop(steps: int) -> tuple[float, float]:
                      "config": {"_target_": "transformers.GPT2Config", **GPT2}}
     run = validate(cfg)
     with tempfile.TemporaryDirectory() as run_dir:
-        result = train_worker(run, run_dir)
+        result = train_rank(run, run_dir)
     return result.train_seconds, result.metrics["val/loss"]
 
 

@@ -3,7 +3,7 @@
 Why: strategy=fsdp exists for models whose training state does not fit on one device. This
 counts the bytes of that state each rank holds, at the moment it is largest (after the
 backward of an optimizer step, when the gradients exist and the AdamW moments do too), for
-DDP (every rank a full copy) and FSDP2 (trainer/fsdp.py: every rank 1/N), at each world size.
+DDP (every rank a full copy) and FSDP2 (trainer/strategies/fsdp.py: every rank 1/N), at each world size.
 
 Bytes are counted from the tensors themselves, not from the process: for a sharded DTensor
 only its local shard (`to_local()`), a tied parameter once. Not counted: activations (the same
@@ -33,7 +33,7 @@ from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.distributed import gather_objects, join_process_group, teardown_distributed  # noqa: E402
 from ringtrain.strategies.launch import launch_ranks  # noqa: E402
 from ringtrain.strategies.fsdp import shard_model  # noqa: E402
-from ringtrain.config.optim import parameter_groups  # noqa: E402
+from ringtrain.optim import parameter_groups  # noqa: E402
 
 MIB = 2**20
 

@@ -10,9 +10,9 @@ logs to TensorBoard every epoch. Both run as fresh processes with one CPU thread
 
 Prints each process's wall time (best and median of N, interleaved), the ratio, and where each
 process's time goes in one more marked run of each: importing torch, importing ringtrain's
-command, composing and checking the config ahead of Hydra, Hydra's own composition and run
-directory, building the components, the training loop, finishing the job, and the
-interpreter's own start and exit.
+command, Hydra's composition (and run directory), ringtrain's check of the job, claiming the
+run directory, building the components, callbacks and loggers, the training loop, finishing
+the job, and the interpreter's own start and exit.
 """
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def marked(module, name, before, after):
         finally:
             mark(after)
     setattr(module, name, wrapper)
-marked(command, "check_overrides", "command line parsed", "config composed and checked ahead")
-marked(command, "run", "Hydra composed the job, made the run directory", "job finished")
-marked(run, "fit", "components built", "training loop (fit) done")
+marked(command, "validate", "Hydra composed the job (and made its run directory)", "ringtrain checked the job (validate)")
+marked(run, "_build", "run directory claimed, nothing to resume", "data, task and model built")
+marked(run, "fit", "callbacks and loggers built", "training loop (fit) done")
 sys.argv = ["train.py"] + sys.argv[1:]  # as `python train.py ...` sees it
 from ringtrain.__main__ import main
 try:

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.config.optim import parameter_groups  # noqa: E402
+from ringtrain.optim import parameter_groups  # noqa: E402
 
 SIZES = dict(block_size=64, n_layers=2, n_heads=4, d_model=128, dropout=0.0)  # conf/model/transformer.yaml
 BATCH, LR, BETAS, DECAY, LOG_EVERY = 32, 1e-3, (0.9, 0.95), 0.1, 50
@@ -63,7 +63,7 @@ def ringtrain_loop(steps: int) -> float:
     from hydra import compose, initialize_config_dir
 
     from ringtrain.config.schema import validate
-    from ringtrain.run import train_worker
+    from ringtrain.run import train_rank
 
     overrides = [
         "model=transformer", "optimizer=adamw", f"optimizer.lr={LR}", f"trainer.max_steps={steps}",
@@ -73,7 +73,7 @@ def ringtrain_loop(steps: int) -> float:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         run = validate(compose(config_name="train", overrides=overrides))
     with tempfile.TemporaryDirectory() as run_dir:
-        return train_worker(run, run_dir).train_seconds
+        return train_rank(run, run_dir).train_seconds
 
 
 def main() -> None:

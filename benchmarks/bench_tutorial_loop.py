@@ -15,12 +15,15 @@ loop's time.
 
 Prints each loop's seconds (best of N, interleaved), the learned w and b, and the ratios.
 `no-ckpt` is ringtrain's job with trainer.checkpoint=false: what the durable saves cost.
+`+1 callback` adds one empty user callback (an `on_step_end` that does nothing): its cost per
+step is the difference over the job's 3 130 steps.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +32,10 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 from torch.utils.data import DataLoader, Dataset
+
+from ringtrain.callbacks.base import Callback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # EmptyCallback's module, by _target_
 
 
 # --- the tutorial, as written (seed 000, section 3 and 4; prints removed) -------------------
@@ -97,17 +104,26 @@ def hand_written_loop() -> tuple[float, float, float]:
 
 
 # --- ringtrain's default job ------------------------------------------------------------------
+class EmptyCallback(Callback):
+    """A user's callback that does nothing at every step: what the hook call itself costs."""
+
+    def on_step_end(self, run, step) -> None:
+        pass
+
+
 def ringtrain_default_job(*overrides: str) -> tuple[float, float, float]:
     from hydra import compose, initialize_config_dir
 
+    from ringtrain.config.app import register_resolvers
     from ringtrain.config.schema import validate
-    from ringtrain.run import train_worker
+    from ringtrain.run import train_rank
 
+    register_resolvers()
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["trainer.progress_bar=false", *overrides])
     with tempfile.TemporaryDirectory() as run_dir:
-        result = train_worker(validate(cfg), run_dir, return_weights=True)
+        result = train_rank(validate(cfg), run_dir, return_weights=True)
         weights = result.model_state
     return result.train_seconds, weights["linear.weight"].item(), weights["linear.bias"].item()
 
@@ -124,6 +140,7 @@ def main() -> None:
         "tutorial": tutorial_loop, "ringtrain": ringtrain_default_job,
         # The same job without its per-epoch checkpoints: what the saves cost, apart.
         "no-ckpt": lambda: ringtrain_default_job("trainer.checkpoint=false"),
+        "+1 callback": lambda: ringtrain_default_job("+callbacks.empty._target_=bench_tutorial_loop.EmptyCallback"),
         "hand-written": hand_written_loop,
     }
     results = {name: [] for name in loops}
@@ -140,6 +157,9 @@ def main() -> None:
     for name in ("ringtrain", "no-ckpt"):
         print(f"{name}: {best[name] / best['tutorial']:.2f}x the tutorial's time, "
               f"{best[name] / best['hand-written']:.2f}x the hand-written loop's")
+    steps = 10 * 313
+    print(f"one empty callback: {(best['+1 callback'] - best['ringtrain']) / steps * 1e6:+.2f} us per step "
+          f"(best of each; {steps} steps)")
 
 
 if __name__ == "__main__":

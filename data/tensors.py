@@ -3,7 +3,7 @@
 Both classes are ordinary map-style torch Datasets (`len`, `ds[i]`), so they work with a
 torch DataLoader; they also have `get_batch(indices)`, which the Trainer's loader uses to
 take a batch as one indexing operation instead of `batch_size` `__getitem__` calls plus a
-collate (trainer/loaders.py).
+collate (trainer/loop/loaders.py).
 """
 from __future__ import annotations
 

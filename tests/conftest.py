@@ -21,16 +21,19 @@ QUIET = ["trainer.progress_bar=false"]
 
 
 def compose_config(overrides: list[str]):
+    from ringtrain.config.app import register_resolvers
+
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=QUIET + list(overrides))
 
 
 def train_in_process(overrides: list[str], run_dir: Path):
-    """Validate and train on this process, as one rank; returns the Trainer's FitResult."""
+    """Validate and train on this process, as one rank; returns the FitResult."""
     from ringtrain.config.schema import validate
-    from ringtrain.run import train_worker
+    from ringtrain.run import train_rank
 
-    return train_worker(validate(compose_config(overrides)), str(run_dir))
+    return train_rank(validate(compose_config(overrides)), str(run_dir))
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None):
@@ -60,10 +63,10 @@ def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.
     state = torch.load(path, weights_only=True)
     if "shards" not in state:
         return state["model"]
-    from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+    from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
     state = read_checkpoint(str(path))
-    return rebuild_model(model_node(state, str(path)), state["data_dims"], state, str(path)).state_dict()
+    return rebuild_model(state, str(path)).state_dict()
 
 
 def assert_same_weights(a: dict, b: dict, atol: float) -> None:

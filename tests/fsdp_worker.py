@@ -40,7 +40,7 @@ from ringtrain.strategies.fsdp import resolve_shard_classes, shard_model
 def strategy_of(model: nn.Module):
     """The strategy whose model this is, for its no-sync, clipping and inference contexts."""
     return strategy_option("fsdp" if isinstance(model, FSDPModule) else "single")
-from ringtrain.config.optim import parameter_groups
+from ringtrain.optim import parameter_groups
 
 CONFIG = dict(vocab_size=16, block_size=16, n_layers=2, n_heads=2, d_model=32, dropout=0.0)
 GLOBAL_BATCH = 8  # 2B: each of 2 ranks trains on B = 4 sequences per step

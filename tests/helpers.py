@@ -15,6 +15,45 @@ import time
 from pathlib import Path
 
 
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+class CheckpointStore:
+    """The checkpoint manager's writing, as unit tests drive it: save a given state at a step,
+    in one process (trainer.async_checkpoint off: the file is on disk when save returns)."""
+
+    def __init__(self, directory: Path, keep_last_k: int):
+        from types import SimpleNamespace
+
+        import torch
+
+        from ringtrain.checkpoints.manager import CheckpointManager
+        from ringtrain.distributed import DistInfo
+
+        trainer = SimpleNamespace(keep_last_k=keep_last_k, checkpoint=True, checkpoint_every_n_steps=0,
+                                  async_checkpoint=False)
+        self.manager = CheckpointManager(directory, trainer, DistInfo(0, 0, 1, torch.device("cpu"), None))
+        self.directory, self.last, self.best = Path(directory), Path(directory) / "last.pt", Path(directory) / "best.pt"
+
+    def save(self, state: dict, step: int, best: bool) -> None:
+        self.manager.save(step, lambda shards: state, best)
+
+    def shards_path(self, step: int) -> Path:
+        from ringtrain.checkpoints.files import shards_name
+
+        return self.directory / shards_name(step)
+
+    def step_files(self) -> list:
+        from ringtrain.checkpoints.files import step_checkpoints
+
+        return step_checkpoints(self.directory)
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """What a run removes from its checkpoints directory as it starts: debris of killed saves."""
+    return CheckpointStore(directory, keep_last_k=1).manager.remove_stale_files()
+
+
 # --- ports ------------------------------------------------------------------------------------
 
 

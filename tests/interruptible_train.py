@@ -41,9 +41,9 @@ if REPO not in sys.path:
 
 
 def _announce_and_slow_down_every_step() -> None:
-    import ringtrain.loop.fit as loop
+    import ringtrain.callbacks.base as callbacks
 
-    original = loop.optimizer_step
+    original = callbacks.Callbacks.call
     if getattr(original, "_interruptible", False):
         return
     delay = float(os.environ.get("RINGTRAIN_TEST_STEP_SECONDS", "0.05"))
@@ -53,8 +53,11 @@ def _announce_and_slow_down_every_step() -> None:
     # the seconds above; bounded, so a test that never makes it cannot hang the job.
     release = os.environ.get("RINGTRAIN_TEST_HOLD_UNTIL_FILE")
 
-    def step_then_announce(parts, task, micro_batches, meter, nonfinite, progress, step, *args, **kwargs):
-        result = original(parts, task, micro_batches, meter, nonfinite, progress, step, *args, **kwargs)
+    def call_then_announce(self, hook, run, *args):
+        original(self, hook, run, *args)
+        if hook != "on_step_end":
+            return
+        step = args[0].step
         # One write of the whole line: the ranks share the pipe, and print() writes the text and
         # its newline separately, so two ranks' announcements ran into one line that matched
         # neither (seen on 2 ranks for every other step), and the test missed the step it waited for.
@@ -66,10 +69,9 @@ def _announce_and_slow_down_every_step() -> None:
                 time.sleep(0.05)
         else:
             time.sleep(hold if step == hold_step else delay)
-        return result
 
-    step_then_announce._interruptible = True
-    loop.optimizer_step = step_then_announce
+    call_then_announce._interruptible = True
+    callbacks.Callbacks.call = call_then_announce
 
 
 def _fill_the_disk_after(limit: int) -> None:
@@ -78,7 +80,7 @@ def _fill_the_disk_after(limit: int) -> None:
     import errno
 
     import ringtrain.checkpoints.atomic as atomic
-    import ringtrain.checkpoints.store as store
+    import ringtrain.checkpoints.manager as manager
 
     written = {"bytes": 0}
     original_write, original_remove = atomic._ErrorRecordingWriter.write, atomic.remove_if_present
@@ -96,8 +98,8 @@ def _fill_the_disk_after(limit: int) -> None:
         original_remove(path)
 
     atomic._ErrorRecordingWriter.write = write
-    # Failed writes' temporary files (atomic) and rotated step files (store) free space.
-    atomic.remove_if_present = store.remove_if_present = remove
+    # Failed writes' temporary files (atomic) and rotated step files (manager) free space.
+    atomic.remove_if_present = manager.remove_if_present = remove
 
 
 def _announce(line: str) -> None:

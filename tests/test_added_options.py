@@ -27,7 +27,7 @@ class Squares(Dataset):
 
 
 def test_loader_options_reach_the_training_and_validation_loaders(tmp_path, monkeypatch):
-    import ringtrain.loop.parts as loop
+    import ringtrain.loop.setup as loop
 
     seen = []
 
@@ -90,7 +90,7 @@ def test_bad_stop_signals_are_one_line(value, message):
 
 def test_decay_matrices_only_false_decays_every_parameter():
     from ringtrain.models.linear import LinearRegression
-    from ringtrain.config.optim import build_optimizer
+    from ringtrain.optim import build_optimizer
 
     run = validate(compose_config(["optimizer=adamw", "optimizer.decay_matrices_only=false", "optimizer.weight_decay=0.3"]))
     adamw = build_optimizer(run.optimizer, LinearRegression(1, 1), torch.device("cpu"))

@@ -9,10 +9,11 @@ from conftest import REPO
 
 # docs/ARCHITECTURE.md "Packages and what each may import", from the bottom up.
 LAYERS = {
-    "ringtrain.errors": 0,
-    "ringtrain.distributed": 1,
-    "ringtrain.checkpoints": 2,
-    "ringtrain.data": 3, "ringtrain.models": 3, "ringtrain.strategies": 3, "ringtrain.conf": 3,
+    "ringtrain.errors": 0, "ringtrain.conf": 0,
+    "ringtrain.distributed": 1, "ringtrain.components": 1,
+    "ringtrain.checkpoints": 2, "ringtrain.optim": 2,
+    "ringtrain.data": 3, "ringtrain.models": 3, "ringtrain.strategies": 3, "ringtrain.loggers": 3,
+    "ringtrain.callbacks": 3,
     "ringtrain.config": 4,
     "ringtrain.loop": 5,
     "ringtrain.run": 6,
@@ -20,11 +21,14 @@ LAYERS = {
     "ringtrain.tools": 8,
     "ringtrain.__main__": 9, "ringtrain": 9,
 }
-FOLDERS = {"trainer": "ringtrain", "data": "ringtrain.data", "models": "ringtrain.models"}
+FOLDERS = {"trainer": "ringtrain", "data": "ringtrain.data", "models": "ringtrain.models", "conf": "ringtrain.conf"}
 MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
 # Modules or functions over those sizes, each with the reason it is one piece.
-SIZE_EXCEPTIONS: dict[str, str] = {}
+SIZE_EXCEPTIONS: dict[str, str] = {
+    "ringtrain.loop.fit.fit": "the loop, read top to bottom in one place: forward, backward, clip, step, then what "
+                              "is due (log, evaluate, save, stop), as nanoGPT's train.py reads",
+}
 
 
 def _modules() -> dict[str, Path]:

@@ -183,36 +183,29 @@ def test_a_full_disk_during_a_background_write_stops_every_rank_with_one_line_an
 def test_an_exception_waits_for_the_write_in_flight_before_leaving_the_checkpointer(tmp_path):
     from types import SimpleNamespace
 
+    from ringtrain.checkpoints.manager import CheckpointManager
     from ringtrain.distributed import DistInfo
-    from ringtrain.loop.checkpointing import Checkpointer
-    from ringtrain.loop.progress import Progress
-    from ringtrain.strategies.single import Single
 
-    run = SimpleNamespace(trainer=SimpleNamespace(keep_last_k=1, async_checkpoint=True), resolved={})
+    trainer = SimpleNamespace(keep_last_k=1, async_checkpoint=True, checkpoint=True, checkpoint_every_n_steps=0)
     dist = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
-    checkpointer = Checkpointer(run, dist, tmp_path, SimpleNamespace(dims={}, vocab=None), SimpleNamespace(monitor="m"))
-    model = torch.nn.Linear(3, 2)
-    parts = SimpleNamespace(strategy=Single(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                            state_dict=lambda: {"scheduler": {}, "scaler": {}})
-    release, save = threading.Event(), checkpointer.store.save
+    manager = CheckpointManager(tmp_path, trainer, dist)
+    release, store = threading.Event(), manager._store
 
-    def held_save(*args, **kwargs):
+    def held_store(*args, **kwargs):
         release.wait()
-        return save(*args, **kwargs)
+        return store(*args, **kwargs)
 
-    checkpointer.store.save = held_save
-    wait = checkpointer.writer.wait
+    manager._store = held_store
+    wait = manager.writer.wait
 
     def release_then_wait():  # the write finishes only for one who waits for it
         release.set()
         return wait()
 
-    progress = Progress()
-    progress.step = 3
-    with pytest.raises(RuntimeError, match="a crash"), checkpointer:
-        checkpointer.save(parts, progress, best=False)
-        assert checkpointer.writer.busy
-        checkpointer.writer.wait = release_then_wait
+    with pytest.raises(RuntimeError, match="a crash"), manager:
+        manager.save(3, lambda shards: {"progress": {"step": 3}, "model": {"w": torch.ones(2)}}, best=False)
+        assert manager.writer.busy
+        manager.writer.wait = release_then_wait
         raise RuntimeError("a crash")
-    assert not checkpointer.writer.busy
-    assert torch.load(checkpointer.last, weights_only=True)["progress"]["step"] == 3
+    assert not manager.writer.busy
+    assert torch.load(manager.last, weights_only=True)["progress"]["step"] == 3

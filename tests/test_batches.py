@@ -206,16 +206,15 @@ class LengthsNet(nn.Module):
         self.embed, self.head = nn.Embedding(vocab_size, 16), nn.Linear(16, num_classes)
 
     def forward(self, input_ids, attention_mask):
-        longest = None if input_ids.device.type == "meta" else int(attention_mask.sum(1).max())
-        SEEN.append((input_ids.device.type, tuple(input_ids.shape), longest))
+        SEEN.append((tuple(input_ids.shape), int(attention_mask.sum(1).max())))
         mask = attention_mask.unsqueeze(-1).float()
         return self.head((self.embed(input_ids) * mask).sum(1) / mask.sum(1))
 
 
-def test_a_datasets_own_collate_fn_makes_the_batches_of_the_run_and_of_the_dry_step(tmp_path):
+def test_a_datasets_own_collate_fn_makes_every_batch_of_the_run(tmp_path):
     """Rows of uneven lengths, which torch's default collate cannot stack: the Dataset's
-    collate_fn pads each batch to its longest row, in the pre-check's dry step (on meta) and
-    in every training and validation batch, and the model learns through it."""
+    collate_fn pads each training and validation batch to its longest row, and the model
+    learns through it."""
     from conftest import train_in_process
 
     node = f"{__name__}.Lengths"
@@ -228,11 +227,10 @@ def test_a_datasets_own_collate_fn_makes_the_batches_of_the_run_and_of_the_dry_s
     ], tmp_path / "run")
     first_two = Lengths(256, 0).rows[:2]
     assert len(first_two[0]) != len(first_two[1])  # so only the collate_fn can batch them
-    assert SEEN[0] == ("meta", (2, max(map(len, first_two))), None)  # the dry step's batch
-    batches = [shape for device, shape, _ in SEEN if device == "cpu"]
+    batches = [shape for shape, _ in SEEN]
     assert len(batches) >= 48 and all(shape[0] == 16 for shape in batches)
     assert len({width for _, width in batches}) > 1  # each batch as wide as its own longest row...
-    assert all(width == longest for device, (_, width), longest in SEEN if device == "cpu")
+    assert all(width == longest for (_, width), longest in SEEN)
     assert result.metrics["val/acc"] > 0.9  # ...and the model learned whether token 1 is there
 
 
@@ -253,19 +251,19 @@ class FourPositions(LengthsNet):
         self.block_size = 4  # what config/sizes.py reads as the model's positions
 
 
-def test_a_dataset_that_says_its_longest_batch_is_checked_against_the_models_positions_before_work():
-    """The dry step sees the first two rows (3 and 2 tokens here, which four positions hold);
-    the Dataset's max_sequence_length says a later batch can be 8 tokens long."""
-    from conftest import compose_config
-    from ringtrain.config.schema import validate
+def test_a_dataset_that_says_its_longest_batch_is_checked_against_the_models_positions_before_work(tmp_path):
+    """The first two rows are 3 and 2 tokens long here (four positions hold them); the Dataset's
+    max_sequence_length says a later batch can be 8 tokens long: refused before the first step."""
+    from conftest import train_in_process
 
     assert [len(row) for row in LongLengths(256, 4).rows[:2]] == [3, 2]
     node = f"{__name__}.LongLengths"
-    cfg = compose_config([
-        "~data", f"+data.train._target_={node}", "+data.train.n=256", "+data.train.seed=4",
-        f"+data.val._target_={node}", "+data.val.n=64", "+data.val.seed=1", f"+data.dims.vocab_size={VOCAB}",
-        "+data.dims.num_classes=2", "task=classification", "~model", f"+model._target_={__name__}.FourPositions",
-    ])
+    SEEN.clear()
     with pytest.raises(ConfigError, match=r"the data's sequences are 8 tokens long but the model has 4 positions "
                                           r"\(block_size\); raise the model's block_size to 8 or shorten the data's max_sequence_length"):
-        validate(cfg)
+        train_in_process([
+            "~data", f"+data.train._target_={node}", "+data.train.n=256", "+data.train.seed=4",
+            f"+data.val._target_={node}", "+data.val.n=64", "+data.val.seed=1", f"+data.dims.vocab_size={VOCAB}",
+            "+data.dims.num_classes=2", "task=classification", "~model", f"+model._target_={__name__}.FourPositions",
+        ], tmp_path / "run")
+    assert SEEN == [] and not (tmp_path / "run").exists()

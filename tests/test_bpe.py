@@ -156,8 +156,8 @@ def test_sample_decodes_with_the_checkpoints_tokenizer_alone(bpe_runs, tmp_path)
 
 
 def rebuilt(checkpoint: Path):
-    from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+    from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
     state = read_checkpoint(str(checkpoint))
-    model = rebuild_model(model_node(state, str(checkpoint)), state["data_dims"], state, str(checkpoint))
+    model = rebuild_model(state, str(checkpoint))
     return model, vocab_from_state(state["vocab"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,8 +29,11 @@ def _options(group: str) -> list[str]:
 
 def test_every_group_has_its_expected_options():
     assert _options("model") == ["hf_gpt2", "linear", "mlp", "transformer"]
-    assert _options("data") == ["cifar10", "classification", "hf_rows", "hf_text", "regression", "text", "token_file",
-                                "tokens"]
+    assert _options("data") == ["chat", "cifar10", "classification", "hf_rows", "hf_text", "mixture", "regression",
+                                "stream", "text", "token_file", "token_shards", "tokens"]
+    assert _options("callbacks") == ["best_checkpoints", "default", "early_stopping", "ema", "lr_monitor", "metrics",
+                                     "model_summary", "none", "profiler", "progress_bar", "stream_metrics", "throughput"]
+    assert _options("logger") == ["csv", "mlflow", "tensorboard", "wandb"]  # none: logger=null
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
     assert _options("strategy") == ["ddp", "dp", "fsdp", "single"]
@@ -115,15 +119,10 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
         (["scheduler=cosine", "scheduler.min_lr=1"], "scheduler.min_lr=1 exceeds optimizer.lr=0.01"),
         (["trainer.precision=bf16"], "trainer.precision=bf16-mixed is the mixed-precision name here"),
         (["trainer.persistent_workers=true"], "set trainer.num_workers >= 1"),
-        (["model=transformer", "model.d_model=30", "model.n_heads=4"], "model.d_model"),
-        (["model=transformer", "model.n_layers=0"], "model.n_layers"),
-        (["model=mlp", "model.dropout=1.5"], "model.dropout"),
         (["data.num_samples=-5"], "data.num_samples"),
         (["model=transformer", "data=text"], "data.path is not set"),
         (["model=transformer", "data=text", "data.path=/nonexistent/x.txt"], "does not exist"),
         (["trainer.resume=/nonexistent/last.pt"], "trainer.resume='/nonexistent/last.pt' is not a file"),
-        (["model=mlp", "+model.in_features=5"], "model.in_features=5 but the data has in_features=3072"),
-        (["model=transformer", "data.seq_len=128"], "data.seq_len=128 exceeds model.block_size=64"),
         (["trainer.checkpoint_every_n_steps=-1"], "trainer.checkpoint_every_n_steps=-1 must be >= 0 (0: save only "
                                                   "at evaluations, at the end and on a stop signal)"),
         # Another optimizer or schedule over a preset: the preset's keys it does not take, and the fix.
@@ -136,15 +135,6 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
          "scheduler.min_lr: torch.optim.lr_scheduler.StepLR takes no argument 'min_lr'; the scheduler preset set "
          "it: remove it with ~scheduler.min_lr;"),
         (["+optimizer.momentun=0.9"], "takes no argument 'momentun'; did you mean optimizer.momentum?"),
-        # The data's lengths against the batch and the ranks, from the data the dry step set up.
-        (["trainer.batch_size=20000", "trainer.drop_last=true"],
-         "trainer.drop_last=true drops every batch: the training set has 10000 samples, too few for one batch of "
-         "trainer.batch_size=20000; set trainer.batch_size=10000 or lower, or trainer.drop_last=false"),
-        (["trainer.batch_size=6000", "trainer.drop_last=true", "strategy=ddp", "strategy.nproc_per_node=2"],
-         "too few for one batch of trainer.batch_size=6000 on each of 2 processes (12000 samples); set "
-         "trainer.batch_size=5000 or lower"),
-        (["data.num_val_samples=2", "strategy=ddp", "strategy.nproc_per_node=3"],
-         "the validation set has 2 samples but 3 processes need at least one each"),
         (["trainer.limit_val_batches=1", "trainer.val_batch_size=1", "strategy=ddp", "strategy.nproc_per_node=2"],
          "trainer.limit_val_batches=1 validates on 1 samples (one process's first batches), fewer than the 2 "
          "processes that share them"),
@@ -169,22 +159,48 @@ def test_bad_config_gives_one_clear_error(overrides, message):
 
 def test_another_optimizer_over_the_preset_builds_once_its_leftovers_are_removed():
     """The README's example: any torch.optim class by _target_, the sgd preset's keys it lacks removed."""
-    from ringtrain.config.optim import build_optimizer
+    from ringtrain.optim import build_optimizer
 
     run = validate(compose_config(["optimizer._target_=torch.optim.RMSprop", "~optimizer.nesterov"]))
     optimizer = build_optimizer(run.optimizer, torch.nn.Linear(2, 1), torch.device("cpu"))
     assert type(optimizer) is torch.optim.RMSprop and optimizer.defaults["lr"] == 0.01
 
 
-def test_under_torchrun_the_pre_check_counts_torchruns_ranks(monkeypatch):
-    """A rank of `torchrun --nproc_per_node=4` checks the data for 4 ranks, whatever
-    strategy.nproc_per_node says (torchrun started the ranks)."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"one batch of trainer.batch_size=3000 on each of 4 processes \(12000 samples\); "
-                                          r"set trainer.batch_size=2500 or lower"):
-        validate(compose_config(["trainer.batch_size=3000", "trainer.drop_last=true", "strategy=ddp"]))
-    validate(compose_config(["trainer.batch_size=2500", "trainer.drop_last=true", "strategy=ddp"]))
+@pytest.mark.parametrize("overrides,message", [
+    (["model=transformer", "model.d_model=30", "model.n_heads=4"], "model.d_model=30 must be divisible by model.n_heads=4"),
+    (["model=transformer", "model.n_layers=0"], "model.n_layers=0 must be a positive integer"),
+    (["model=mlp", "model.dropout=1.5"], "model.dropout=1.5 must be in [0, 1)"),
+    (["model=mlp", "+model.in_features=5"], "model.in_features=5 but the data has in_features=3072"),
+    (["model=transformer", "data.seq_len=128"], "the data's sequences are 128 tokens long but the model has 64 positions "
+                                                "(block_size); raise the model's block_size to 128 or shorten data.seq_len"),
+    (["trainer.batch_size=20000", "trainer.drop_last=true"],
+     "trainer.drop_last=true drops every batch: the training set has 10000 samples, too few for one batch of "
+     "trainer.batch_size=20000; set trainer.batch_size=10000 or lower, or trainer.drop_last=false"),
+])
+def test_a_mistake_found_as_the_run_builds_is_one_line_and_leaves_no_run_directory(tmp_path, overrides, message):
+    """What only the built components know (the model's own checks, the data's lengths, the first
+    step) is refused by the run itself, once: no pre-check builds them twice."""
+    from conftest import train_in_process
+    from ringtrain.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        train_in_process(overrides, tmp_path / "run")
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_each_rank_needs_a_sample_and_under_drop_last_a_whole_batch():
+    from types import SimpleNamespace
+
+    from ringtrain.config.data_lengths import check_data_lengths
+
+    trainer = SimpleNamespace(batch_size=6000, drop_last=True)
+    with pytest.raises(ConfigError, match=r"too few for one batch of trainer.batch_size=6000 on each of 2 processes "
+                                          r"\(12000 samples\); set trainer.batch_size=5000 or lower"):
+        check_data_lengths(10000, 100, trainer, ranks=2)
+    check_data_lengths(10000, 100, SimpleNamespace(batch_size=5000, drop_last=True), ranks=2)
+    with pytest.raises(ConfigError, match="the validation set has 2 samples but 3 processes need at least one each"):
+        check_data_lengths(10000, 2, SimpleNamespace(batch_size=8, drop_last=False), ranks=3)
 
 
 # Function targets the next test follows: each notes that it was called.
@@ -236,46 +252,62 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path, args, lin
     assert not (tmp_path / "run").exists(), "a mistake caught before work starts leaves nothing on disk"
 
 
+def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
+    """train's Hydra app run in this process on `args` as its command line: the one line it
+    exits 2 with. Composition mistakes never reach `task`."""
+    from ringtrain.config.app import TRAIN, run_app
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["ringtrain", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            run_app(TRAIN, task)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["trainer.bach_size=4"], "trainer.bach_size is not a setting of trainer; check the spelling (known: accelerator,"),
-        (["strategy.nproc_per_node=2"], "strategy.nproc_per_node is not a setting of strategy=single; it belongs to strategy=ddp"),
+        (["trainer.bach_size=4"], "trainer.bach_size is not a setting of trainer; did you mean batch_size? known: accelerator,"),
+        (["strategy.nproc_per_node=2"], "strategy.nproc_per_node is not a setting of this strategy; it belongs to "
+                                        "strategy=ddp or strategy=fsdp: choose that option or drop the override"),
         (["model.d_model=64"], "model.d_model is not a setting of this model; it belongs to model=transformer"),
         (["model=transfomer"], "model=transfomer is not an option of model; choose one of hf_gpt2, linear, mlp, transformer "
                                "(did you mean transformer?)"),
         (["model=small_cnn"], "choose one of hf_gpt2, linear, mlp, transformer; your own? put model/small_cnn.yaml in a "
                               "config folder and pass --config-dir <folder>"),
-        (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are data, model, optimizer,"),
+        (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are callbacks, data,"),
         (["optimiser=adam"], "experiment, debug, hparams_search"),
         (["trainer.devices=2"], "trainer.devices is not a setting here; use strategy=ddp strategy.nproc_per_node=N"),
         (["trainer.fast_dev_run=true"], "use debug=fast_dev_run"),
         (["ckpt_path=x.pt"], "use trainer.resume=<path to last.pt>"),
         (["seed=42"], "seed is not a setting here; use trainer.seed"),
-        (["model.widht=3"], "model.widht is not set by this model (ringtrain.models.linear.LinearRegression)"),
-        (["+trainer.seed=3"], "trainer.seed already exists, so +trainer.seed=... cannot add it"),
-        (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' is a sweep; add -m"),
-        (["optimizer.lr=["], "cannot read the override 'optimizer.lr=['"),
-        # In a sweep, every job is composed ahead: the second model has no d_model.
+        (["model.widht=3"], "model.widht is not set by this model (ringtrain.models.linear.LinearRegression); to pass "
+                            "a new argument write +model.widht=<value>"),
+        (["+trainer.seed=3"], "An item is already at 'trainer.seed'; Either remove + prefix"),
+        (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' lists several values: add -m to sweep them"),
+        (["optimizer.lr=["], "cannot read the override 'optimizer.lr=[' (no viable alternative at input '[')"),
+        # A sweep's jobs are composed one at a time, as they run: the second model has no d_model.
         (["-m", "model=transformer,mlp", "model.d_model=64"], "model.d_model is not a setting of this model"),
-        # ... and validated: the second job's learning rate is impossible.
-        (["-m", "optimizer.lr=0.1,-1"], "Invalid learning rate: -1"),
     ],
 )
-def test_command_line_mistakes_are_explained_before_hydra_runs(args, message):
-    from ringtrain.config.command_line import check_overrides
-
-    with pytest.raises(ConfigError) as info:
-        check_overrides(args)
-    assert message in str(info.value) and "\n" not in str(info.value)
+def test_command_line_mistakes_are_one_line_from_hydras_own_exception(args, message, capsys, tmp_path):
+    line = composition_refusal(args + [f"hydra.sweep.dir={tmp_path / 'sweep'}"], capsys)
+    assert message in line
 
 
-def test_command_line_checks_accept_valid_runs_and_sweeps():
-    from ringtrain.config.command_line import check_overrides
+def test_valid_runs_and_sweeps_compose(tmp_path):
+    from ringtrain.config.app import TRAIN, run_app
 
-    check_overrides(["model=transformer", "model.d_model=64", "trainer.max_steps=5"])
-    check_overrides(["-m", "optimizer.lr=1e-3,3e-3", "model=transformer", "model.d_model=64,128"])
-    check_overrides(["--cfg", "job"])
+    composed = []
+    for args in (["model=transformer", "model.d_model=64", "trainer.max_steps=5"],
+                 ["-m", "optimizer.lr=1e-3,3e-3", "model=transformer", "model.d_model=64,128"]):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", ["ringtrain", *args, f"hydra.run.dir={tmp_path / 'run'}",
+                                        f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+            run_app(TRAIN, lambda cfg: composed.append((cfg.optimizer.lr, cfg.model.d_model)))
+    assert composed == [(0.01, 64), (1e-3, 64), (1e-3, 128), (3e-3, 64), (3e-3, 128)]
 
 
 def test_cli_yaml_syntax_error_in_a_users_config_names_file_line_and_column(tmp_path):
@@ -313,22 +345,20 @@ def read_only_directory(tmp_path):
         directory.chmod(0o755)
 
 
-def test_cli_a_run_directory_that_cannot_be_made_is_one_line_before_any_work(tmp_path, read_only_directory):
-    from ringtrain.config.command_line import check_overrides
-
+def test_cli_a_run_directory_that_cannot_be_made_is_one_line_before_any_work(tmp_path, read_only_directory, capsys):
     line = refused(run_cli([f"hydra.run.dir={read_only_directory / 'run'}"], cwd=tmp_path))
     assert line.startswith(f"error: the run directory {read_only_directory / 'run'} (hydra.run.dir) cannot be "
                            f"created: nothing can be written in {read_only_directory} ("), line
     assert list(read_only_directory.iterdir()) == [] and not (tmp_path / "outputs").exists()
-    # The same check, in process: a path through a file (Hydra's NotADirectoryError), a sweep's directory.
+    # In process: a path through a file (NotADirectoryError), a sweep's directory.
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    with pytest.raises(ConfigError) as info:
-        check_overrides([f"hydra.run.dir={a_file / 'run'}"])
-    assert str(info.value) == (f"the run directory {a_file / 'run'} (hydra.run.dir) cannot be created: {a_file} is a "
-                               f"file, not a directory; set hydra.run.dir to a directory you can write to")
-    with pytest.raises(ConfigError, match=r"\(hydra.sweep.dir\) cannot be created: .* is a file, not a directory"):
-        check_overrides(["-m", "optimizer.lr=0.1,0.2", f"hydra.sweep.dir={a_file / 'sweep'}"])
+    assert composition_refusal([f"hydra.run.dir={a_file / 'run'}"], capsys) == (
+        f"error: the run directory {a_file / 'run'} (hydra.run.dir) cannot be created: {a_file} is a file, not a "
+        f"directory; set hydra.run.dir to a directory you can write to")
+    assert composition_refusal(["-m", "optimizer.lr=0.1,0.2", f"hydra.sweep.dir={a_file / 'sweep'}"], capsys) == (
+        f"error: the sweep directory {a_file / 'sweep'} (hydra.sweep.dir) cannot be created: {a_file} is a file, "
+        f"not a directory; set hydra.sweep.dir to a directory you can write to")
 
 
 def test_cli_unknown_override_key_exits_2_with_one_line(tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli, train_in_process
 from helpers import TORCHRUN, free_port, ok
+from ringtrain.callbacks.base import Callback
 
 # An MLP without dropout, SGD: one process with batch 2B must equal 2 ranks with batch B each.
 # 129 validation samples: not divisible by 2, so padding would show up as double counting.
@@ -194,46 +195,32 @@ ENDS_WITHIN_SECONDS = 60
 FAILING = ["strategy=ddp", "trainer.max_steps=50", "strategy.timeout_minutes=3"]
 
 
-def make_rank_1_fail_at_step_3(failed_at_file: str) -> None:
-    """Patch the Trainer in this process so that rank 1 raises at its fourth optimizer step,
-    having written the moment it did (time.monotonic(): one clock for every process on the
-    machine) to `failed_at_file`."""
-    import ringtrain.loop.fit as loop
-    from ringtrain.distributed import env_rank
+class FailOnRank1AtStep3(Callback):
+    """Rank 1 raises as its third optimizer step ends, having written the moment it did
+    (time.monotonic(): one clock for every process on the machine) to `failed_at`."""
 
-    original_step = loop.optimizer_step
+    def __init__(self, failed_at: str):
+        self.failed_at = failed_at
 
-    def step_then_fail(parts, *args, **kwargs):
-        if env_rank() == 1 and parts.scheduler.last_epoch == 3:
-            Path(failed_at_file).write_text(repr(time.monotonic()))
+    def on_step_end(self, run, end) -> None:
+        if run.dist.rank == 1 and end.step == 3:
+            Path(self.failed_at).write_text(repr(time.monotonic()))
             raise RuntimeError("rank 1 broke at step 3")
-        return original_step(parts, *args, **kwargs)
 
-    loop.optimizer_step = step_then_fail
+
+def failing(failed_at: Path) -> list[str]:
+    return FAILING + [f"+callbacks.fail._target_={__name__}.FailOnRank1AtStep3", f"+callbacks.fail.failed_at={failed_at}"]
 
 
 def seconds_since_the_failure(failed_at_file: Path) -> float:
     return time.monotonic() - float(failed_at_file.read_text())
 
 
-# train.py, run under torchrun with the Trainer patched in each rank's process.
-FAILING_TRAIN_PY = """
-import sys
-sys.path[:0] = [{repo!r}, {tests!r}]
-sys.argv = [sys.argv[0]] + {args!r}
-from test_distributed import make_rank_1_fail_at_step_3
-make_rank_1_fail_at_step_3({failed_at!r})
-exec(open({train!r}).read(), {{"__name__": "__main__", "__file__": {train!r}}})
-"""
-
-
 def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_path):
-    args = MLP + FAILING + [f"hydra.run.dir={tmp_path / 'run'}"]
-    script, failed_at = tmp_path / "failing_train.py", tmp_path / "rank-1-failed-at"
-    script.write_text(FAILING_TRAIN_PY.format(repo=str(REPO), tests=str(REPO / "tests"), args=args,
-                                              failed_at=str(failed_at), train=str(REPO / "train.py")))
-    proc = subprocess.run(TORCHRUN + [str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    failed_at = tmp_path / "rank-1-failed-at"
+    proc = subprocess.run(TORCHRUN + [str(REPO / "train.py"), *MLP, *failing(failed_at), f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")})
     assert proc.returncode != 0
     assert "rank 1 broke at step 3" in proc.stderr
     ended_after = seconds_since_the_failure(failed_at)
@@ -242,24 +229,16 @@ def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()  # no half-trained checkpoint
 
 
-def train_but_fail_on_rank_1(run, run_dir):
-    """A spawned worker (importable by the child processes): rank 1 raises at step 3, having
-    noted when in <run_dir>/../rank-1-failed-at."""
-    from ringtrain.run import train_worker
-
-    make_rank_1_fail_at_step_3(str(Path(run_dir).parent / "rank-1-failed-at"))
-    return train_worker(run, run_dir)
-
-
 def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_path, capfd):
     from conftest import compose_config
     from ringtrain.config.schema import validate
     from ringtrain.distributed import WorkerFailedError
+    from ringtrain.run import train_rank
     from ringtrain.strategies.launch import launch_ranks
 
-    run = validate(compose_config(MLP + FAILING))
+    run = validate(compose_config(MLP + failing(tmp_path / "rank-1-failed-at")))
     with pytest.raises(WorkerFailedError) as info:
-        launch_ranks(2, train_but_fail_on_rank_1, (run, str(tmp_path / "run")))
+        launch_ranks(2, train_rank, (run, str(tmp_path / "run")))
     ended_after = seconds_since_the_failure(tmp_path / "rank-1-failed-at")
     # Whichever rank is reported first: rank 1 itself, or rank 0 losing its peer; rank 1's
     # own error is in the ranks' output.

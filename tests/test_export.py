@@ -34,7 +34,7 @@ def test_safetensors_export_holds_the_checkpoints_weights_with_the_tied_one_once
     saved = torch.load(checkpoint, weights_only=True)["model"]
     with safe_open(str(written), "pt") as file:
         tensors = {name: file.get_tensor(name) for name in file.keys()}
-        aliases = {name: kept for name, kept in file.metadata().items() if name != "format"}
+        aliases = {name: kept for name, kept in file.metadata().items() if name not in ("format", ".ringtrain-export")}
     assert aliases == {"token_embedding.weight": "lm_head.weight"}  # one matrix, stored once
     assert set(tensors) | set(aliases) == set(saved) and not set(tensors) & set(aliases)
     for name, tensor in saved.items():
@@ -63,15 +63,30 @@ def test_export_never_replaces_what_it_did_not_write(checkpoint, tmp_path):
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="exists and is not an exported model directory; choose a new output"):
-        export(str(checkpoint), "hf", str(tmp_path / "mine"))
+    (tmp_path / "theirs.safetensors").write_bytes(b"someone else's weights")
+    for format, output in (("hf", "mine"), ("safetensors", "theirs.safetensors")):
+        with pytest.raises(ConfigError, match=f"output={tmp_path / output} exists and was not written by ringtrain "
+                                              f"export; choose another output, or pass overwrite=true to replace it"):
+            export(str(checkpoint), format, str(tmp_path / output))
     with pytest.raises(ConfigError, match="is a directory; name the .safetensors file to write"):
         export(str(checkpoint), "safetensors", str(tmp_path / "mine"))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / "theirs.safetensors").read_bytes() == b"someone else's weights"
     # An earlier export of its own is replaced, atomically: no temporary file is left.
     export(str(checkpoint), "safetensors", str(tmp_path / "model.safetensors"))
     export(str(checkpoint), "safetensors", str(tmp_path / "model.safetensors"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "model.safetensors"]
+    # overwrite=true: the user says the file may go.
+    export(str(checkpoint), "safetensors", str(tmp_path / "theirs.safetensors"), overwrite=True)
+    assert (tmp_path / "theirs.safetensors").read_bytes() != b"someone else's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "model.safetensors", "theirs.safetensors"]
+
+
+def test_an_output_through_a_file_is_one_line_from_the_command(checkpoint, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    refused(run_module("ringtrain", ["export", f"checkpoint={checkpoint}", f"output={tmp_path / 'a-file' / 'x.safetensors'}"]),
+            f"output={tmp_path / 'a-file' / 'x.safetensors'} goes through {tmp_path / 'a-file'}, which is a file; "
+            f"choose an output in a directory")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
 def test_a_bpe_vocabulary_goes_with_a_hf_export_as_a_tokenizer_from_pretrained_loads(tmp_path):

@@ -1,4 +1,4 @@
-"""trainer/fsdp.py for real: 2-rank gloo jobs (tests/fsdp_worker.py) against one process.
+"""trainer/strategies/fsdp.py for real: 2-rank gloo jobs (tests/fsdp_worker.py) against one process.
 
 Three 2-rank launches serve the whole file (module fixtures): `train` (the equivalence
 cases and a step-20 checkpoint), `resume` (fsdp -> fsdp via a sharded checkpoint, and

@@ -1,7 +1,7 @@
 """strategy=fsdp through train.py: 2 gloo ranks (self-launched and torchrun) against one process,
 resume, checkpoints that load into a bare model and resume under ddp, and the refusals.
 
-trainer/fsdp.py's own tests (tests/test_fsdp.py) hold the building blocks to the same numbers
+trainer/strategies/fsdp.py's own tests (tests/test_fsdp.py) hold the building blocks to the same numbers
 with a hand-written loop; these hold the whole job.
 """
 from __future__ import annotations
@@ -182,13 +182,13 @@ def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     (["strategy=fsdp"], "strategy=fsdp needs a process group"),
     (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.bucket_cap_mb=5"],
-     "strategy.bucket_cap_mb is not a setting of strategy=fsdp; it belongs to strategy=ddp"),
+     "strategy.bucket_cap_mb is not a setting of this strategy; it belongs to strategy=ddp"),
     (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.shard_classes=[Blok]"],
      "strategy=fsdp: shard class 'Blok' matches no module of Transformer"),
     (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=shards"],
      "strategy.state_dict_type='shards' is unknown; use full (one plain file) or sharded"),
     (["strategy=ddp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded"],
-     "strategy.state_dict_type is not a setting of strategy=ddp; it belongs to strategy=fsdp"),
+     "strategy.state_dict_type is not a setting of this strategy; it belongs to strategy=fsdp"),
 ])
 def test_fsdp_mistakes_are_one_line_and_exit_2(tmp_path, overrides, message):
     proc = run_cli(SMALL + overrides + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"])

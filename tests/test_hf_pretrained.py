@@ -134,19 +134,25 @@ def test_pretrained_gpt2_fine_tunes_as_a_two_rank_ddp_job_under_torchrun(user):
     _check_export(export(str(run / "checkpoints" / "last.pt"), "hf", str(user / "ddp-export")), weights)
 
 
-def test_a_checkpoint_whose_pretrained_directory_is_gone_is_one_line_for_the_tools(user, tmp_path):
-    """The tools rebuild the model from its config: from_pretrained's directory must still be there."""
+def test_a_pretrained_models_checkpoint_samples_and_evaluates_without_its_base_directory(user, tmp_path):
+    """The checkpoint keeps the model's class and config (`architecture`): from another folder,
+    with the from_pretrained directory renamed away and no network (HF_HUB_OFFLINE), sample and
+    evaluate rebuild it from the checkpoint alone."""
     import shutil
 
-    from ringtrain.errors import UserError
-    from ringtrain.tools.checkpoint_model import build_checked_model
-
-    shutil.copytree(user / "tiny-gpt2", tmp_path / "moved")
-    node = {"_target_": "transformers.AutoModelForCausalLM.from_pretrained",
-            "pretrained_model_name_or_path": str(tmp_path / "moved")}
-    assert isinstance(build_checked_model(node, {}), transformers.GPT2LMHeadModel)
-    shutil.rmtree(tmp_path / "moved")
-    with pytest.raises(UserError, match=r"^building the checkpoint's model \(transformers.AutoModelForCausalLM."
-                                        r"from_pretrained\) failed: OSError: .* the files its config names \(a "
-                                        r"from_pretrained directory, say\) must be where the run had them$"):
-        build_checked_model(node, {})
+    base = tmp_path / "base"
+    shutil.copytree(user / "tiny-gpt2", base)
+    run = _fine_tune(user, "moved-base", ["trainer.max_steps=4", f"model.pretrained_model_name_or_path={base}"])
+    checkpoint = run / "checkpoints" / "last.pt"
+    stored = torch.load(checkpoint, weights_only=True)
+    assert stored["architecture"]["class"] == "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel"
+    base.rename(tmp_path / "renamed-away")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sampled = ok(run_module("ringtrain", ["sample", f"checkpoint={checkpoint}", "prompt=the king", "max_new_tokens=5",
+                                          "temperature=0", "device=cpu"], cwd=elsewhere))
+    assert sampled.stdout.startswith("the king")
+    evaluated = ok(run_module("ringtrain", ["evaluate", f"checkpoint={checkpoint}"], cwd=elsewhere))
+    final = json.loads((run / "metrics.json").read_text())["final"]["val/loss"]
+    assert evaluated.stdout.splitlines()[0] == f"val/loss={final:.6g}"
+    assert not (tmp_path / "base").exists() and list(elsewhere.iterdir()) == []

@@ -193,10 +193,12 @@ def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exa
     # `ringtrain evaluate`'s plan and rank (in process: its Hydra app only composes their
     # arguments) rebuild the data from the checkpoint's config and pad its batches of 5 through
     # the same collate, without workers: the metrics are per-sample sums, so the run's.
+    from ringtrain.tools.checkpoint_model import read_checkpoint
     from ringtrain.tools.evaluate import evaluate_worker, plan
 
     stored = a["config"]  # the sections as the command line gives them: the stored ones, changed
-    job, _ = plan(str(tmp_path / "straight" / "checkpoints" / "last.pt"), "val", None,
+    path = str(tmp_path / "straight" / "checkpoints" / "last.pt")
+    job, _ = plan(path, read_checkpoint(path, trust=True), "val", None,
                   {"_target_": "ringtrain.strategies.single.Single"}, stored["model"], stored["data"], stored["task"],
                   {**stored["trainer"], "val_batch_size": 5, "num_workers": 0})
     evaluated = evaluate_worker(job).metrics
@@ -214,7 +216,7 @@ def test_sample_refuses_a_classifier_whose_data_keeps_a_tokenizer(rows, tmp_path
     train_in_process(common + ["trainer.max_steps=1"], tmp_path / "run")
     checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
     assert torch.load(checkpoint, weights_only=True)["vocab"]  # what the old refusal looked at
-    refused(run_module("sample", [f"checkpoint={checkpoint}"], cwd=tmp_path),
+    refused(run_module("sample", [f"checkpoint={checkpoint}", "trust_checkpoint=true"], cwd=tmp_path),
             f"{checkpoint} holds {__name__}.BagOfTokens, trained with ringtrain.data.tasks.ClassificationTask "
             f"on data of sizes (num_classes, vocab_size): not a language model", "task=language_model")
 
@@ -242,13 +244,15 @@ def test_rows_mistakes_are_refused_before_any_work(rows):
 
 @pytest.mark.parametrize("padding", ["longest", "max_length"])
 def test_a_model_with_fewer_positions_than_max_length_is_refused_before_work(rows, tmp_path, padding):
-    """The dry step's two rows are 25 tokens at most, but a later batch may be as long as
-    data.max_length=40: a model of 30 positions is refused, whichever the padding."""
+    """The first rows are 25 tokens at most, but a later batch may be as long as
+    data.max_length=40: a model of 30 positions is refused before its first step, whichever the
+    padding."""
     with pytest.raises(UserError) as error:
-        validate(compose_config(classifier(rows, tmp_path / "cache") + [f"data.padding={padding}", "+model.block_size=30"]))
+        train_in_process(classifier(rows, tmp_path / "cache") + [f"data.padding={padding}", "+model.block_size=30"],
+                         tmp_path / "run")
     assert str(error.value) == ("the data's sequences are 40 tokens long but the model has 30 positions (block_size); "
                                 "raise the model's block_size to 40 or shorten data.max_length")
-    validate(compose_config(classifier(rows, tmp_path / "cache") + ["+model.block_size=40"]))
+    assert not (tmp_path / "run").exists()
 
 
 HF_CLASSIFIER = """

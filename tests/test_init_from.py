@@ -48,10 +48,10 @@ def test_a_run_starts_at_step_0_from_a_checkpoints_weights(source, tmp_path):
 def test_a_run_starts_from_a_safetensors_file_with_the_tied_weight_stored_once(source, tmp_path):
     from safetensors.torch import load_file, save_model
 
-    from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+    from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
     state = read_checkpoint(str(source))
-    model = rebuild_model(model_node(state, str(source)), state["data_dims"], state, str(source))
+    model = rebuild_model(state, str(source))
     save_model(model, str(tmp_path / "weights.safetensors"))
     assert len(load_file(tmp_path / "weights.safetensors")) == len(state["model"]) - 1  # lm_head = embedding
     train_in_process(TINY + FROZEN + [f"trainer.init_from={tmp_path / 'weights.safetensors'}"], tmp_path / "run")
@@ -89,10 +89,10 @@ def test_a_model_with_more_tensors_than_the_file_is_refused_where_the_rank_build
 def test_changed_bytes_in_the_file_are_refused_not_trained_from(source, tmp_path, kind):
     from ringtrain.checkpoints.initial_weights import load_initial_weights
     from ringtrain.errors import ConfigError
-    from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+    from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
     state = read_checkpoint(str(source))
-    model = rebuild_model(model_node(state, str(source)), state["data_dims"], state, str(source))
+    model = rebuild_model(state, str(source))
     path = tmp_path / "weights.pt"
     torch.save(state if kind == "checkpoint" else state["model"], path)
     record = corrupt_tensor_bytes(path)

@@ -124,8 +124,10 @@ def test_one_rank_of_torchrun_keeps_one_process_strategies(monkeypatch):
 def test_a_self_launched_run_continues_under_torchrun_on_torchruns_ranks(tmp_path, monkeypatch):
     """A checkpoint of `ringtrain strategy=ddp strategy.nproc_per_node=3` stores that 3; continued
     under torchrun, torchrun's ranks decide, unless the command line types another number."""
-    from ringtrain.config.command_line import overrides_implied_by_resume
-    from ringtrain.config.continuation import config_to_continue
+    from hydra import compose, initialize_config_dir
+
+    from conftest import CONF_DIR
+    from ringtrain.config.continuation import CONTINUED, continued_config, read_continued_run
     from ringtrain.config.schema import validate
 
     train_in_process(["trainer.max_steps=1", "data.num_samples=16", "data.num_val_samples=8"], tmp_path)
@@ -137,7 +139,9 @@ def test_a_self_launched_run_continues_under_torchrun_on_torchruns_ranks(tmp_pat
         monkeypatch.setenv(key, value)
 
     def continued(typed: list[str]):  # as train.py composes it: on the options the checkpoint implies
-        return config_to_continue(compose_config(typed + overrides_implied_by_resume(typed)), typed)
+        resumed = read_continued_run(typed)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return continued_config(compose(config_name=CONTINUED, overrides=typed), resumed, typed)
 
     config = continued([f"trainer.resume={path}"])
     assert config.strategy.nproc_per_node == 1

@@ -13,7 +13,7 @@ from ringtrain.errors import ConfigError
 
 def _optimizer(overrides: list[str]) -> torch.optim.Optimizer:
     from ringtrain.models.linear import LinearRegression
-    from ringtrain.config.optim import build_optimizer
+    from ringtrain.optim import build_optimizer
 
     run = validate(compose_config(overrides))
     return build_optimizer(run.optimizer, LinearRegression(1, 1), torch.device("cpu"))

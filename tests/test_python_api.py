@@ -102,3 +102,65 @@ def test_fsdp_on_spawned_ranks_hands_the_trained_weights_back_to_the_callers_mod
     (w, b), = LEARNED.findall(proc.stdout)
     w1, b1, _ = runs["single"]
     assert abs(float(w) - w1) <= 1e-5 and abs(float(b) - b1) <= 1e-5
+
+
+# --- a run from Python never continues another unless asked (issue 30) -------------------------
+
+
+def _line_data(n: int = 64):
+    from torch.utils.data import TensorDataset
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, generator=generator)
+    return TensorDataset(x, 2 * x + 3)
+
+
+def test_fits_made_in_the_same_second_are_runs_of_their_own(tmp_path, monkeypatch):
+    """A learning-rate loop: three Trainers made and fitted at once train three runs in three
+    directories (a shared, time-named directory made the second and third resume the first's
+    last.pt, train nothing and return the first's result)."""
+    import torch
+    from torch import nn
+
+    from ringtrain import Trainer
+    from ringtrain.data.tasks import RegressionTask
+
+    monkeypatch.chdir(tmp_path)
+    results, weights = [], []
+    for lr in (0.01, 0.05, 0.1):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        trainer = Trainer(max_steps=5, batch_size=8, progress_bar=False, optimizer={"_target_": "torch.optim.SGD", "lr": lr})
+        results.append(trainer.fit(model, _line_data(), _line_data(16), task=RegressionTask()))
+        weights.append(model.weight.item())
+    assert [r.steps for r in results] == [5, 5, 5]
+    assert len(set(weights)) == 3 and len({r.metrics["val/loss"] for r in results}) == 3
+    assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 3
+
+
+def test_a_trainer_reused_for_another_model_trains_it_afresh_and_resuming_is_asked_for(tmp_path, monkeypatch):
+    import torch
+    from torch import nn
+
+    from ringtrain import Trainer
+    from ringtrain.data.tasks import RegressionTask
+
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(max_steps=4, batch_size=8, progress_bar=False)
+    for model in (nn.Linear(1, 1), nn.Linear(1, 1)):  # the second is not the first's run resumed
+        start = model.weight.detach().clone()
+        assert trainer.fit(model, _line_data(), _line_data(16), task=RegressionTask()).steps == 4
+        assert not torch.equal(model.weight, start)
+    assert len(list((tmp_path / "outputs" / "runs").iterdir())) == 2
+    # Asked for: the same directory, continued from its last.pt.
+    run_dir = tmp_path / "run"
+    Trainer(run_dir, max_steps=4, batch_size=8, progress_bar=False).fit(nn.Linear(1, 1), _line_data(), _line_data(16),
+                                                                        task=RegressionTask())
+    with pytest.raises(Exception, match="already holds checkpoints and trainer.resume=null"):
+        Trainer(run_dir, max_steps=8, batch_size=8, progress_bar=False).fit(
+            nn.Linear(1, 1), _line_data(), _line_data(16), task=RegressionTask())
+    continued = Trainer(run_dir, max_steps=8, batch_size=8, progress_bar=False, resume="auto").fit(
+        nn.Linear(1, 1), _line_data(), _line_data(16), task=RegressionTask())
+    assert continued.steps == 8
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["progress"]["step"] == 8

@@ -554,13 +554,16 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
 
     # The command line composes on the stored run's options, so a key only they have is an
     # override like any other (it used to fail: "not a setting of this data").
-    from ringtrain.config.command_line import check_overrides, overrides_implied_by_resume
+    from hydra import compose, initialize_config_dir
+
+    from conftest import CONF_DIR
+    from ringtrain.config.continuation import CONTINUED, continued_config, read_continued_run
 
     args = [f"trainer.resume={last}", "data.num_val_tokens=2000"]
-    implied = overrides_implied_by_resume(args)
-    assert implied == ["model=transformer", "data=tokens", "task=language_model", "optimizer=sgd",
-                       "scheduler=constant", "strategy=single"]
-    check_overrides(args + implied)
+    resumed = read_continued_run(args)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        config = continued_config(compose(config_name=CONTINUED, overrides=args), resumed, args)
+    assert config.data.num_val_tokens == 2000 and config.model._target_ == "ringtrain.models.transformer.Transformer"
 
     job_refused(run_job([f"trainer.resume={last}", "model.n_layers=3"], cwd=tmp_path),
                 "model.n_layers (1 -> 3) differs from the checkpoint's")

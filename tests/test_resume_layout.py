@@ -233,38 +233,10 @@ def test_a_global_position_continues_at_the_next_unseen_sample_in_any_layout(len
         assert sorted(together[: length]) == list(range(length))
 
 
-# --- in-process: old checkpoints, an epoch's rest without a batch -----------------------------
+# --- in-process: an epoch's rest without a batch, stop signals -----------------------------
 
 LINE = ["data.num_samples=256", "data.num_val_samples=32", "trainer.batch_size=16", "optimizer.momentum=0.9",
         "trainer.log_every_n_steps=1"]
-
-
-def test_an_old_checkpoint_that_counts_batches_resumes_where_it_stood(tmp_path):
-    """Checkpoints written before the position was global hold one rank's micro-batches
-    (`batches_into_epoch`) and no layout: converted with the stored batch size and the number of
-    ranks that saved their RNG, they continue bit for bit."""
-    train_in_process(LINE + ["trainer.max_steps=12"], tmp_path / "straight")
-    train_in_process(LINE + ["trainer.max_steps=5"], tmp_path / "first")
-    last = tmp_path / "first" / "checkpoints" / "last.pt"
-    state = torch.load(last, weights_only=True)
-    assert state["progress"]["samples_into_epoch"] == 5 * 16
-    del state["layout"], state["progress"]["samples_into_epoch"]
-    state["progress"]["batches_into_epoch"] = 5
-    torch.save(state, last)
-    train_in_process(LINE + ["trainer.max_steps=12", f"trainer.resume={last}"], tmp_path / "second")
-    straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(tmp_path / "second")
-    assert all(torch.equal(straight[key], resumed[key]) for key in straight)
-
-
-def test_an_old_checkpoint_without_its_batch_size_is_refused_in_one_line():
-    from ringtrain.checkpoints.files import CheckpointError
-    from ringtrain.loop.checkpointing import load_position, saved_layout
-
-    old = {"progress": {"step": 5, "epoch": 0, "batches_into_epoch": 5}, "rng": [torch.zeros(1)], "config": {}}
-    with pytest.raises(CheckpointError, match=r"^the checkpoint is 5 batches into epoch 0 but does not say their "
-                                              r"size .*start a new run with trainer.resume=null$"):
-        load_position(old["progress"], saved_layout(old))
-    assert load_position({**old["progress"], "batches_into_epoch": 0}, saved_layout(old))["samples_into_epoch"] == 0
 
 
 def test_an_epochs_rest_without_a_full_batch_moves_on_and_the_cosine_ends_with_the_run(tmp_path, caplog):
@@ -287,11 +259,11 @@ def test_an_epochs_rest_without_a_full_batch_moves_on_and_the_cosine_ends_with_t
 def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tmp_path, caplog, monkeypatch):
     """SIGTERM while a continued run reads its checkpoint (in another layout): it ends before
     training anything, saves nothing new, and says where the run stands."""
-    import ringtrain.loop.fit as fit_module
+    import ringtrain.checkpoints.manager as manager_module
 
     train_in_process(LINE + ["trainer.max_steps=5"], tmp_path / "first")
     last = tmp_path / "first" / "checkpoints" / "last.pt"
-    load = fit_module.load_checkpoint
+    load = manager_module._read
 
     def load_while_signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # StopSignals' watcher thread takes it and logs it
@@ -300,7 +272,7 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tm
             time.sleep(0.01)
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(fit_module, "load_checkpoint", load_while_signalled)
+    monkeypatch.setattr(manager_module, "_read", load_while_signalled)
     with caplog.at_level(logging.INFO, logger="ringtrain"):
         result = train_in_process(LINE + ["trainer.batch_size=32", "trainer.max_steps=12", f"trainer.resume={last}"],
                                   tmp_path / "second")
@@ -321,6 +293,6 @@ def test_the_exit_line_of_a_stopped_run_says_only_what_was_saved(steps, checkpoi
     from ringtrain.run import stopped_error
 
     result = FitResult(metrics={}, monitor="val/loss", mode="min", best_metric=None, steps=steps,
-                       train_seconds=0.0, stopped="SIGTERM")
+                       train_seconds=0.0, stopped="SIGTERM", stop_kind="signal")
     error = stopped_error(result, checkpoint)
     assert str(error) == said and error.exit_code == 143

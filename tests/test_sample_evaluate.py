@@ -203,7 +203,7 @@ def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):
     (["top_k=0"], ["top_k=0 must be at least 1"]),
     (["temperature=-0.5"], ["temperature=-0.5 must be >= 0"]),
     (["max_tokens=5"], ["max_tokens is not a setting of ringtrain sample", "max_new_tokens"]),
-    (["seed=x"], ["seed='x' is not an integer"]),
+    (["seed=x"], ["seed='x' is not of type int; write e.g. seed=0"]),
 ])
 def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):
     refused(run_module("sample", [f"checkpoint={char_run / 'checkpoints/last.pt'}", *args]), *phrases)
@@ -229,12 +229,12 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
 @pytest.mark.parametrize("args,phrases", [
     (["checkpoint=missing.pt"], ["checkpoint='missing.pt' is not a file"]),
     (["data.pth=x"], ["data.pth is not set by this data", "+data.pth=<value>"]),
-    (["~data.pth"], ["data.pth is not set, so ~data.pth cannot remove it"]),
-    (["+data.path=x"], ["data.path already exists"]),
+    (["~data.pth"], ["Could not delete from config. 'data.pth' does not exist"]),
+    (["+data.path=x"], ["An item is already at 'data.path'"]),
     (["optimizer.lr=1"], ["evaluation trains nothing"]),
     (["split=test"], ["split='test' is not one of val, train"]),
     (["+model.widht=3"], ["takes no argument 'widht'"]),
-    (["strategy.nproc_per_node=2"], ["not a setting of strategy=auto", "belongs to strategy=ddp"]),
+    (["strategy.nproc_per_node=2"], ["not a setting of this strategy", "belongs to strategy=ddp"]),
     # The strategy's own refusal (FSDP.check), worded for training and evaluation alike.
     (["strategy=fsdp"], ["strategy=fsdp needs a process group", "strategy.nproc_per_node >= 2",
                          "for one process use strategy=single"]),

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import REPO
 from helpers import Job, free_port
-from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
+from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT
+from ringtrain.loop.signals import Agreement, StopSignals
 
 # Seconds a line or an exit may take: these processes do nothing slow.
 WAIT = 20
@@ -20,7 +21,8 @@ WAIT = 20
 LOOP = r"""
 import logging, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopSignals
+from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT
+from ringtrain.loop.signals import StopSignals
 step_seconds, grace = float(sys.argv[1]), float(sys.argv[2])
 with StopSignals(repeat_grace_s=grace) as signals:
     signals.poll(0)
@@ -33,27 +35,28 @@ with StopSignals(repeat_grace_s=grace) as signals:
             sys.exit(STOPPED_BY_SIGNAL_EXIT)
 """
 
-# Two ranks at different speeds: only StopAgreement keeps their decisions in step.
+# Two ranks at different speeds: only the Agreement keeps their decisions in step.
 RANK = r"""
 import logging, os, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 import torch.distributed as dist
 from ringtrain.distributed import exit_rank, teardown_distributed
-from ringtrain.loop.signals import STOPPED_BY_SIGNAL_EXIT, StopAgreement, StopSignals
+from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT
+from ringtrain.loop.signals import Agreement, StopSignals
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 with StopSignals() as signals:
-    agreement = StopAgreement()
+    agreement = Agreement()
     signals.lag_steps = agreement.lag_steps
     signals.poll(0)
     print("ready", flush=True)
     for step in range(1, 100_000):
         time.sleep(0.02 if rank == 0 else 0.05)
         print(f"finished step {step}", flush=True)
-        if agreement.should_stop(signals.poll(step)):
+        if agreement.exchange(stop_signal=signals.poll(step))["stop_signal"]:
             print(f"stopped at step {step}", flush=True)
             break
-    agreement.close()
+    agreement.__exit__(None, None, None)
 teardown_distributed(clean_exit=True)
 exit_rank(STOPPED_BY_SIGNAL_EXIT)
 """
@@ -187,7 +190,7 @@ def test_unknown_signal_name_is_one_clear_line():
 
 
 def test_agreement_without_a_process_group_is_the_local_flag():
-    agreement = StopAgreement()
+    agreement = Agreement()
     assert agreement.lag_steps == 0
-    assert agreement.should_stop(False) is False
-    assert agreement.should_stop(True) is True
+    assert agreement.exchange(stop_signal=False)["stop_signal"] is False
+    assert agreement.exchange(stop_signal=True)["stop_signal"] is True

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, compose_config, train_in_process
-from ringtrain.models.transformer import Transformer
+from ringtrain.callbacks.base import Callback
 from ringtrain.config.schema import validate
 from ringtrain.errors import ConfigError
+from ringtrain.models.transformer import Transformer
 
 SMALL_TRANSFORMER = [
     "model=transformer", "model.block_size=16", "model.d_model=32", "model.n_layers=1",
@@ -137,7 +138,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    (["trainer.compile=true", "trainer.compile_mode=fastest"], "trainer.compile_mode='fastest' is not a torch.compile mode"),
+    (["trainer.compile=true", "trainer.compile_mode=fastest"], "trainer.compile_mode='fastest' is not supported; use one of default, reduce-overhead"),
     (["trainer.compile_mode=max-autotune"], "has no effect without compiling; add trainer.compile=true"),
     (["trainer.compile=true", "strategy=dp"], "trainer.compile=true does not work with strategy=dp"),
     (["trainer.compile=true", "strategy=ddp", "strategy.bucket_cap_mb=0.5"], "strategy.bucket_cap_mb=0.5 is below DDP's first bucket"),
@@ -159,6 +160,24 @@ TORCH_DIR = os.path.dirname(torch.__file__)
 SYNCING_METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__")
 
 
+READS: list[str] = []  # host reads of tensor values, in order
+STARTS: list[int] = []  # len(READS) as each step starts
+
+
+class StepStarts(Callback):
+    """Marks where each step's reads begin (a callback: the loop's own hook, no patching)."""
+
+    def on_step_start(self, run, step) -> None:
+        STARTS.append(len(READS))
+
+
+class ReadsTheLoss(Callback):
+    """The classic: loss.item() after every step."""
+
+    def on_step_end(self, run, end) -> None:
+        self.last_loss = end.losses[0][0].item()
+
+
 def _syncs_per_step(overrides: list[str], run_dir: Path, monkeypatch) -> dict[int, list[str]]:
     """Train, counting host reads of tensor values made outside torch itself, per step: from
     the start of step k's forward to the start of step k+1's (k's logging/evaluation included).
@@ -168,31 +187,22 @@ def _syncs_per_step(overrides: list[str], run_dir: Path, monkeypatch) -> dict[in
     ringtrain's to change; on CUDA, test_cuda_steps_between_log_steps_do_not_sync checks
     everything, torch included, with torch.cuda.set_sync_debug_mode.
     """
-    import ringtrain.loop.fit as loop
-
-    reads: list[str] = []
+    READS.clear()
+    STARTS.clear()
 
     def counting(name, original):
         def counted(tensor, *args, **kwargs):
             caller = inspect.currentframe().f_back
             if not caller.f_code.co_filename.startswith(TORCH_DIR):
-                reads.append(f"Tensor.{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+                READS.append(f"Tensor.{name} at {Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
             return original(tensor, *args, **kwargs)
         return counted
 
-    starts: list[int] = []
-    original_step = loop.optimizer_step
-
-    def recording_step(self, *args, **kwargs):
-        starts.append(len(reads))
-        return original_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "optimizer_step", recording_step)
     for name in SYNCING_METHODS:
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
-    train_in_process(overrides, run_dir)  # the fixture restores torch.Tensor at the end of the test
-    ends = starts[1:] + [len(reads)]
-    return {step: reads[start:end] for step, (start, end) in enumerate(zip(starts, ends), start=1)}
+    train_in_process(overrides + [f"+callbacks.step_starts._target_={__name__}.StepStarts"], run_dir)
+    ends = STARTS[1:] + [len(READS)]
+    return {step: READS[start:end] for step, (start, end) in enumerate(zip(STARTS, ends), start=1)}
 
 
 SYNC_TEST_RUN = SMALL_TRANSFORMER + [
@@ -211,38 +221,28 @@ def test_steps_between_log_steps_read_nothing_from_the_device(precision, monkeyp
 
 
 def test_the_sync_check_catches_an_item_call_inserted_in_the_step(monkeypatch, tmp_path):
-    import ringtrain.loop.fit as loop
-
-    original_add = loop.TrainMeter.add_sum  # the run accumulates a language model's tokens
-
-    def add_reading_the_loss(self, loss, count, samples, tokens):  # the classic: loss.item() every step
-        original_add(self, loss, count, samples, tokens)
-        self.last_loss = loss.item()
-
-    monkeypatch.setattr(loop.TrainMeter, "add_sum", add_reading_the_loss)
-    syncs = _syncs_per_step(SYNC_TEST_RUN, tmp_path, monkeypatch)
+    syncs = _syncs_per_step(SYNC_TEST_RUN + [f"+callbacks.reads._target_={__name__}.ReadsTheLoss"], tmp_path,
+                            monkeypatch)
     flagged = {step for step, calls in syncs.items() if any("Tensor.item at test_speed_features.py" in c for c in calls)}
     assert flagged == set(range(1, 13))
 
 
+class NoSyncBetweenLogSteps(Callback):
+    """CUDA's sync debug mode set to error from the start of each step that does not log to its end."""
+
+    def on_step_start(self, run, step) -> None:
+        if step % run.trainer.log_every_n_steps and step != run.total_steps:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_step_end(self, run, end) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_steps_between_log_steps_do_not_sync(monkeypatch, tmp_path):
-    import ringtrain.loop.fit as loop
-
-    original_step = loop.optimizer_step
-
-    def step_that_must_not_sync(self, *args, measure_grad_norm, **kwargs):
-        if measure_grad_norm:  # a logging step: reading the norm later is allowed
-            return original_step(self, *args, measure_grad_norm=measure_grad_norm, **kwargs)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return original_step(self, *args, measure_grad_norm=measure_grad_norm, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(loop, "optimizer_step", step_that_must_not_sync)
+def test_cuda_steps_between_log_steps_do_not_sync(tmp_path):
     train_in_process(SYNC_TEST_RUN + ["trainer.accelerator=cuda", "trainer.precision=bf16-mixed",
-                                      "trainer.grad_clip_norm=0"], tmp_path)
+                                      "trainer.grad_clip_norm=0",
+                                      f"+callbacks.no_sync._target_={__name__}.NoSyncBetweenLogSteps"], tmp_path)
 
 
 # --- throughput, MFU, memory ------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_only_token_data_logs_tokens_per_second(tmp_path, caplog):
     ("NVIDIA GeForce RTX 4090", 165.2, 82.6), ("Tesla V100-SXM2-16GB", None, None),
 ])
 def test_gpu_peaks_are_found_by_device_name(name, bf16, tf32):
-    from ringtrain.loop.throughput import gpu_peaks, peak_tflops_for
+    from ringtrain.callbacks.throughput import gpu_peaks, peak_tflops_for
 
     peaks = gpu_peaks(name)
     assert (peaks.bf16, peaks.tf32) == (bf16, tf32)
@@ -309,22 +309,23 @@ def test_gpu_peaks_are_found_by_device_name(name, bf16, tf32):
     assert peak_tflops_for(peaks, "16-mixed", tf32=True) == peaks.fp16
 
 
-def test_an_unknown_gpu_gets_no_mfu_and_one_info_line(monkeypatch):
-    from ringtrain.loop.throughput import ThroughputReporter
+def test_an_unknown_gpu_gets_no_mfu_and_one_info_line(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from ringtrain.callbacks.throughput import _flops
 
     model = Transformer(vocab_size=16, block_size=16, d_model=32, n_layers=1, n_heads=2)
-    cuda = torch.device("cuda", 0)
-    lines: list[str] = []
-    for name in ("NVIDIA Imaginary X1", "NVIDIA H100 80GB HBM3"):
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
-        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
-        reporter = ThroughputReporter.for_run(model, cuda, "bf16-mixed", True, 0.0, 2, start_step=0, info=lines.append)
-        speed = reporter.read(10, {"throughput/tokens_per_sec": 1e6})
-        assert speed["memory/peak_allocated_gib"] == 3.0
-        if name.startswith("NVIDIA H100"):
-            assert speed["throughput/mfu_percent"] == pytest.approx(100 * model.flops_per_token() * 1e6 / (2 * 989.4e12))
-        else:
-            assert "throughput/mfu_percent" not in speed
+    trainer = SimpleNamespace(peak_tflops=0.0, precision="bf16-mixed", tf32=True)
+    dist = SimpleNamespace(device=torch.device("cuda", 0), world_size=2, is_main=True)
+    run = SimpleNamespace(trainer=trainer, dist=dist, model=model, module=model)
+    peaks = {}
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        for name in ("NVIDIA Imaginary X1", "NVIDIA H100 80GB HBM3"):
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+            peaks[name] = _flops(run)
+    assert peaks == {"NVIDIA Imaginary X1": (model.flops_per_token(), None),
+                     "NVIDIA H100 80GB HBM3": (model.flops_per_token(), 2 * 989.4e12)}
+    lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "'NVIDIA Imaginary X1'" in lines[0] and "trainer.peak_tflops" in lines[0]
 
 

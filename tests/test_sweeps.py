@@ -143,7 +143,7 @@ def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
 
 def test_a_sweep_job_refused_in_a_directory_leaves_its_owners_record_as_it_was(tmp_path):
     """Each job writes its .hydra/ record once it owns its directory, as a single run does
-    (tools/run_record.py): Hydra wrote it as the job started, so a second sweep into the same
+    (checkpoints/rundir.py): Hydra wrote it as the job started, so a second sweep into the same
     job directories replaced the record of the run whose checkpoints are there."""
     common = ["-m", "hydra.sweep.subdir=${hydra.job.num}", f"hydra.sweep.dir={tmp_path}", "trainer.max_steps=2"]
     ok(run_cli(common + ["optimizer.lr=0.01,0.02"]))
@@ -207,7 +207,7 @@ def test_optuna_direction_follows_the_task_metric():
     from omegaconf import OmegaConf
 
     from conftest import CONF_DIR
-    from ringtrain.config.resolvers import register_resolvers
+    from ringtrain.config.app import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_same_weights, checkpoint_weights, train_in_process
+from ringtrain.callbacks.base import Callback
 from ringtrain.models.linear import LinearRegression
 from ringtrain.models.transformer import Transformer
 
@@ -102,16 +103,16 @@ def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
 
 
 def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monkeypatch):
-    from ringtrain.checkpoints.store import CheckpointStore
+    from ringtrain.checkpoints.manager import CheckpointManager
 
     saved = []
-    original_save = CheckpointStore.save
+    original_save = CheckpointManager.save
 
-    def recording_save(self, state, step, best):
+    def recording_save(self, step, gather, best):
         saved.append((step, best))
-        return original_save(self, state, step, best)
+        return original_save(self, step, gather, best)
 
-    monkeypatch.setattr(CheckpointStore, "save", recording_save)
+    monkeypatch.setattr(CheckpointManager, "save", recording_save)
     # 16 steps per epoch: in 12 steps the only evaluation is the final one.
     train_in_process(SMALL_MLP + ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=5"], tmp_path)
     assert saved == [(5, False), (10, False), (12, True)]
@@ -143,10 +144,10 @@ def _lrs(scheduler, optimizer, steps):
 
 
 def test_cosine_schedule_warms_up_then_decays_to_min_lr():
-    from ringtrain.config.optim import build_scheduler
+    from ringtrain.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = build_scheduler({"_target_": "ringtrain.loop.schedules.WarmupCosine", "warmup_steps": 10, "min_lr": 0.1}, optimizer, 110)
+    scheduler = build_scheduler({"_target_": "ringtrain.optim.WarmupCosine", "warmup_steps": 10, "min_lr": 0.1}, optimizer, 110)
     lrs = _lrs(scheduler, optimizer, 110)
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[10] == pytest.approx(1.0) and lrs[110] == pytest.approx(0.1)
@@ -154,9 +155,9 @@ def test_cosine_schedule_warms_up_then_decays_to_min_lr():
 
 
 def test_constant_schedule_warms_up_and_resumes_from_its_state():
-    from ringtrain.config.optim import build_scheduler
+    from ringtrain.optim import build_scheduler
 
-    node = {"_target_": "ringtrain.loop.schedules.WarmupConstant", "warmup_steps": 4}
+    node = {"_target_": "ringtrain.optim.WarmupConstant", "warmup_steps": 4}
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
     scheduler = build_scheduler(node, optimizer, 100)
     assert _lrs(scheduler, optimizer, 2)[-1] == pytest.approx(0.5 * 3 / 4)
@@ -169,7 +170,7 @@ def test_constant_schedule_warms_up_and_resumes_from_its_state():
 
 
 def test_any_torch_scheduler_works_by_target_with_ringtrains_warmup():
-    from ringtrain.config.optim import build_scheduler
+    from ringtrain.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     node = {"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 2, "gamma": 0.5, "warmup_steps": 4}
@@ -184,7 +185,7 @@ def test_one_cycle_gets_the_runs_total_steps_by_name(tmp_path):
 
 
 def test_adamw_decays_matrices_but_not_biases_or_norms():
-    from ringtrain.config.optim import parameter_groups
+    from ringtrain.optim import parameter_groups
 
     model = Transformer(vocab_size=11, block_size=8, d_model=16, n_heads=2, n_layers=1)
     decay, no_decay = parameter_groups(model, 0.1)
@@ -193,23 +194,20 @@ def test_adamw_decays_matrices_but_not_biases_or_norms():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
-def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path, monkeypatch):
+class FailAtStep8(Callback):
+    def on_step_start(self, run, step) -> None:
+        if step == 8:
+            raise RuntimeError("out of memory, say")
+
+
+def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path):
     import os
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import ringtrain.loop.fit as loop
-
-    original_step = loop.optimizer_step
-
-    def step_then_fail(parts, *args, **kwargs):
-        if parts.scheduler.last_epoch == 7:
-            raise RuntimeError("out of memory, say")
-        return original_step(parts, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "optimizer_step", step_then_fail)
     with pytest.raises(RuntimeError, match="out of memory, say"):
-        train_in_process(["trainer.log_every_n_steps=2", "trainer.max_steps=20"], tmp_path)
+        train_in_process(["trainer.log_every_n_steps=2", "trainer.max_steps=20",
+                          f"+callbacks.fail._target_={__name__}.FailAtStep8"], tmp_path)
     (event_file,) = tmp_path.glob("events.out.tfevents.*")
     open_files = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
     assert str(event_file.resolve()) not in open_files, "the event file was left open"

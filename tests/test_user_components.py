@@ -176,9 +176,10 @@ def test_the_users_cnn_learns_and_its_checkpoint_loads_into_the_users_class(sing
 
 def test_evaluate_rebuilds_the_users_model_from_its_checkpoint(single_run, user_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "ringtrain.tools.evaluate", f"checkpoint={single_run / 'checkpoints/last.pt'}",
-                           f"output={tmp_path / 'eval.json'}"], cwd=user_dir, env=env, capture_output=True, text=True,
-                          timeout=120)
+    # --config-dir: the user's own config names the model and data the checkpoint keeps (config/trust.py)
+    proc = subprocess.run([sys.executable, "-m", "ringtrain.tools.evaluate", "--config-dir", "my_conf",
+                           f"checkpoint={single_run / 'checkpoints/last.pt'}", f"output={tmp_path / 'eval.json'}"],
+                          cwd=user_dir, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     evaluated = json.loads((tmp_path / "eval.json").read_text())["metrics"]
     for key, value in _final(single_run).items():

@@ -191,7 +191,7 @@ def test_torchvision_image_folder_and_transforms_as_data_nodes(tmp_path):
         f"+data.val={{_target_: torchvision.datasets.ImageFolder, root: {tmp_path / 'val'}, transform: {transform}}}",
         "+data.dims={in_features: 192, num_classes: 2}", "trainer.batch_size=4", "trainer.max_steps=4",
     ]))
-    from ringtrain.run import train_worker
+    from ringtrain.run import train_rank
 
-    result = train_worker(run, str(tmp_path / "run"))
+    result = train_rank(run, str(tmp_path / "run"))
     assert result.steps == 4

@@ -1,17 +1,19 @@
 """ringtrain: config-driven PyTorch training. `from ringtrain import Trainer` for the Python API.
 
 The package (the repository's trainer/ folder) is divided by concern:
-  ringtrain.config       schemas, `_target_` components and their checks, the command line
+  ringtrain.components   `_target_` nodes: checked against their target, built
+  ringtrain.config       the commands' Hydra app, the checked job, a continued run's config
   ringtrain.strategies   process groups, launching ranks, one class per strategy
-  ringtrain.checkpoints  atomic files, the checkpoint store, resume, the run directory
+  ringtrain.checkpoints  the checkpoint manager, files, atomic writes, the run directory
+  ringtrain.optim        optimizers and learning-rate schedules
+  ringtrain.callbacks    the loop's optional behaviours (the callback API and the stock ones)
+  ringtrain.loggers      TensorBoard, CSV, Weights & Biases, MLflow
   ringtrain.loop         one rank's training loop and its parts
   ringtrain.run          one job: launch the ranks, build the components, train
   ringtrain.trainer      the Python API (Trainer)
-  ringtrain.tools        the commands (train, evaluate, sample, consolidate, prepare_tokens)
+  ringtrain.tools        the commands (train, evaluate, sample, consolidate, export, prepare_tokens)
   ringtrain.models, ringtrain.data, ringtrain.conf   the repository's models/, data/, conf/
 docs/ARCHITECTURE.md follows one run through them.
-
-The import is lazy, so the command line's early checks do not pay for torch before they need it.
 """
 
 

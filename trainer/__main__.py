@@ -24,10 +24,9 @@ TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens
 
 
 def _interrupted_outside_training(signum, frame):
-    """Ctrl-C while starting up (imports, composing, building) or while finishing: nothing is
-    being trained, so there is nothing to save; one line instead of a KeyboardInterrupt
-    traceback from whatever was being imported. Training itself handles SIGINT in
-    ringtrain/loop/signals.py (finish the step, save last.pt, exit 143) and restores this after."""
+    """Ctrl-C while starting up or finishing: nothing to save, so one line instead of a
+    KeyboardInterrupt traceback from whatever was being imported. Training handles SIGINT
+    itself (loop/signals.py: finish the step, save last.pt, exit 143) and restores this after."""
     print("interrupted by SIGINT outside training (nothing to save); exiting with status 130", file=sys.stderr)
     sys.stderr.flush()
     os._exit(128 + signal.SIGINT)
@@ -50,10 +49,9 @@ def main() -> None:
 
 
 def _refuse_a_mistyped_command(first: str) -> None:
-    """`ringtrain exprt checkpoint=x`: a bare word close to a command's name is a typo of it, not an
-    override (Hydra would say only "missing EQUAL"). One line, exit 2. A config group's name
-    (`ringtrain trainer`, `ringtrain experiment`) is left to Hydra's message, which says
-    group=option: it is not a command mistyped."""
+    """`ringtrain exprt checkpoint=x`: a bare word close to a command's name is its typo, not an
+    override (Hydra would say only "missing EQUAL"): one line, exit 2. A config group's name
+    (`ringtrain trainer`) is left to Hydra's message, which says group=option."""
     if not re.fullmatch(r"[A-Za-z][\w-]*", first):
         return
     close = difflib.get_close_matches(first.replace("-", "_").lower(), TOOLS, n=1, cutoff=0.6)
@@ -74,13 +72,11 @@ def _config_groups() -> set[str]:
 def _skip_the_last_collections() -> None:
     """Leave every object alive now out of the garbage collections Python runs while it exits.
 
-    The job is over: its files are closed, its logs flushed, its checkpoints written, and exit
-    handlers still run. What is left is the interpreter tearing down its modules, and torch,
-    torch._dynamo (imported by every optimizer), Hydra and TensorBoard leave some 320 000
-    objects, which each of those full collections walks again. That took 0.4 s of the default
-    job's 2.6 s here (benchmarks/bench_process.py): longer than its 3130 training steps.
-    Objects still go when their last reference does; only the reference cycles left at exit
-    are left to the operating system, and Python never promised to finalise those.
+    The job is over (files closed, logs flushed, exit handlers still run), but torch, dynamo,
+    Hydra and TensorBoard leave some 320 000 objects that each exit collection walks again: 0.4 s
+    of the default job's 2.6 s (benchmarks/bench_process.py), longer than its 3130 steps. Objects
+    still go with their last reference; only cycles left at exit go to the operating system,
+    and Python never promised to finalise those.
     """
     gc.freeze()
 

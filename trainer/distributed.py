@@ -1,9 +1,8 @@
 """Process groups, rank information, and the few collectives the loop needs.
 
-A launcher (torchrun, or strategies/launch.py for a self-launched job) sets RANK / LOCAL_RANK
-/ WORLD_SIZE / MASTER_ADDR / MASTER_PORT; `join_process_group` reads them. Global rank
-(`rank`) and node-local rank (`local_rank`) are kept apart: nothing assumes one node. Also
-here: what a failed collective means (a lost peer, a timeout) in one line.
+A launcher (torchrun, or strategies/launch.py) sets RANK / LOCAL_RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT for `join_process_group`. Global and node-local rank are kept apart:
+nothing assumes one node. Also here: a failed collective (lost peer, timeout) as one line.
 """
 from __future__ import annotations
 
@@ -26,11 +25,8 @@ class DistributedSetupError(UserError, RuntimeError):
 
 
 class WorkerFailedError(RankEnded):
-    """A rank of a self-launched job failed; its own error was printed above.
-
-    `exit_code` is what the whole job exits with: the worker's own status (2 when it reported a
-    mistake in the configuration, 1 for a crash).
-    """
+    """A rank of a self-launched job failed; its own error was printed above. `exit_code`, the
+    whole job's, is the worker's own (2 for a mistake in the configuration, 1 for a crash)."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -123,17 +119,11 @@ def join_process_group(backend: str, accelerator: str, timeout_minutes: float) -
 
 def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
     """For workers torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0): the env:// store with
-    this attempt's keys kept apart from the earlier attempts'. None otherwise (env:// as usual).
-
-    torchrun's agent hosts one TCPStore for the whole job (MASTER_PORT) and restarted workers
-    meet in it again, but every process group writes the same key names in every attempt
-    (default_pg/..., the groups new_group() numbers in the same order). A restarted rank read
-    the killed attempt's keys: gloo's connectFullMesh dialled the dead rank's old address
-    ("timed out connecting: Connection refused") or the ranks waited on each other in a futex
-    until the collective timeout, and the restarted job failed or hung. A prefix per attempt
-    gives each attempt fresh keys. (Elastic membership changes restart workers without
-    counting a restart; this does not cover those.)
-    """
+    this attempt's keys apart from earlier attempts'; None otherwise. torchrun's agent hosts one
+    TCPStore for the job, and every process group writes the same keys in every attempt, so a
+    restarted rank would read the killed attempt's: gloo dialled the dead rank's old address
+    ("Connection refused") or the ranks waited until the timeout. (Elastic membership changes
+    restart workers without counting a restart: not covered.)"""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if attempt == 0:
         return None
@@ -175,15 +165,11 @@ def is_timeout(err: BaseException) -> bool:
 
 
 def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
-    """After a collective timed out: the one line saying which rank stopped answering.
-
-    Every rank that is still alive checks in with rank 0 through torch's monitored_barrier,
-    which names on rank 0 the ranks that did not; the others learn at least whether rank 0
-    itself is the one missing.
-    """
-    # The ranks still alive timed out on the same collective, entered within about a step of
-    # each other, so they reach this barrier about as close together: a third of the timeout
-    # (5 to 30 s) is plenty, and every second of it delays the end of the job.
+    """After a collective timed out: the line saying which rank stopped answering. The live
+    ranks check in with rank 0 through monitored_barrier, which names on rank 0 the ranks that
+    did not; the others learn at least whether rank 0 is the one missing."""
+    # The live ranks timed out on the same collective, entered within about a step of each
+    # other: a third of the timeout (5 to 30 s) is plenty, and every second delays the job's end.
     wait = timedelta(seconds=max(5.0, min(30.0, timeout_minutes * 60 / 3)))
     fix = (f"no reply within strategy.timeout_minutes={timeout_minutes:g}; every rank stops. Look at that rank's "
            f"machine (stopped, swapping, hung in I/O), or raise strategy.timeout_minutes for slow steps")
@@ -193,8 +179,7 @@ def name_unresponsive_ranks(info: DistInfo, timeout_minutes: float) -> str:
         dist.monitored_barrier(group=info.health_group, timeout=wait, wait_all_ranks=True)
     except RuntimeError as err:
         # Rank 0's error in torch 2.13: "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in
-        # 5000 ms" ("Rank 1 failed ..." for one). Only the numbers after "Rank(s)" are missing
-        # ranks; reading every number before "failed to pass" counted rank 0 itself as well.
+        # 5000 ms" ("Rank 1 failed ..." for one): only the numbers after "Rank(s)" are missing.
         named = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(err))
         missing = sorted({int(r) for r in re.findall(r"\d+", named.group(1))}) if named else []
         if info.rank == 0 and missing:
@@ -216,17 +201,12 @@ def teardown_distributed(clean_exit: bool = True) -> None:
 
 
 def exit_rank(code: int = 0) -> NoReturn:
-    """End a rank's process after a clean teardown, without Python's interpreter finalisation.
-
-    torch's gloo backend keeps its worker threads after destroy_process_group, and they free
-    the last collectives' work objects a moment later. Freeing the Python tensors those hold
-    takes the GIL; if the interpreter is finalising by then, Python ends the thread and the
-    process aborts (std::terminate, SIGABRT), so torchrun reports a failed job after a run that
-    succeeded. A core dump showed it: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> take
-    the GIL during Py_FinalizeEx (about 1 in 70 two-rank runs here). Nothing of ours needs
-    finalising: logs and the standard streams are flushed first; event files and checkpoints
-    are closed by then.
-    """
+    """End a rank's process after a clean teardown, without Python's interpreter finalisation:
+    gloo's worker threads outlive destroy_process_group and free the last work objects a moment
+    later, taking the GIL; during finalisation that aborts the process (SIGABRT in
+    ~AsyncAllgatherWork, about 1 in 70 two-rank runs), and torchrun reports a run that succeeded
+    as failed. Nothing of ours needs finalising: logs and streams are flushed here, files closed
+    by then."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -3,19 +3,17 @@
 Exit statuses of `python train.py` (and of each rank):
   0    the run is complete
   1    a crash (a traceback says where), or another rank's crash (one line on this rank)
-  2    a mistake in the configuration or inputs, reported in one line before work starts
-       where it can be
+  2    a mistake in the configuration or inputs, in one line, before work starts where it can be
   3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
-  143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the
-       log's last line is the command that continues the run (tools/continue_command.py;
-       loop/signals.py says why 143)
-The error classes' bases live here, importing nothing of ringtrain, so that every module
-can raise one and `exit_on_user_error` can catch them all without importing those modules.
+  143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the log's
+       last line is the command that continues the run (tools/continue_command.py; loop/signals.py
+       says why 143)
+The error bases live here, importing nothing of ringtrain, so every module can raise one and
+`exit_on_user_error` catch them all without importing those modules.
 
-Under torchrun (or a self-launched job) every rank is a process of its own, and a mistake is
-usually met by all of them at once: the first rank to report it says the line, through the
-job's store (torchrun's agent keeps one for its workers), and the others exit with the same
-status silently, so the line is printed once per job, also when only one rank met it.
+A mistake is usually met by every rank at once: the first to report it says the line, through
+the job's store (torchrun's agent keeps one), and the others exit with its status silently, so
+the line is printed once per job.
 """
 from __future__ import annotations
 
@@ -26,12 +24,8 @@ import traceback
 from datetime import timedelta
 from typing import Iterator
 
-# Exit status for a mistake in the configuration or inputs (argparse uses 2 as well).
-USER_ERROR_EXIT = 2
-
-
+USER_ERROR_EXIT = 2  # as argparse's
 NONFINITE_EXIT = 3
-# A stop signal ended the run after last.pt was saved (ringtrain/loop/signals.py says why 143).
 STOPPED_BY_SIGNAL_EXIT = 143
 
 
@@ -45,9 +39,8 @@ class ConfigError(UserError, ValueError):
 
 
 class ComponentFailed(UserError):
-    """A component (model, data, task: the user's or ringtrain's own) raised while it was built
-    or ran its first training step, after the checks before work passed: a mismatch between
-    them, or a bug in one. The line names what failed, the exception and where it was raised."""
+    """A component (model, data, task) raised while built or in its first step, after the checks
+    passed: a mismatch between them, or a bug in one. The line names it, the exception and where."""
 
 
 def component_failed(what: str, err: BaseException, fix: str) -> ComponentFailed:
@@ -112,10 +105,9 @@ _REPORTED = "ringtrain/attempt-{}/reported"
 
 
 def first_to_report(status: int) -> bool:
-    """Whether this process says the job's error: always for a process on its own; among the
-    ranks of a job, only the first to ask (the others exit with its `status` silently). Asked
-    once per process; a rank that raises a mistake asks before it leaves the process group,
-    so that a peer which then finds it gone learns it was reported."""
+    """Whether this process says the job's error: alone always; among a job's ranks only the
+    first to ask. A rank that raises a mistake asks before it leaves the process group, so a
+    peer that then finds it gone learns it was reported."""
     global _first_to_report
     if _first_to_report is None:
         store = _job_store()

@@ -1,25 +1,22 @@
-"""The Python API: train your own model on your own Datasets, no Hydra or YAML needed.
+"""The Python API: your own model on your own Datasets, no Hydra or YAML (example:
+docs/python_api_example.py).
 
-    from ringtrain import Trainer
-    from ringtrain.data.tasks import RegressionTask
+Keyword arguments are the settings of conf/trainer/default.yaml, checked as the YAML is.
+`optimizer` and `scheduler` are `_target_` dicts as in conf/optimizer/ and conf/scheduler/, or
+callables `optimizer(params)`, `scheduler(optimizer)`. `strategy` is an option of
+conf/strategy/ ("ddp"), one with settings changed (`{"name": "ddp", "nproc_per_node": 2}`), or
+a Strategy; spawned ranks need the model, data sets, task and callbacks to pickle. `callbacks`
+run besides the defaults (conf/callbacks/default.yaml); `loggers` default to TensorBoard.
 
-    trainer = Trainer(max_epochs=10, batch_size=32, optimizer={"_target_": "torch.optim.SGD", "lr": 0.01})
-    result = trainer.fit(model, train_set, val_set, task=RegressionTask())
-
-Keyword arguments are the settings of conf/trainer/default.yaml (`max_steps`, `precision`,
-`accumulate_grad_batches`, `grad_clip_norm`, `num_workers`, ...), checked exactly as the
-YAML is. `optimizer` and `scheduler` are `_target_` dicts as in conf/optimizer/ and
-conf/scheduler/, or callables: `optimizer(params)`, `scheduler(optimizer)`. `strategy` is
-an option of conf/strategy/ ("single", "dp", "ddp", "fsdp"), that option with settings
-changed (`{"name": "ddp", "nproc_per_node": 2}`), or a Strategy object (ringtrain.strategies);
-with nproc_per_node=2 the ranks are started as from the command line, so model, data sets and task must pickle (define their classes in an importable
-module, or under `if __name__ == "__main__":` in a script). After fit() the model you
-passed holds the trained weights, also after a spawned run.
+Each fit() trains a new run in a directory of its own (under outputs/runs/ unless `run_dir` is
+given) and continues another only when asked: `resume="auto"` or `resume=<checkpoint path>`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,74 +24,67 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.data import Dataset
 
+from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
+from ringtrain.components import build
+from ringtrain.conf import CONF_DIR
+from ringtrain.config.builders import check_task
+from ringtrain.config.schema import Job, TrainerConfig, check_optimization, check_options, strategy_option, trainer_config
 from ringtrain.data.bundle import DataBundle
-from ringtrain.config.builders import check_components, check_task
-from ringtrain.config.schema import RunConfig, TrainerConfig, check_options, strategy_option, trainer_config
 from ringtrain.errors import ConfigError
 from ringtrain.loop.progress import FitResult
 from ringtrain.strategies.base import Strategy
 
 DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.01}
+_runs = itertools.count()  # this process's runs, for directory names of their own
 
 
 class Trainer:
-    """A run's settings, checked when the Trainer is made: the options of
-    conf/trainer/default.yaml as keywords, an optimizer and a scheduler (`_target_` dicts or
-    callables), a strategy, and the run directory for checkpoints, metrics.json and
-    TensorBoard events (a new one under outputs/runs/ when not given). `fit` trains a model
-    with them; the module docstring has an example."""
+    """A run's settings, checked when the Trainer is made; `fit` trains a model with them."""
 
-    def __init__(
-        self,
-        run_dir: str | Path | None = None,
-        *,
-        optimizer: dict | Callable = DEFAULT_OPTIMIZER,
-        scheduler: dict | Callable | None = None,
-        strategy: str | dict | Strategy = "single",
-        **trainer_options: Any,
-    ) -> None:
+    def __init__(self, run_dir: str | Path | None = None, *, optimizer: dict | Callable = DEFAULT_OPTIMIZER,
+                 scheduler: dict | Callable | None = None, strategy: str | dict | Strategy = "single",
+                 callbacks: list[Callback] | dict[str, Callback] = (), loggers: list | dict | None = None,
+                 **trainer_options: Any) -> None:
+        trainer_options.setdefault("resume", None)  # a run from Python continues one only when asked
         self.trainer = _trainer_options(trainer_options)
         self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
-        check_components(None, None, None, optimizer if isinstance(optimizer, dict) else None,
-                         scheduler if isinstance(scheduler, dict) else None, self.trainer.max_steps)
+        check_optimization(optimizer if isinstance(optimizer, dict) else None,
+                           scheduler if isinstance(scheduler, dict) else None, self.trainer.max_steps)
         self.optimizer, self.scheduler = optimizer, scheduler
-        # A new directory per Trainer, as Hydra's run directories are (outputs/runs/<time>).
-        self.run_dir = Path(run_dir) if run_dir else Path("outputs/runs") / time.strftime("%Y-%m-%d_%H-%M-%S-api")
+        self.callbacks = _named(callbacks, "callbacks")
+        for name, callback in self.callbacks.items():
+            if not isinstance(callback, Callback) or (unknown := unknown_hooks(type(callback))):
+                raise ConfigError(f"callbacks[{name!r}] must be a ringtrain Callback whose hooks are among "
+                                  f"{', '.join(HOOKS)}; {type(callback).__name__} is not" + (
+                                      f" (it defines {', '.join(unknown)})" if isinstance(callback, Callback) else ""))
+        self.loggers = _named(loggers, "loggers") if loggers is not None else None
+        self.run_dir = Path(run_dir) if run_dir else None
 
-    def fit(
-        self,
-        model: nn.Module,
-        train_set: Dataset,
-        val_set: Dataset,
-        task: Any,
-        *,
-        vocab: dict | None = None,
-    ) -> FitResult:
+    def fit(self, model: nn.Module, train_set: Dataset, val_set: Dataset, task: Any, *,
+            vocab: dict | None = None) -> FitResult:
         """Train `model` in place on `train_set`, validate on `val_set`; return the final metrics.
-
-        `task` gives the loss and metrics: ringtrain.data.tasks.RegressionTask(), ClassificationTask(),
-        LanguageModelTask(), LossTask(loss=...) or any object with the same methods.
-        `vocab` (data/vocab.py's plain form) is kept in checkpoints for sampling.
-        """
-        from ringtrain.run import BuiltComponents, launch
+        `task` (data/tasks.py: RegressionTask(), LossTask(loss=...), ...) gives the loss and
+        metrics; `vocab` (data/vocab.py's plain form) is kept in checkpoints for sampling."""
+        from ringtrain.run import Built, launch
 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit() needs an nn.Module as the model, got {type(model).__name__}")
         check_task(task)
-        run = RunConfig(
-            model=None, data=None, task=None, optimizer=self.optimizer, scheduler=self.scheduler,
-            strategy=self.strategy, trainer=self.trainer, resolved=self._resolved(model, task),
-        )
-        built = BuiltComponents(model, DataBundle(train_set, val_set, vocab=vocab), task)
-        result = launch(run, str(self.run_dir), built)
+        # ringtrain's own callbacks and logger are made for each run: their state is the run's.
+        loggers = self.loggers if self.loggers is not None else {"tensorboard": _tensorboard()}
+        job = Job(self.trainer, self.strategy, task, None, None, self.optimizer, self.scheduler,
+                  {**_default_callbacks(), **self.callbacks}, loggers, resolved=self._resolved(model, task))
+        run_dir = self.run_dir or Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}_api{next(_runs)}"
+        result = launch(job, str(run_dir), Built(model, DataBundle(train_set, val_set, vocab=vocab), task),
+                        return_weights=True)
         if result.model_state is not None:  # trained in spawned processes: bring the weights home
             model.load_state_dict(result.model_state)
             result = dataclasses.replace(result, model_state=None)
         return result
 
     def _resolved(self, model: nn.Module, task: Any) -> dict:
-        """What checkpoints and TensorBoard record of this run's settings (plain data)."""
+        """What checkpoints and loggers record of this run's settings (plain data)."""
         def describe(component: Any) -> Any:
             if isinstance(component, dict) or component is None:
                 return component
@@ -128,3 +118,29 @@ def _trainer_options(values: dict) -> TrainerConfig:
             hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(f"trainer has no setting {key!r}; {hint}the settings are {', '.join(sorted(fields))}")
     return trainer_config(**values)
+
+
+def _named(objects: Any, what: str) -> dict[str, Any]:
+    """A list of objects by their class names (numbered when one repeats), or a dict as it is."""
+    if isinstance(objects, dict):
+        return dict(objects)
+    named: dict[str, Any] = {}
+    for obj in objects:
+        name = type(obj).__name__
+        named[name if name not in named else f"{name}-{len(named)}"] = obj
+    return named
+
+
+def _default_callbacks() -> dict[str, Callback]:
+    """ringtrain's default callbacks, as conf/callbacks/default.yaml lists them."""
+    from omegaconf import OmegaConf
+
+    names = [entry for entry in OmegaConf.load(CONF_DIR / "callbacks" / "default.yaml").defaults if entry != "_self_"]
+    nodes = {name: OmegaConf.to_container(OmegaConf.load(CONF_DIR / "callbacks" / f"{name}.yaml"))[name] for name in names}
+    return {name: build(node, f"callbacks.{name}") for name, node in nodes.items()}
+
+
+def _tensorboard() -> Any:
+    from ringtrain.loggers.tensorboard import TensorBoardLogger
+
+    return TensorBoardLogger()

@@ -1,21 +1,18 @@
 """Checkpoints and run directories.
 
-  atomic.py    replacing any file atomically and durably (temp file, fsync, rename, fsync
-               the directory); imports nothing of ringtrain, so every layer may use it
-  json_text.py JSON any parser reads (metrics.json, eval/*.json, sweep_summary.json):
-               non-finite floats written as null
-  checksums.py whether a checkpoint's bytes are those written (the CRC-32 of each zip record
-               torch.save writes, and of each shard file)
-  files.py     one checkpoint file: its format and names, writing it, reading and verifying it
-  store.py     a run's checkpoints: step files, last.pt / best.pt links, rotation, stale-file
-               cleanup
-  fallback.py  the newest readable checkpoint (find_resumable); unreadable ones set aside in
-               unreadable/, never deleted
-  state_dicts.py  model and optimizer state in ringtrain's plain format, the same under every
-               strategy (full, name-keyed, gathered to rank 0)
+  manager.py   CheckpointManager: which checkpoint a run continues from (read once), writing
+               new ones atomically (in the background), rotation, setting unreadable ones aside
+  files.py     one checkpoint file: its format and names, writing it, reading it against its
+               checksums, links and moving a file aside
+  atomic.py    replacing any file atomically and durably; imports nothing of ringtrain
+  background.py  the copy of a state and the thread that writes it
+  state_dicts.py model and optimizer state in ringtrain's plain format under every strategy
   sharded.py   each rank's shards with torch.distributed.checkpoint (fsdp, state_dict_type=sharded)
-  resume.py    trainer.resume: which checkpoint a run continues from, and with which config
-  rundir.py    run directory names that survive restarts, and the one-job lock
+  initial_weights.py  trainer.init_from: a new run's starting weights
+  frozen_base.py      adapters' checkpoints: the frozen base named by a CRC-32, not copied
+  rundir.py    run directory names that survive restarts, and one job's claim on its directory
+  restart_notes.py    how a restarted torchrun job finds its directory again
+  json_text.py JSON any parser reads (metrics.json, eval/*.json, sweep_summary.json)
 
 May import: ringtrain.errors, ringtrain.distributed. Never the strategies, config, loop or tools.
 """

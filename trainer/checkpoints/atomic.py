@@ -1,15 +1,12 @@
 """Replacing a file atomically and durably: after a crash, a kill or a power cut its name holds
-the old file or the new one, complete, never a truncated mix.
+the old file or the new one, complete, never a truncated mix. Every file ringtrain replaces
+goes through here (checkpoints, the text data cache, meta.json, metrics.json, the restart
+note); it imports nothing of ringtrain, so any layer may use it.
 
-Every file ringtrain replaces goes through here: checkpoints, the text data cache, meta.json,
-metrics.json, sweep_summary.json, the torchrun restart note. It imports nothing of
-ringtrain, so any layer may use it.
-
-How: the new file is written to a hidden temporary name in the same directory
-(`.<name>.tmp-<pid>`, see `temp_path`), flushed and fsynced, renamed over the real name (atomic
-on POSIX: a reader sees the old file or the new one), and the directory is fsynced (the file's
-own fsync does not cover its directory entry, so without it a power cut may undo the rename).
-A failure removes the temporary file and raises the OSError, with the previous file untouched.
+The new file is written to a hidden temporary name in the same directory (`temp_path`),
+fsynced, renamed over the real name (atomic on POSIX), and the directory fsynced (the file's
+fsync does not cover its directory entry: a power cut could undo the rename). A failure removes
+the temporary file and raises the OSError, the previous file untouched.
 """
 from __future__ import annotations
 
@@ -40,13 +37,9 @@ class WritableFile(Protocol):
 
 @contextlib.contextmanager
 def open_atomically(path: str | os.PathLike) -> Iterator[WritableFile]:
-    """A binary file that replaces `path` when the `with` block ends without an error.
-
-    Missing parent directories are created (and made durable). When the block raises, the
-    temporary file is removed and `path` keeps its previous file (or stays absent); a write
-    that failed with an OSError (ENOSPC on a full disk) raises that OSError even where the
-    serializer turned it into another error (torch.save makes it "unexpected pos ...").
-    """
+    """A binary file that replaces `path` when the `with` block ends without an error (missing
+    parents are created durably). A write's OSError (ENOSPC) is raised as itself even where the
+    serializer turned it into another error (torch.save makes it "unexpected pos ...")."""
     path = Path(path)
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,8 +104,8 @@ def temp_name_pattern(names: str) -> re.Pattern[str]:
 
 
 def fsync_directory(directory: Path) -> None:
-    """Make the renames and links in `directory` durable (a file's own fsync does not cover its
-    directory entry). Where the file system cannot, a warning at most: the run goes on."""
+    """Make the renames and links in `directory` durable; where the file system cannot, a
+    warning at most: the run goes on."""
     consequence = "a power cut may undo the latest rename there"
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -142,7 +135,7 @@ def remove_if_present(path: Path) -> None:
 def _fresh_temp_path(path: Path) -> Path:
     temp = temp_path(path)
     # Left by a killed process with our pid (containers reuse pids). It may be a hard link to
-    # a checkpoint (see checkpoints/store.py), which writing through it would truncate.
+    # a checkpoint (checkpoints/manager.py links last.pt so), which writing through it would truncate.
     remove_if_present(temp)
     return temp
 

@@ -1,19 +1,13 @@
 """Writing checkpoints in the background: training stops only while the state is copied to
 CPU memory; torch.save, the fsyncs, linking last.pt / best.pt and rotation run in one writer
-thread.
+thread, one write at a time (files in order, at most one copy of the state in memory).
 
-  * `detached_copy` copies a state (nested dicts, lists, tuples of tensors and plain values)
-    into CPU tensors of its own (reusing those of the previous copy where they fit). On CPU a full state dict's tensors share storage with the live
-    parameters and the optimizer's moments, which the next optimizer step changes in place:
-    a write that read them later would save a mix of two steps.
-  * `BackgroundWriter` runs one write at a time in its thread. A write submitted while the
-    previous one is running waits for it first, so the files are written in order and at most
-    one copy of the state waits in memory. `wait` returns how the last write ended.
-
-What CheckpointStore.save guarantees holds here too, since it is the same call in another
-thread: the step file is complete and fsynced before last.pt or best.pt names it. A process
-that dies mid-write leaves the previous checkpoint as it was (and a temporary file that
-`remove_stale_temp_files` deletes).
+The copy is needed because on CPU a full state dict's tensors share storage with the live
+parameters and optimizer moments, which the next step changes in place: a later write would
+save a mix of two steps. What CheckpointManager.save guarantees holds here too (the same call
+in another thread): the step file is fsynced before last.pt names it, and a process dying
+mid-write leaves the previous checkpoint as it was (and a temporary file that
+CheckpointManager.remove_stale_files deletes).
 """
 from __future__ import annotations
 
@@ -26,15 +20,12 @@ import torch
 
 def detached_copy(state: Any, reuse: Any = None) -> Any:
     """`state` with every tensor copied to a fresh CPU tensor (no autograd history, no storage
-    shared with anything live), containers copied, other values as they are (a checkpoint's
-    plain values: numbers, strings, None). Tensors that are the same view of the same memory
-    (a tied embedding and head under both names) stay one tensor, so the file holds it once.
-
-    `reuse`: an earlier copy of a state of the same structure whose write has ended; its
-    tensors of the same place, shape and dtype are overwritten instead of allocated. Memory
-    freshly allocated for a whole model is paid for in page faults on its first touch: 0.1-0.8 s
-    for a 29.5 M-parameter model's state on a 2-core VM, against 0.02 s to copy into memory
-    already touched (benchmarks/bench_checkpoint_stop.py).
+    shared with anything live), containers copied, plain values as they are. The same view of
+    the same memory (a tied embedding and head) stays one tensor, so the file holds it once.
+    `reuse`: an earlier copy of the same structure whose write has ended; its tensors of the same
+    place, shape and dtype are overwritten, not allocated: fresh memory for a whole model costs
+    page faults on first touch, 0.1-0.8 s for a 29.5 M-parameter state on a 2-core VM against
+    0.02 s into memory already touched (benchmarks/bench_checkpoint_stop.py).
     """
     return _copy(state, reuse, {}, set())
 
@@ -65,12 +56,9 @@ def _tensor_copy(tensor: torch.Tensor, reuse: Any, used: set[int]) -> torch.Tens
 
 
 class BackgroundWriter:
-    """One writer thread at a time; `submit` a write, `wait` for it and learn how it ended.
-
-    The thread is a daemon: a process that must end at once (a second stop signal, os._exit)
-    is not held up by it. Callers that need the file on disk call `wait` before exiting
-    (ringtrain.loop's Checkpointer does at the final save, a stop and on any exception).
-    """
+    """One writer thread at a time; `submit` a write, `wait` for it and learn how it ended. The
+    thread is a daemon, so a process that must end at once (a second stop signal) is not held
+    up; callers that need the file on disk `wait` first (CheckpointManager.flush, __exit__)."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None

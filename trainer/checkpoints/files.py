@@ -1,52 +1,45 @@
-"""One checkpoint file: its format and names, writing it durably, reading and verifying it.
+"""One checkpoint file: its format and names, writing it durably, reading it and checking it.
 
 A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   model        the bare model's full state_dict (no `module.` / `_orig_mod.` prefixes; under
                fsdp gathered from every rank's shards)
-  optimizer    its full state keyed by parameter name (torch.distributed.checkpoint's
-               get_optimizer_state_dict), so it loads under single, ddp or fsdp alike
+  optimizer    its full state keyed by parameter name, so it loads under any strategy
   scheduler, scaler   their state_dicts
   layout       {"world_size", "batch_size", "accumulate_grad_batches"} it was trained in
   progress     {"step", "epoch", "samples_into_epoch", "best_metric", "skipped_steps"}
   rng          one torch RNG state per rank (CPU, and CUDA when used), in rank order
+  callbacks    each callback's state_dict, by its name (callbacks/base.py)
   config       the resolved run config as plain data
   data_dims, vocab   the sizes the data gave the model, and its vocabulary (sampling)
-  format       CHECKPOINT_FORMAT (2: optimizer state by parameter name)
-  shard_checksums   sharded checkpoints only: {file name: CRC-32} of the shards directory
+  format       CHECKPOINT_FORMAT
+Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.checkpoint directory
+beside the file (`step-<N>.shards/`) instead of `model` and `optimizer`, and `shard_checksums`
+holds the CRC-32 of each of its files; the step file is written only once that directory is
+complete.
 
-Under strategy=fsdp with strategy.state_dict_type=sharded, `model` and `optimizer` are not in
-the file: `shards` names the torch.distributed.checkpoint directory beside it
-(`step-<N>.shards/`, each rank's own shards, ringtrain.strategies.fsdp's save_sharded). The
-file is written only once that directory is complete, so a step file that exists always has
-its shards; `load_checkpoint` returns `shards` as the directory's path.
-
-Why the care: a week-long run must not lose its progress to a preemption, a full disk, a
-power cut or a file broken some other way. So:
-  * A file is written atomically and durably (checkpoints/atomic.py): after a crash its name
-    holds the old file or the new one, complete. A failed write (full disk, quota, I/O error)
-    leaves the previous checkpoint untouched and raises CheckpointError with one line saying
-    what to do.
-  * Files are read with `weights_only=True`: a checkpoint is data, and a pickle that would run
-    code when loaded is refused. `why_unusable` says in a few words what is wrong with one.
-  * A file carries checksums of its contents (checkpoints/checksums.py: the CRC-32 torch.save
-    writes for each record of its zip archive; for sharded checkpoints, `shard_checksums` of
-    each shard file). Loading checks them unless told not to: bytes that changed on disk make
-    the checkpoint unusable like a truncated one, instead of loading as silently wrong weights.
-The run's set of checkpoint files (rotation, last.pt, best.pt, which to resume) is
-checkpoints/store.py. Only rank 0 writes.
+A file is written atomically and durably (checkpoints/atomic.py), read with weights_only (a
+pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
+every zip record, which torch.load never compares: changed bytes make the file unusable like a
+truncated one, never silently wrong weights. CRC-32 catches every burst up to 32 bits and all
+but one in 2^32 other corruptions, at 1.8 GB/s; it does not stop deliberate tampering
+(weights_only keeps code out). Files saved with torch's CRC-32 off, or shards without recorded
+checksums, load unchecked.
 """
 from __future__ import annotations
 
 import errno
+import os
 import re
+import shutil
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ringtrain.checkpoints.atomic import open_atomically
-from ringtrain.checkpoints.checksums import file_damage, shards_damage, starts_as_zip
+from ringtrain.checkpoints.atomic import fsync_directory, open_atomically, replace_atomically
 from ringtrain.errors import UserError
 
 CHECKPOINT_FORMAT = 2
@@ -54,9 +47,13 @@ _REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config"
 _REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "config", "format")
 
 _STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
+_SHARDS_NAME = re.compile(r"^step-\d+\.shards$")
+UNREADABLE_DIR = "unreadable"  # where checkpoints that cannot be read are moved, never deleted
 LAST_NAME = "last.pt"
 BEST_NAME = "best.pt"
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+_CHUNK = 1 << 24  # bytes read at a time: large enough to keep the CRC at memory speed
+_ZIP_MAGIC = b"PK\x03\x04"  # the first bytes of a zip archive (of every torch.save file)
 
 
 class CheckpointError(UserError, ValueError):
@@ -65,6 +62,15 @@ class CheckpointError(UserError, ValueError):
 
 class RunDirError(UserError, RuntimeError):
     """The run directory holds another run's checkpoints; refusing to overwrite them."""
+
+
+class Unusable(Exception):
+    """Why a file is not a usable checkpoint, in a few words that follow its name; `fix` says
+    what to do instead; `damaged`: its bytes are not the ones written (truncated, corrupt)."""
+
+    def __init__(self, reason: str, fix: str = "pass a last.pt/best.pt written by ringtrain", damaged: bool = False):
+        super().__init__(reason)
+        self.fix, self.damaged = fix, damaged
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -78,9 +84,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-# --- names and writing --------------------------------------------------------------------
-
-
 def step_checkpoint_name(step: int) -> str:
     """`step-00001200.pt`: zero-padded so that names sort like steps in a directory listing."""
     return f"step-{step:08d}.pt"
@@ -91,29 +94,24 @@ def shards_name(step: int) -> str:
     return f"step-{step:08d}.shards"
 
 
-def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        step = step_of_name(entry.name)
-        if step is not None and entry.is_file():
-            found.append((step, entry))
-    return sorted(found)
-
-
 def step_of_name(name: str) -> int | None:
     """The step of a `step-<N>.pt` name, None for any other name."""
     match = _STEP_NAME.match(name)
     return int(match.group(1)) if match else None
 
 
+def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted((step, entry) for entry in directory.iterdir()
+                  if (step := step_of_name(entry.name)) is not None and entry.is_file())
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any], intact: Path | None = None) -> None:
     """Write `state` to `path` durably: complete and in place after a crash or power cut, or
-    not at all (CheckpointError). `intact` is the file a failure leaves untouched, named in the
-    error (default: the previous file at `path`)."""
+    not at all (CheckpointError naming `intact`, the file a failure leaves untouched)."""
     path = Path(path)
     try:
         with open_atomically(path) as file:
@@ -133,62 +131,114 @@ def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
     return f"cannot save checkpoint {path}: {reason}; {fix}; {kept}"
 
 
-# --- reading ------------------------------------------------------------------------------
-
-
-class _Unusable(Exception):
-    """Why a checkpoint file cannot be used: `kind` picks the message, `detail` says more."""
-
-    def __init__(self, kind: str, detail: str = ""):
-        super().__init__(detail)
-        self.kind, self.detail = kind, detail
-
-
-def _load_verified(path: str | Path, map_location: torch.device | str, mmap: bool = False,
-                   verify: bool = True) -> dict[str, Any]:
-    """The checkpoint at `path`, checked; `verify`: its bytes against their checksums too."""
+def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint at `path`, its bytes (and its shards') checked against their checksums;
+    Unusable otherwise. `mmap`: map the tensors rather than read them."""
+    path = Path(path)
+    if not path.is_file():
+        raise Unusable("does not exist", "check the path")
+    check_file_bytes(path)
     try:
-        damage = file_damage(Path(path), verify)
-        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap) if damage is None else None
-    except FileNotFoundError:
-        raise _Unusable("missing") from None
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # a pickle with code in it, a file torch cannot read
         detail = _first_sentence(err)
-        if "would run" in detail or starts_as_zip(Path(path)):
-            raise _Unusable("unreadable", detail) from None
-        # Not what torch.save writes; torch's own words would advise _use_new_zipfile_serialization.
-        raise _Unusable("foreign_file", "is not a torch checkpoint file (torch.save writes a zip archive)") from None
-    if damage is not None:
-        raise _Unusable("foreign_file" if damage.foreign else "damaged", damage.reason)
+        if "would run" in detail or _starts_as_zip(path):
+            raise Unusable(f"cannot be read ({detail})") from None
+        raise Unusable("is not a torch checkpoint file (torch.save writes a zip archive)") from None
     required = _REQUIRED_KEYS_SHARDED if isinstance(state, dict) and "shards" in state else _REQUIRED_KEYS
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
-        raise _Unusable("foreign", ", ".join(missing))
+        raise Unusable(f"is not a ringtrain checkpoint (missing {', '.join(missing)})")
     if state["format"] != CHECKPOINT_FORMAT:
-        raise _Unusable("format", str(state["format"]))
+        raise Unusable(f"has format {state['format']}, this ringtrain reads {CHECKPOINT_FORMAT}",
+                       "read it with the ringtrain version that wrote it")
     if "shards" in state:
         # DCP writes .metadata last, and save_sharded renames the directory only when complete.
-        shards = Path(path).parent / str(state["shards"])
+        shards = path.parent / str(state["shards"])
         if not (shards / ".metadata").is_file():
-            raise _Unusable("shards", str(shards))
+            raise Unusable(f"keeps its weights in {shards}, which is missing or incomplete", _OLDER)
+        check_shards(shards, state.get("shard_checksums") or {})
         state["shards"] = shards
-        if verify and (damage := shards_damage(shards, state.get("shard_checksums") or {})):
-            raise _Unusable("damaged", damage)
     return state
 
 
-def _first_sentence(err: Exception) -> str:
-    """What went wrong, from torch's multi-line errors, short enough for one line of ours.
+_OLDER = "use another checkpoint of that run (an older step-*.pt, or best.pt) or a copy of this one from elsewhere"
 
-    A refused weights_only load puts the cause after paragraphs of advice, among it to load
-    with weights_only=False, the very thing a file of unknown origin must not get.
-    """
+
+def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """`read_checkpoint`, with what is wrong as one CheckpointError line naming the fix."""
+    try:
+        return read_checkpoint(path, map_location, mmap)
+    except Unusable as err:
+        raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
+
+
+def check_file_bytes(path: Path) -> None:
+    """Every record of the zip archive against the CRC-32 torch.save stored for it (zipfile
+    compares them as it reads each record to its end); a file that is not a zip archive at all
+    is left to torch.load to judge, except an empty one."""
+    if path.stat().st_size == 0:
+        raise Unusable("is empty (0 bytes)")
+    if not _starts_as_zip(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.CRC == 0 and info.file_size:
+                    continue  # saved with torch's CRC-32 turned off: nothing to compare with
+                try:
+                    with archive.open(info) as record:
+                        while record.read(_CHUNK):
+                            pass
+                except (zipfile.BadZipFile, EOFError) as err:
+                    name = info.filename.split("/", 1)[-1]  # torch puts every record under one folder
+                    if "CRC" in str(err):
+                        raise Unusable(f"is corrupt: its record {name} does not match its checksum", _OLDER, True) from None
+                    raise Unusable(f"is truncated or corrupt (record {name}: {err})", _OLDER, True) from None
+    except zipfile.BadZipFile as err:  # no end-of-archive directory: cut short
+        detail = "its zip directory is missing" if "not a zip file" in str(err) else str(err)
+        raise Unusable(f"is truncated or corrupt ({detail})", _OLDER, True) from None
+
+
+def _starts_as_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+    except OSError:
+        return False
+
+
+def directory_checksums(directory: Path) -> dict[str, int]:
+    """The CRC-32 of every file in `directory` (a shards directory: flat), by name."""
+    return {entry.name: _file_crc32(entry) for entry in sorted(Path(directory).iterdir()) if entry.is_file()}
+
+
+def check_shards(directory: Path, recorded: dict[str, int]) -> None:
+    for name, checksum in sorted(recorded.items()):
+        path = directory / name
+        if not path.is_file():
+            raise Unusable(f"is missing its shard file {path}", _OLDER)
+        if _file_crc32(path) != checksum:
+            raise Unusable(f"is corrupt: its shard file {path} does not match its checksum", _OLDER)
+
+
+def _file_crc32(path: Path) -> int:
+    checksum = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum
+
+
+def _first_sentence(err: Exception) -> str:
+    """What went wrong, from torch's multi-line errors, short enough for one line of ours: a
+    refused weights_only load puts the cause after paragraphs of advice, among it to load with
+    weights_only=False, the very thing a file of unknown origin must not get."""
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    # torch < 2.6 says "Unsupported global: GLOBAL x.y"; torch 2.13 says "Trying to load
-    # unsupported GLOBAL x.y whose module x is blocked" (the first form only matched the old one,
-    # so the refusal read "cannot be read (Weights only load failed)").
+    # torch < 2.6 says "Unsupported global: GLOBAL x.y", later ones "Trying to load
+    # unsupported GLOBAL x.y whose module x is blocked".
     if code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text):
         return f"loading it would run {code.group(1)}, which ringtrain refuses"
     if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
@@ -199,62 +249,6 @@ def _first_sentence(err: Exception) -> str:
         causes = [p for p in paragraphs[1:] if not p.startswith("Check the documentation")]
         text = causes[0] if causes else paragraphs[0]
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
-
-
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
-                    verify: bool = True) -> dict[str, Any]:
-    """Read and check a ringtrain checkpoint; raise CheckpointError with the fix otherwise.
-    `mmap`: map the tensors instead of reading them (cheap when only the config is wanted).
-    `verify`: compare its bytes (and its shards') with their checksums, which reads them all
-    the first time this process loads them (checkpoints/checksums.py)."""
-    try:
-        return _load_verified(path, map_location, mmap=mmap, verify=verify)
-    except _Unusable as err:
-        raise CheckpointError(_refusal(path, err)) from None
-
-
-def _refusal(path: str | Path, err: _Unusable) -> str:
-    if err.kind == "missing":
-        return f"checkpoint '{path}' does not exist; check trainer.resume"
-    if err.kind == "unreadable":
-        return f"checkpoint '{path}' cannot be read ({err.detail}); pass a last.pt/best.pt written by ringtrain"
-    if err.kind == "foreign_file":
-        return f"checkpoint '{path}' {err.detail}; pass a last.pt/best.pt written by ringtrain"
-    if err.kind == "damaged":
-        return (f"checkpoint '{path}' {err.detail}; use another checkpoint of that run (an older "
-                f"step-*.pt, or best.pt) or a copy of this one from elsewhere")
-    if err.kind == "foreign":
-        return (f"checkpoint '{path}' is not a ringtrain checkpoint (missing {err.detail}); "
-                f"pass a last.pt/best.pt written by ringtrain")
-    if err.kind == "shards":
-        return (f"checkpoint '{path}' keeps its weights in {err.detail}, which is missing or incomplete; "
-                f"resume from another checkpoint of that run (trainer.resume=auto picks the newest that loads)")
-    return f"checkpoint '{path}' has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
-
-
-def why_unusable(path: Path) -> str | None:
-    """None when `path` loads as a ringtrain checkpoint whose bytes (and shards) match their
-    checksums, else why not, in a few words ("is truncated or corrupt (...)"). The tensors are
-    memory-mapped, not loaded; the checksums read the whole file once (its shards too)."""
-    try:
-        _load_verified(path, "cpu", mmap=True)
-    except _Unusable as err:
-        return _short_reason(err)
-    return None
-
-
-def _short_reason(err: _Unusable) -> str:
-    if err.kind in ("damaged", "foreign_file"):
-        return err.detail
-    if err.kind == "unreadable":
-        return f"cannot be read ({err.detail})"
-    if err.kind == "foreign":
-        return f"is not a ringtrain checkpoint (missing {err.detail})"
-    if err.kind == "format":
-        return f"has format {err.detail}, this ringtrain reads {CHECKPOINT_FORMAT}"
-    if err.kind == "shards":
-        return f"names shards {err.detail} that are missing or incomplete"
-    return "disappeared while being read"
 
 
 def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path) -> None:
@@ -273,19 +267,65 @@ def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path
         ) from None
 
 
-# --- random number generators -------------------------------------------------------------
+def link_checkpoint(source: Path, target: Path) -> None:
+    """Make `target` the same file as `source` (last.pt = the step file just written) with a
+    hard link, atomically and durably; a copy where links are not supported. Checkpoints are
+    only ever replaced by a rename, so `target` keeps this version when `source` goes."""
+    try:
+        try:
+            replace_atomically(target, lambda temp: os.link(source, temp))
+        except FileNotFoundError:
+            raise
+        except OSError:
+            with open(source, "rb") as original, open_atomically(target) as copy:
+                shutil.copyfileobj(original, copy)
+    except OSError as err:
+        raise CheckpointError(write_failure_message(target, err, intact=target)) from None
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """This rank's torch RNG states (CPU, and CUDA when used), for the checkpoint's `rng`."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Move checkpoint files that cannot be read (and a step file's shards) into
+    `<directory>/unreadable/`, where no resume, rotation or cleanup touches them; a name taken
+    there gets a numbered suffix. Returns where each went."""
+    moved = []
+    for path in paths:
+        target_dir = path.parent / UNREADABLE_DIR
+        target_dir.mkdir(exist_ok=True)
+        step = step_of_name(path.name)
+        if step is not None and (shards := path.parent / shards_name(step)).is_dir():
+            os.replace(shards, _free_name(target_dir / shards.name))
+        target = _free_name(target_dir / path.name)
+        os.replace(path, target)
+        moved.append(target)
+        fsync_directory(target_dir)
+        fsync_directory(path.parent)
+    return moved
 
 
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Put back what `rng_state` returned."""
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+def _free_name(path: Path) -> Path:
+    number, candidate = 0, path
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
+
+
+def remove_unnamed_shards(directory: Path) -> list[Path]:
+    """Delete the `step-<N>.shards` directories no checkpoint file names (best.pt may keep one
+    whose step file was rotated away); nothing when a pointer file cannot be read."""
+    shards = [entry for entry in directory.iterdir() if _SHARDS_NAME.match(entry.name) and entry.is_dir()]
+    if not shards:
+        return []
+    named = {shards_name(step) for step, _ in step_checkpoints(directory)}
+    for pointer in directory.glob("*.pt"):
+        if step_of_name(pointer.name) is None and pointer.is_file():
+            try:
+                state = torch.load(pointer, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:
+                return []
+            if isinstance(state, dict) and "shards" in state:
+                named.add(str(state["shards"]))
+    removed = [entry for entry in shards if entry.name not in named]
+    for entry in removed:
+        shutil.rmtree(entry, ignore_errors=True)
+    return sorted(removed)

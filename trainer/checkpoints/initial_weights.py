@@ -4,17 +4,14 @@
     trainer.init_from=weights.safetensors                         a safetensors file (`ringtrain export`'s)
     trainer.init_from=state_dict.pt                               torch.save(model.state_dict(), ...)
 
-Weights only: the run starts at step 0 with a fresh optimizer, schedule and data order, and
-its own config decides the model (which must have the file's tensor names and shapes). This
-is not resuming: a run that resumes (trainer.resume, or auto finding this run directory's
-own checkpoint) continues from that checkpoint and ignores init_from, so a restarted
+Weights only: the run starts at step 0 with a fresh optimizer, schedule and data order, its
+own config deciding the model (which must have the file's tensor names and shapes). A run that
+resumes (trainer.resume, or auto finding its own checkpoint) ignores init_from, so a restarted
 fine-tuning run never goes back to the pretrained weights.
 
-The weights are loaded into the bare model after it is built (same seed on every rank) and
-before the strategy wraps or shards it, so every rank starts from the same file. A model
-whose tensors differ from the file's is refused in one line naming the tensor and both
-shapes; a tensor tied to another (a language model's output layer and token embedding) may
-be stored once, as safetensors files store it.
+The weights go into the bare model after it is built and before the strategy wraps or shards
+it, so every rank starts from the same file. A mismatch is one line naming the tensor and both
+shapes; a tied tensor (output layer and token embedding) may be stored once, as safetensors does.
 """
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.checkpoints.checksums import file_damage
-from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
+from ringtrain.checkpoints.files import Unusable, read_checkpoint
 from ringtrain.errors import ConfigError
 
 
@@ -88,12 +84,11 @@ def _read_torch_file(path: str, mmap: bool = False) -> dict:
     """A ringtrain checkpoint (through the loader every tool uses, with its checks), else a
     plain `torch.save(model.state_dict())` file as {"model": ...}. `mmap`: map the tensors."""
     try:
-        return load_checkpoint(path, "cpu", mmap=mmap)
-    except CheckpointError as err:
+        return read_checkpoint(path, "cpu", mmap=mmap)
+    except Unusable as err:  # a state_dict file carries torch.save's checksums too
+        if err.damaged:
+            raise ConfigError(f"trainer.init_from={path} {err}; pass an intact copy of it") from None
         refusal = err
-    damage = file_damage(Path(path))  # a state_dict file carries torch.save's checksums too
-    if damage is not None and not damage.foreign:
-        raise ConfigError(f"trainer.init_from={path} {damage.reason}; pass an intact copy of it") from None
     try:
         plain = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception:

@@ -1,10 +1,7 @@
-"""JSON that every parser reads: what ringtrain writes for scripts (metrics.json,
-eval/*.json, sweep_summary.json).
-
-Python's json writes a NaN or an infinity as the bare words NaN / Infinity, which are not
-JSON: JavaScript's JSON.parse refuses the file and jq turns them into null. A run that
-diverged has such metrics, so non-finite floats are written as null ("no finite value"), and
-`allow_nan=False` makes any that slipped past an error here rather than a broken file.
+"""JSON that every parser reads, for what ringtrain writes for scripts (metrics.json,
+eval/*.json, sweep_summary.json): Python's json writes NaN / Infinity, which are not JSON
+(JSON.parse refuses the file, jq makes them null). A diverged run has such metrics, so they are
+written as null, and `allow_nan=False` makes any that slipped past an error, not a broken file.
 """
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
 """How a torchrun worker restarted after a failure finds the run directory its job used.
 
-torchrun without an id (`--rdzv-id`, or the one `--standalone` makes up) names no job, so the
-run directory is named by the clock (checkpoints/rundir.py), and torchrun restarts its workers
-(`--max-restarts`) with the same command but a new clock. So rank 0 leaves a note naming its
-directory (`leave_restart_note`), and a restarted rank 0 reads it (`directory_before_restart`).
+Without an id (`--rdzv-id`, or the one `--standalone` makes up) the run directory is named by
+the clock (checkpoints/rundir.py), and torchrun restarts its workers (`--max-restarts`) with a
+new clock. So rank 0 leaves a note naming its directory, and a restarted rank 0 reads it.
 
-A note belongs to one torchrun agent, the workers' parent, which lives across their restarts:
-it is named by the agent's pid and the time that process started (so that a later process
-given the same pid is not taken for it), and kept in a directory of this user's own under the
-temp directory (`NOTES_DIRECTORY`), where no other user can leave a note for a job to read.
-
+A note belongs to one torchrun agent (the workers' parent, living across their restarts),
+named by its pid and start time (a later process given the same pid is not it), in a
+directory of this user's own under the temp directory, where no other user can plant one.
 Notes cannot pile up: rank 0 removes its note when no restart will follow (the run completed,
-or the agent has no restarts left: torchrun restarts workers only after a failure, at most
-`--max-restarts` times, and a stop by a signal to torchrun itself ends the agent), and every
-new note first sweeps away the notes of agents that no longer run (one stopped by Ctrl-C or
-killed, say), and those an earlier ringtrain left in the temp directory itself.
+or no restarts are left), and every new note first sweeps away those of agents no longer
+running (stopped by Ctrl-C, killed) and an earlier ringtrain's in the temp directory itself.
 """
 from __future__ import annotations
 
@@ -107,9 +102,8 @@ def sweep_stale_notes() -> None:
 
 
 def notes_directory() -> Path | None:
-    """This user's notes directory, made if missing; None when the temp directory has one by
-    that name that is not this user's own directory (a note read from there could send a
-    restart's checkpoints anywhere)."""
+    """This user's notes directory, made if missing; None when that name is not this user's own
+    directory (a note read from there could send a restart's checkpoints anywhere)."""
     user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
     directory = Path(tempfile.gettempdir()) / NOTES_DIRECTORY.format(user=user)
     try:
@@ -125,9 +119,8 @@ def notes_directory() -> Path | None:
 
 
 def process_start(pid: int) -> str | None:
-    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat),
-    so that a note's agent is told apart from a later process given the same pid; None when
-    no such process runs. Without /proc (macOS) "" for any process that runs."""
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat);
+    None when no such process runs; without /proc (macOS) "" for any process that runs."""
     if os.name == "nt":  # where os.kill(pid, 0) would send Ctrl-C: take every agent as running
         return ""
     try:

@@ -1,38 +1,36 @@
-"""Where a run writes, chosen so that a restarted job finds its own directory again.
+"""Where a run writes, chosen so that a restarted job finds its own directory again, and the
+claim one job holds on it.
 
-Auto-resume (trainer.resume=auto) continues from the run directory's own last.pt, so a job
-that is started again must land in the same directory, and two different jobs never in one:
+`run_directory` is conf/train.yaml's hydra.run.dir (the `${ringtrain.run_dir:}` resolver):
 
-  hydra.run.dir given        that directory, every time
-  SLURM (sbatch, submitit)   outputs/runs/slurm-<job id>[_<array task>]: SLURM keeps the job id
-                             when it requeues a job
-  torchrun, --rdzv-id=X      outputs/runs/torchrun-X: the id names the job, restarts keep it;
-                             --standalone makes up a random id, so each start of the command
-                             is a new run there (restarts within it keep the id)
-  anything else              outputs/runs/<date>_<time>_<pid>: the pid keeps apart two jobs
-                             started in the same second
-torchrun without an id (a static rendezvous: --master-addr/--master-port) restarts its workers
-with the same command but a new clock, so rank 0 leaves a note naming its directory for the
-restarted workers (checkpoints/restart_notes.py).
+  hydra.run.dir given        that directory, every time (the resolver is not asked)
+  trainer.resume=<file>      the run directory of that checkpoint (<run>/checkpoints/<file>)
+  SLURM (sbatch, submitit)   outputs/runs/slurm-<job id>[_<array task>]: kept across requeues
+  torchrun, --rdzv-id=X      outputs/runs/torchrun-X (--standalone makes up an id: each start
+                             of the command is a new run, restarts within it keep the id)
+  a torchrun restart         the directory rank 0 noted before (checkpoints/restart_notes.py)
+  anything else              outputs/runs/<date>_<time>_<pid>
+Ranks other than 0 under torchrun resolve to "." and write nothing there: rank 0's directory
+reaches them once the process group is up (run.py).
 
-While a job runs, its rank 0 holds `RunDirectoryLock` on the directory, so that a second job
-(the same command started twice, two runs given one hydra.run.dir) is refused in one line
-instead of writing the same checkpoints at the same time. Only then does rank 0 write the
-job's `RunRecord` (.hydra/), so a refused job leaves the owner's record as it was.
-`why_not_writable` says, before Hydra runs, why a run directory could not be made.
+`RunDirectory` is rank 0's `flock` on `<run dir>/.lock` (dropped by the kernel however the job
+ends, so a killed job never blocks its resume): a second job there is refused in one line. A
+job refused before it trained takes back what it put there, and the directory if left empty.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import shutil
 import socket
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.checkpoints.restart_notes import directory_before_restart
+from ringtrain.distributed import env_rank, under_torchrun
 
 try:
     import fcntl
@@ -40,6 +38,7 @@ except ImportError:  # Windows: no flock; runs there are not protected from a se
     fcntl = None
 
 log = logging.getLogger("ringtrain")
+RECORD_SUBDIR = ".hydra"  # the job's record: config.yaml, hydra.yaml, overrides.yaml (as Hydra writes it)
 
 
 def run_name() -> str:
@@ -54,90 +53,111 @@ def run_name() -> str:
     return time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{os.getpid()}"
 
 
-# Where a job's record goes (hydra.output_subdir's value before ringtrain turned Hydra's
-# writing off), carried in the job's own Hydra config (hydra.job.env_set), so that it reaches
-# the job wherever the launcher runs it (tools/run_record.py).
-RECORD_SUBDIR_VARIABLE = "RINGTRAIN_RECORD_SUBDIR"
+def _other_rank() -> bool:
+    return under_torchrun() and env_rank() != 0
 
 
-@dataclass(frozen=True)
-class RunRecord:
-    """What Hydra's `hydra.output_subdir` (.hydra/) holds: the job's config.yaml, hydra.yaml and
-    overrides.yaml. Written by the job itself once it owns its run directory (the lock held,
-    the checkpoint to resume from accepted), not by Hydra when the job starts: a job refused
-    then would have replaced the record of the run that owns the directory."""
-
-    subdir: str
-    files: dict[str, str]  # file name -> its text
-
-    def write(self, run_dir: str | Path) -> None:
-        for name, text in self.files.items():
-            write_text_atomically(Path(run_dir) / self.subdir / name, text)
+def run_directory(resume: Any = None) -> str:
+    """A training job's hydra.run.dir (see the module docstring)."""
+    if _other_rank():
+        return "."
+    if isinstance(resume, str) and resume != "auto" and Path(resume).is_file() and Path(resume).parent.name == "checkpoints":
+        return str(Path(resume).resolve().parent.parent)
+    return (directory_before_restart() if under_torchrun() else None) or f"outputs/runs/{run_name()}"
 
 
-def why_not_writable(directory: str | Path) -> str | None:
-    """Why a job cannot make `directory` and write into it (None: it can), found before
-    anything is written: the nearest part of the path that exists must be a directory in
-    which this process can make one (tried, and removed again: permissions, a read-only
-    file system or a kernel file system that refuses it all say so only when tried)."""
-    path = Path(directory).absolute()
-    try:
-        while not path.exists() and path != path.parent:
-            path = path.parent
-        if not path.is_dir():
-            return f"{path} is a file, not a directory"
-        os.rmdir(tempfile.mkdtemp(prefix=".ringtrain-write-test-", dir=path))
-    except OSError as err:
-        return f"nothing can be written in {path} ({err.strerror})"
-    return None
+def log_file(path: str) -> str:
+    """train.log for rank 0; nowhere for the other ranks of a torchrun job, which log to the console."""
+    return os.devnull if _other_rank() else path
 
 
-class RunDirectoryLock:
-    """An exclusive claim on a run directory for the life of one job.
+def rank_tag() -> str:
+    """`[rank N]` in the log lines of torchrun's ranks other than 0."""
+    return f"[rank {env_rank()}]" if _other_rank() else ""
 
-    An advisory `flock` on `<run dir>/.lock`. The kernel drops it when the holding process
-    ends, however it ends (SIGKILL, the OOM killer, torchrun stopping its workers before a
-    restart), so a lock left behind never blocks the resume that follows. The file holds the
-    holder's pid and host, for the refusal message; it is left in place (deleting it would let
-    a third job lock a new file while the second still holds the old one).
-    Where the file system has no locks (some network file systems) the run goes on unprotected,
-    with a warning.
-    """
 
-    NAME = ".lock"
+class RunDirectory:
+    """One job's claim on its run directory (rank 0 only; see the module docstring)."""
 
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / self.NAME
+    LOCK = ".lock"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
         self._fd: int | None = None
+        self._found: set[str] | None = None  # the entries there before this job
+        self._sizes: dict[str, int] = {}  # and its files' sizes (a log this job appends to goes back to them)
+        self._lock_text = b""  # what the lock file said before this job wrote its own
 
-    def acquire(self) -> str | None:
-        """Take the lock; return None, or the one-line refusal when another job holds it."""
+    def claim(self) -> str | None:
+        """Take the directory; None, or the one-line refusal when another job holds it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._found = set(os.listdir(self.path))
+        self._sizes = {name: (self.path / name).stat().st_size for name in self._found if (self.path / name).is_file()}
         if fcntl is None:
             return None
+        lock = self.path / self.LOCK
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:  # an unwritable directory: the first checkpoint save says so
-            log.warning(f"cannot create {self.path} ({err.strerror}): nothing stops a second job from using this directory")
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # an unwritable directory: the first save says so
+            log.warning(f"cannot create {lock} ({err.strerror}): nothing stops a second job from using this directory")
             return None
+        self._lock_text = os.pread(fd, 200, 0)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return (
-                    f"{self.path.parent} is in use by another training job ({holder}); wait for it to end, "
-                    f"stop it, or give this run its own hydra.run.dir"
-                )
-            log.warning(f"cannot lock {self.path} ({err.strerror}): nothing stops a second job from using this directory")
+                holder = self._lock_text.decode(errors="replace").strip() or "unknown"
+                return (f"{self.path} is in use by another training job ({holder}); wait for it to end, stop it, "
+                        f"or give this run its own hydra.run.dir")
+            log.warning(f"cannot lock {lock} ({err.strerror}): nothing stops a second job from using this directory")
             return None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         self._fd = fd
         return None
 
-    def release(self) -> None:
+    def write_record(self, files: dict[str, str]) -> None:
+        """The job's .hydra/ record, written once the directory is this job's (Hydra would have
+        written it as the job started, over the record of a run a refused job found there)."""
+        for name, text in files.items():
+            write_text_atomically(self.path / RECORD_SUBDIR / name, text)
+
+    def release(self, refused: bool = False) -> None:
+        """Let the directory go; `refused`: the job trained nothing, so what it added goes
+        (its log and record included), and the directory with it when nothing else is left."""
+        if refused and self._found is not None:
+            self._take_back()
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
+            os.close(self._fd)  # drops the flock
             self._fd = None
+
+    def _take_back(self) -> None:
+        for handler in list(logging.getLogger().handlers):  # train.log, if this job made it
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == self.path.absolute():
+                handler.close()
+                logging.getLogger().removeHandler(handler)
+        for name in set(os.listdir(self.path)) - self._found:
+            entry = self.path / name
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        for name, size in self._sizes.items():  # lines it appended to the run's train.log
+            if name != self.LOCK and (self.path / name).is_file() and (self.path / name).stat().st_size > size:
+                os.truncate(self.path / name, size)
+        if self.LOCK in self._found and self._fd is not None:  # a run's lock file: as it was
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, self._lock_text, 0)
+        remove_if_empty(self.path)
+
+
+def remove_if_empty(path: Path) -> None:
+    """Remove `path` if it is empty, then its parents under the current directory while they are
+    (outputs/runs/ that the refused job's directory was the first of)."""
+    path, here = path.absolute(), Path.cwd()
+    while path != here:
+        try:
+            path.rmdir()
+        except OSError:  # not empty (or not ours to remove): stop here
+            return
+        path = path.parent
+        if path == here or here not in path.parents:
+            return

@@ -1,16 +1,13 @@
 """Sharded checkpoints (strategy.state_dict_type=sharded): each rank writes its own shards
-with torch.distributed.checkpoint, nothing is gathered, so a model too large for one rank's
-memory still saves. CheckpointStore (ringtrain/checkpoints) keeps the rest of the state
-(schedule, progress, rng, config) in a small step-<N>.pt beside the shards directory,
-written only after the directory is complete.
+with torch.distributed.checkpoint, nothing gathered, so a model too large for one rank's memory
+still saves. CheckpointManager (checkpoints/manager.py) keeps the rest of the state in a small
+step-<N>.pt beside the shards directory, written only once the directory is complete.
 
-The shards are written synchronously even with trainer.async_checkpoint (only rank 0's step
-file goes to the background writer, checkpoints/background.py). Why not DCP's async_save: the
-directory becomes a checkpoint only when every rank's shards are complete and rank 0 has
-renamed it, which needs every rank's outcome at one collective point; in the background that
-agreement would have to wait for the next save, each rank would hold a staged CPU copy of its
-shards meanwhile, and a failure on one rank would have to be carried to the others later. The
-shards are each rank's own slice, so their synchronous write costs a 1/N share of the model.
+The shards are written synchronously even with trainer.async_checkpoint, not with DCP's
+async_save: the directory becomes a checkpoint only once every rank's shards are complete and
+rank 0 renamed it, which needs every rank's outcome at one collective point; in the background
+that would wait for the next save, each rank holding a staged CPU copy meanwhile, with a failure
+carried to the others later. Each rank writes only its 1/N slice anyway.
 """
 from __future__ import annotations
 
@@ -27,29 +24,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
 from ringtrain.checkpoints.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
 
-# the shards directory, written only after the directory is complete.
-
 
 def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model and optimizer state as a torch.distributed.checkpoint directory, each
-    rank its own shards. Call it on every rank.
-
-    Atomic: the files go to `.<name>.partial`, which rank 0 renames to `directory` once every
-    rank has written and fsynced its files, and the parent directory is fsynced; a crash never
-    leaves a half-written directory under that name. An older directory of that name is
-    replaced. A failure on any rank (a full disk) raises the same CheckpointError on every
-    rank and leaves the earlier checkpoints as they were.
-    """
+    rank its own shards; call it on every rank. Atomic: the files go to `.<name>.partial`, which
+    rank 0 renames to `directory` (replacing an older one) once every rank has fsynced its
+    files. A failure on any rank (a full disk) raises the same CheckpointError on every rank and
+    leaves the earlier checkpoints as they were."""
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
     failure = _on_rank0(lambda: _fresh_directory(partial), directory)
@@ -69,12 +57,10 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
 
 
 def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a `save_sharded` directory into `model` (and `optimizer`), set up as for training:
-    wrapped or sharded, the optimizer built. Each rank reads what its shards need, so the
-    number of ranks and the strategy may differ from the saving run's (fsdp on 2 ranks ->
-    ddp, fsdp on 4 ranks, or one process). Call it on every rank of the process group (or
-    without one). The shards hold tensors and plain values; DCP unpickles the latter, so load
-    only checkpoints you trust, as with any torch.distributed.checkpoint directory."""
+    """Load a `save_sharded` directory into `model` (and `optimizer`), set up as for training;
+    call it on every rank (or without a process group). Each rank reads what its shards need, so
+    the ranks and strategy may differ from the saving run's (fsdp on 2 -> ddp, 4 ranks, or one).
+    DCP unpickles the plain values: load only checkpoints you trust, as with any DCP directory."""
     model = without_data_parallel(model)
     # Templates with this run's shapes and placement, which DCP fills in place.
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -110,7 +96,7 @@ def sharded_model_shapes(directory: str | Path) -> dict[str, list[int]]:
 @contextlib.contextmanager
 def _single_process_is_intended() -> Iterator[None]:
     # Without a process group DCP warns that it assumes one process; here that is the point
-    # (trainer.evaluate / sample, a single-process resume), not a mistake to report.
+    # (ringtrain evaluate / sample, a single-process resume), not a mistake to report.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield

@@ -1,18 +1,12 @@
 """Checkpoint state in ringtrain's plain format, the same for every strategy, so a checkpoint
 written under one resumes under another.
 
-`full_model_state_dict` / `full_optimizer_state_dict` are called on every rank (under FSDP
-they all-gather) and return the complete state on rank 0; `load_full_model_state_dict` /
-`load_full_optimizer_state_dict` are called on every rank and take rank 0's state. The
-optimizer state is keyed by parameter name (FQN), not by position, which is what makes it
-portable between strategies. torch.distributed.checkpoint's state-dict functions do the work
-for DDP and FSDP2 models, with a process group.
-
-Without a process group (single, dp, and the tools), the same format comes from the model's
-and the optimizer's own state_dict(), renamed by parameter name: importing DCP costs about
-half a second at start-up (it pulls in DTensor and dynamo), more than the whole training of
-the seed tutorial's job (benchmarks/bench_process.py); tests/test_checkpoint_files.py holds
-the two ways to the same output.
+The optimizer state is keyed by parameter name (FQN), not position: that makes it portable.
+With a process group (DDP, FSDP2) torch.distributed.checkpoint's state-dict functions do the
+work; without one (single, dp, the tools) the model's and optimizer's own state_dict(), renamed
+by parameter name, give the same format, since importing DCP costs about half a second (DTensor,
+dynamo), more than the whole seed tutorial's training (benchmarks/bench_process.py);
+tests/test_checkpoint_files.py holds the two ways to the same output.
 """
 from __future__ import annotations
 
@@ -26,16 +20,12 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 
-
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights as plain CPU tensors, keyed by the bare model's names (no
-    `module.` / `_orig_mod.`), tied weights under each of their names as in state_dict().
-
-    Works for a plain module, DDP, torch.compile and FSDP2. Call it on every rank: under FSDP
-    it all-gathers. With a process group only rank 0 gets the weights, the others get {}.
-    On a CPU model without FSDP the tensors share storage with the live parameters, as
-    state_dict()'s do: save them before the next optimizer step.
-    """
+    `module.` / `_orig_mod.`), tied weights under each name as in state_dict(); for a plain
+    module, DDP, torch.compile and FSDP2. Call it on every rank (FSDP all-gathers); with a
+    process group only rank 0 gets the weights, the others {}. On a CPU model without FSDP they
+    share storage with the live parameters: save them before the next optimizer step."""
     model = without_data_parallel(model)
     if not distributed():
         return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
@@ -56,13 +46,9 @@ def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor])
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state, keyed by parameter name: {"state": {fqn: {...}},
     "param_groups": [{..., "params": [fqn, ...]}]}, plain CPU tensors and Python values,
-    loadable with torch.load(weights_only=True). A tied parameter appears once, under its
-    first name. Call it on every rank; with a process group only rank 0 gets it, others {}.
-
-    An optimizer that has not stepped has no state; DCP then makes some with a zero-lr step
-    (Adam(W): step=1, zero moments). That is taken back from `optimizer`, so saving never
-    changes training, but the returned state holds it: save after the first step.
-    """
+    loadable with torch.load(weights_only=True); a tied parameter once, under its first name.
+    Call it on every rank; with a process group only rank 0 gets it, the others {}. Before the
+    first step the state holds DCP's zero-lr step (optimizer_state_dict): save after it."""
     model = without_data_parallel(model)
     if not distributed():
         return _named_optimizer_state(model, optimizer)
@@ -84,10 +70,9 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a name-keyed optimizer state (from `full_optimizer_state_dict` under any strategy)
-    into `optimizer`, re-sharding it for FSDP. Call it on every rank after the model is set
-    up (sharded) and the optimizer built; with a process group rank 0's `state` is broadcast
-    and the other ranks' is ignored (they may pass {})."""
+    """Load a name-keyed optimizer state (any strategy's) into `optimizer`, re-sharding it for
+    FSDP. Call it on every rank after the model is set up and the optimizer built; with a
+    process group rank 0's `state` is broadcast (the others may pass {})."""
     settings_only = not state.get("state")
     if distributed():  # rank 0's state decides: the other ranks may have passed {}
         holder = [(settings_only, state.get("param_groups"))]
@@ -96,9 +81,8 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
     else:
         groups = state.get("param_groups")
     if settings_only:
-        # Nothing but hyperparameters (SGD without momentum keeps no state): DCP's loader
-        # cannot place what has no tensor (it looks for one to learn the device from), and a
-        # plain copy of each group's settings is all there is to load.
+        # Only hyperparameters (SGD without momentum): DCP's loader needs a tensor to learn the
+        # device from, and each group's settings are all there is to load.
         for group, saved in zip(optimizer.param_groups, groups or []):
             group.update({key: value for key, value in saved.items() if key != "params"})
         return
@@ -154,12 +138,9 @@ def _load_options() -> StateDictOptions:
 
 
 def _rank0_only(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` on rank 0 (a shallow copy: DCP renames keys in the dict it is given), {} elsewhere.
-
-    With broadcast_from_rank0 DCP expects {} off rank 0: under DDP a full state there keeps
-    its unprefixed keys next to the broadcast `module.` ones and load_state_dict rejects them
-    as unexpected (torch 2.13).
-    """
+    """`state` on rank 0 (a shallow copy: DCP renames keys in the dict it is given), {} elsewhere:
+    with broadcast_from_rank0, a full state off rank 0 under DDP keeps its unprefixed keys next
+    to the broadcast `module.` ones, which load_state_dict rejects (torch 2.13)."""
     return dict(state) if rank() == 0 else {}
 
 

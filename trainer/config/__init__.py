@@ -1,9 +1,9 @@
-"""The configuration: typed schemas and their validation, `_target_` components and their
-checks (model, data, task, optimizer, schedule, strategy), the command line's early checks,
-Hydra resolvers and the sweep callback.
+"""The configuration: every command's Hydra app (app.py: composed once, a mistake one line),
+the checked job (schema.py), the data, task and model nodes (builders.py, sizes.py), a
+continued run's config (continuation.py) and what a checkpoint's stored config may name
+(trust.py), the sweep summary (sweep.py).
 
-Everything here runs before any work starts (no process group, data or model), so a
-mistake is one line and exit 2.
-May import: ringtrain.errors, ringtrain.distributed, ringtrain.checkpoints, ringtrain.data,
-ringtrain.strategies. Never the loop, the job or the tools.
+May import: ringtrain.errors, ringtrain.distributed, ringtrain.components, ringtrain.checkpoints,
+ringtrain.optim, ringtrain.data, ringtrain.models, ringtrain.strategies, ringtrain.callbacks,
+ringtrain.loggers. Never the loop, the job or the tools.
 """

@@ -1,11 +1,6 @@
 """The data's lengths against the batch and the number of ranks: a job whose ranks would get
-no sample, or no batch, is refused in one line.
-
-The pre-check (config/schema.py validate) calls `check_data_lengths` with the lengths of the
-data the dry step set up (config/dry_step.py), before the run directory exists; the run calls
-it again with the data it built (ringtrain/run.py), for the data that could not be set up ahead
-(it needs its prepare_data first) and for the Python API's data sets. `check_validation_limit`
-needs no data: it holds trainer.limit_val_batches against the ranks (training and evaluate).
+no sample, or no batch, is refused in one line; `check_data_lengths` on every rank once the data
+is built (ringtrain/run.py), `check_validation_limit` before anything starts (config/schema.py).
 """
 from __future__ import annotations
 

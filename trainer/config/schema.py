@@ -1,42 +1,44 @@
-"""Typed schemas for the composed Hydra config, and the validation that runs before any work.
-
-`validate(cfg)` turns the composed DictConfig into a `RunConfig`: the trainer and strategy
-sections as typed dataclasses, the components (model, data, task, optimizer, scheduler) as
-their checked `_target_` nodes (trainer/builders.py). Every user mistake it finds (unknown
-key, wrong type, impossible size, a component that does not import or does not take its
-arguments, a model the data does not fit, missing file, device that is not there) becomes
-one `ConfigError` whose message names the key, the problem and the fix. `train.py` prints
-that one line and exits with status 2, before a process group, a data set or a GPU is
-touched, and before Hydra creates the run directory.
+"""The checked job, before any process group, data or GPU is touched: `validate(cfg)` turns the
+composed config into a `Job` or raises one ConfigError line for the first mistake (an unknown
+key, a wrong type, a target that does not import or take its arguments, a callback hook ringtrain
+never calls, a missing file or device). Cheap constructions run too, so the components' own
+argument checks fire now, not after minutes of data setup and the ranks' start: the data component
+(its constructor only checks, by contract), the task, and the optimizer and schedule on a
+stand-in parameter. The rest fails as one line when built or at the first step (loop/failures.py).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import signal
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ringtrain.config.compose import CONF_DIR, SECTIONS
-from ringtrain.config.data_lengths import check_data_lengths, check_validation_limit
+from ringtrain.components import build, check, check_built, is_node
+from ringtrain.conf import CONF_DIR
+from ringtrain.config.builders import check_data, check_model, check_task
+from ringtrain.config.data_lengths import check_validation_limit
+from ringtrain.config.sizes import resolve
 from ringtrain.errors import ConfigError
 from ringtrain.strategies.base import Strategy
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip", "ignore")  # trainer.on_nonfinite (ringtrain/loop/nonfinite.py)
-# torch.compile's modes (trainer.compile_mode); "default" passes none.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "trainer")  # every run has these
+OPTIONAL_SECTIONS = ("callbacks", "logger", "adapter")
 
 
 @dataclass
 class TrainerConfig:
-    """The trainer section's settings and their types. Their defaults, and what each means,
-    are in conf/trainer/default.yaml, the one place they are written (`trainer_config()`
-    reads them for the Python API)."""
+    """The trainer section's types; their defaults and meanings are written only in
+    conf/trainer/default.yaml (`trainer_config()` reads them for the Python API)."""
 
     max_epochs: int
     max_steps: int
@@ -48,6 +50,8 @@ class TrainerConfig:
     accelerator: str
     grad_clip_norm: float
     eval_every_n_steps: int
+    eval_every_fraction: float
+    eval_every_minutes: float
     limit_val_batches: int
     overfit_batches: int
     profile_steps: int
@@ -57,6 +61,7 @@ class TrainerConfig:
     keep_last_k: int
     async_checkpoint: bool
     resume: Any  # "auto", a checkpoint path, or None
+    trust_checkpoint: bool  # resume=<path>: let its stored config run code your own does not name (config/trust.py)
     init_from: Optional[str]  # starting weights (checkpoints/initial_weights.py), or None
     on_nonfinite: str
     stop_signals: list[str]
@@ -69,6 +74,7 @@ class TrainerConfig:
     compile: bool
     compile_mode: str
     tf32: bool
+    activation_checkpointing: bool
     peak_tflops: float
     cpu_alternative: Optional[str]  # a GPU-sized preset's advice for a CPU (gpu_preset_notice)
 
@@ -80,62 +86,52 @@ def trainer_config(**settings: Any) -> TrainerConfig:
 
 
 @dataclass
-class RunConfig:
-    """The validated run: typed sections, component nodes, and the resolved config as plain data.
+class Job:
+    """A checked job: what each rank builds and trains (it travels to spawned ranks). Components
+    are `_target_` nodes built on each rank (the model needs the data's sizes and the seed), or
+    objects the Python API was handed; the task and the strategy are built here."""
 
-    A component is a `_target_` node (plain dicts), or None where the Python API was handed
-    the built object (`Trainer.fit(model, train_set, val_set, task)`). The optimizer and
-    scheduler may also be callables from the Python API: `optimizer(params)`,
-    `scheduler(optimizer)`.
-    """
-
-    model: dict | None
-    data: dict | None
-    task: dict | None
-    optimizer: Any
-    scheduler: Any
-    strategy: Strategy  # built from its node: ringtrain/strategies
     trainer: TrainerConfig
-    resolved: dict  # the whole resolved config, for checkpoints and TensorBoard
+    strategy: Strategy
+    task: Any  # the built task (or its node, when a function builds it: not called before the run)
+    model: dict | None  # None: the Python API's model
+    data: dict | None  # None: the Python API's data sets
+    optimizer: dict | Callable
+    scheduler: dict | Callable | None
+    callbacks: dict[str, Any] = field(default_factory=dict)  # name -> node, or a Callback (Python API)
+    loggers: dict[str, Any] = field(default_factory=dict)  # name -> node, or a Logger (Python API)
+    adapter: dict | None = None  # e.g. LoRA (models/lora.py), applied to the built model
+    resolved: dict = field(default_factory=dict)  # the resolved config: checkpoints and loggers keep it
+    group: str | None = None  # the sweep's name, for a multirun's job (loggers group its runs)
 
 
-def validate(cfg: DictConfig) -> RunConfig:
-    """Check the composed config and return it typed; raise ConfigError on the first mistake."""
-    from ringtrain.config.builders import check_components
-    from ringtrain.config.dry_step import data_lengths, dry_step
-    from ringtrain.config.sizes import defer_data_sizes
-
-    _reject_unknown_sections(cfg)
-    defer_data_sizes(cfg)
+def validate(cfg: Any) -> Job:
+    """Check the composed config; return the Job, or raise ConfigError on the first mistake."""
     try:
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config: {_omegaconf_message(err)}") from None
     resolved.pop("hydra", None)
-    run = RunConfig(
-        model=resolved["model"],
-        data=resolved["data"],
-        task=resolved["task"],
-        optimizer=resolved["optimizer"],
-        scheduler=resolved["scheduler"],
-        strategy=build_strategy(resolved["strategy"]),
-        trainer=typed_section(cfg.trainer, TrainerConfig, "trainer"),
-        resolved=resolved,
-    )
-    check_options(run.trainer, run.strategy)
-    seq_len, block_size = run.data.get("seq_len"), run.model.get("block_size")
-    if isinstance(seq_len, int) and isinstance(block_size, int) and seq_len > block_size:
-        raise ConfigError(
-            f"data.seq_len={seq_len} exceeds model.block_size={block_size}; the model cannot see that "
-            f"far back: raise model.block_size or drop the data.seq_len override (it follows block_size)"
-        )
-    resuming_a_file = run.trainer.resume not in (None, "auto")  # which ignores init_from
-    check_components(run.model, run.data, run.task, run.optimizer, run.scheduler, run.trainer.max_steps,
-                     init_from=None if resuming_a_file else run.trainer.init_from)
-    dry_step(run.model, run.data, run.task)
-    if (lengths := data_lengths(run.data)) is not None:  # each rank's share and batch, before any work
-        check_data_lengths(*lengths, run.trainer, run.strategy.planned_ranks())
-    return run
+    _check_sections(resolved)
+    trainer = typed_section(resolved["trainer"], TrainerConfig, "trainer")
+    strategy = build_strategy(resolved["strategy"])
+    check_options(trainer, strategy)
+    dims = check_data(resolved["data"])
+    task_node = resolved["task"]
+    task = check_task(build(task_node, "task")) if inspect.isclass(check(task_node, "task")) else task_node
+    check_model(resolved["model"], dims, f"the data ({resolved['data'].get('_target_', 'data.train/val')}, which "
+                                         f"gives {', '.join(dims or {}) or 'no sizes'})")
+    check_optimization(resolved["optimizer"], resolved["scheduler"], trainer.max_steps)
+    callbacks, loggers = named_nodes(resolved, "callbacks"), named_nodes(resolved, "logger")
+    for name, node in callbacks.items():
+        check_callback(node, f"callbacks.{name}")
+    for name, node in loggers.items():
+        check_logger(node, f"logger.{name}")
+    adapter = resolved.get("adapter")
+    if adapter is not None:
+        check(adapter, "adapter")
+    return Job(trainer, strategy, task, resolved["model"], resolved["data"], resolved["optimizer"],
+               resolved["scheduler"], callbacks, loggers, adapter, resolved)
 
 
 def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
@@ -146,11 +142,55 @@ def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
     check_validation_limit(trainer, strategy.planned_ranks())
 
 
-def build_strategy(node: Any) -> Strategy:
-    """The strategy a conf/strategy/<option>.yaml node (or your own) names by `_target_`,
-    built now: a strategy's constructor only stores and checks its options."""
-    from ringtrain.config.components import build, check, check_built
+def check_optimization(optimizer: Any, scheduler: Any, max_steps: int) -> None:
+    """The optimizer and schedule nodes against their targets, and built on a stand-in
+    parameter, so that their own argument checks (a negative lr) fire before any work."""
+    import torch
+    from torch import nn
+    from torch.optim.lr_scheduler import LRScheduler
 
+    from ringtrain.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
+
+    optimizer_class = scheduler_class = False
+    if isinstance(optimizer, dict):
+        optimizer_class = inspect.isclass(check(optimizer, "optimizer", kind=torch.optim.Optimizer, provided={"params"},
+                                                reserved=OPTIMIZER_KEYS, passed={"params"}))
+    if isinstance(scheduler, dict):
+        scheduler_class = inspect.isclass(check(scheduler, "scheduler", kind=LRScheduler, provided={"optimizer", "total_steps"},
+                                                reserved=SCHEDULER_KEYS, passed={"optimizer"}))
+    if optimizer_class:
+        built = check_built(build_optimizer(optimizer, nn.Linear(2, 2), torch.device("cpu")), "optimizer", torch.optim.Optimizer)
+        if scheduler is None or scheduler_class:
+            check_built(build_scheduler(scheduler, built, max(max_steps, 1000)), "scheduler", LRScheduler)
+
+
+def check_callback(node: Any, key: str) -> None:
+    from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
+
+    target = check(node, key, kind=Callback)
+    if inspect.isclass(target) and (unknown := unknown_hooks(target)):
+        raise ConfigError(f"{key}: {node['_target_']} defines {', '.join(unknown)}, which ringtrain never calls; its "
+                          f"hooks are {', '.join(HOOKS)} (Lightning's on_train_batch_end is on_step_end)")
+
+
+def check_logger(node: Any, key: str) -> None:
+    from ringtrain.loggers.base import Logger
+
+    check(node, key, kind=Logger)
+
+
+def named_nodes(resolved: dict, section: str) -> dict[str, Any]:
+    """A section of named components (callbacks, logger): name -> node; a name set to null is off."""
+    nodes = resolved.get(section) or {}
+    if not isinstance(nodes, dict) or is_node(nodes):
+        raise ConfigError(f"{section} must map names to components ({section}.<name>._target_=...), got {nodes!r}; "
+                          f"e.g. +{section}.mine={{_target_: my_pkg.Mine}}")
+    return {name: node for name, node in nodes.items() if node is not None}
+
+
+def build_strategy(node: Any) -> Strategy:
+    """The strategy a conf/strategy/<option>.yaml node (or your own) names by `_target_`, built
+    now: a strategy's constructor only stores and checks its options."""
     check(node, "strategy", kind=Strategy)
     return check_built(build(node, "strategy"), "strategy", Strategy)
 
@@ -171,18 +211,12 @@ def strategy_option(name: str, **options: Any) -> Strategy:
     return build_strategy({**node, **options})
 
 
-# --- sections -------------------------------------------------------------------------------
-
-
-
-def _reject_unknown_sections(cfg: DictConfig) -> None:
-    for key in cfg:
-        if key not in SECTIONS and key != "hydra":
-            raise ConfigError(
-                f"unknown config section '{key}'; the sections are {', '.join(SECTIONS)}"
-            )
+def _check_sections(resolved: dict) -> None:
+    for key in resolved:
+        if key not in SECTIONS + OPTIONAL_SECTIONS:
+            raise ConfigError(f"unknown config section '{key}'; the sections are {', '.join(SECTIONS + OPTIONAL_SECTIONS)}")
     for key in SECTIONS:
-        if key not in cfg or not isinstance(cfg[key], DictConfig):
+        if not isinstance(resolved.get(key), dict) and not (key == "scheduler" and key in resolved):
             raise ConfigError(f"config section '{key}' is missing; pick one with {key}=<option>")
 
 
@@ -208,79 +242,58 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
-# --- cross-field checks ---------------------------------------------------------------------
-
 # What 0 does for the settings where it stands for a default (conf/trainer/default.yaml).
 ZERO_MEANS = {
     "val_batch_size": "trainer.batch_size",
-    "eval_every_n_steps": "evaluate at each epoch's end and at the last step",
+    "eval_every_n_steps": "off (evaluate at each epoch's end and at the last step)",
     "limit_val_batches": "the whole validation set",
     "checkpoint_every_n_steps": "save only at evaluations, at the end and on a stop signal",
     "overfit_batches": "off, train on the whole training set",
     "profile_steps": "no profiler",
+    "num_workers": "load in the training process",
+    "eval_every_minutes": "off",
 }
+CHOICES = {"precision": PRECISIONS, "accelerator": ACCELERATORS, "compile_mode": COMPILE_MODES,
+           "on_nonfinite": NONFINITE_POLICIES}
+_LIGHTNING_PRECISIONS = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}
 
 
 def _check_trainer(t: TrainerConfig) -> None:
-    for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps"):
+    for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps", "prefetch_factor", "keep_last_k"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
     for name, zero in ZERO_MEANS.items():
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0: {zero})")
+    for name, choices in CHOICES.items():
+        if (value := getattr(t, name)) not in choices:
+            known = _LIGHTNING_PRECISIONS.get(str(value)) if name == "precision" else None
+            hint = f"trainer.precision={known} is the mixed-precision name here; " if known else ""
+            raise ConfigError(f"trainer.{name}={value!r} is not supported; {hint}use one of {', '.join(choices)}")
     if t.max_steps <= 0 and t.max_epochs <= 0:
-        raise ConfigError(
-            "trainer.max_epochs and trainer.max_steps are both <= 0; set one of them positive"
-        )
+        raise ConfigError("trainer.max_epochs and trainer.max_steps are both <= 0; set one of them positive")
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(
             f"trainer.max_steps={t.max_steps} {'would train nothing' if t.max_steps == 0 else 'is not a number of steps'}; "
-            f"set the number of optimizer steps to train, or -1 to train trainer.max_epochs epochs"
-        )
-    if t.precision not in PRECISIONS:
-        lightning = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}.get(str(t.precision))
-        hint = f"trainer.precision={lightning} is the mixed-precision name here; " if lightning else ""
-        raise ConfigError(
-            f"trainer.precision={t.precision!r} is not supported; {hint}use one of {', '.join(PRECISIONS)}"
-        )
-    if t.num_workers < 0 or t.prefetch_factor <= 0:
-        raise ConfigError("trainer.num_workers must be >= 0 and trainer.prefetch_factor positive")
+            f"set the number of optimizer steps to train, or -1 to train trainer.max_epochs epochs")
     if t.persistent_workers and t.num_workers == 0:
         raise ConfigError("trainer.persistent_workers=true needs worker processes; set trainer.num_workers >= 1")
-    if t.accelerator not in ACCELERATORS:
-        raise ConfigError(
-            f"trainer.accelerator={t.accelerator!r} is unknown; use one of {', '.join(ACCELERATORS)}"
-        )
+    if not 0 <= t.eval_every_fraction <= 1:
+        raise ConfigError(f"trainer.eval_every_fraction={t.eval_every_fraction} must be in [0, 1] (0.25: four "
+                          f"times an epoch; 0: off)")
     if t.grad_clip_norm < 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be >= 0 (0 disables it)")
-    if t.compile_mode not in COMPILE_MODES:
-        raise ConfigError(
-            f"trainer.compile_mode={t.compile_mode!r} is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)}"
-        )
     if t.compile_mode != "default" and not t.compile:
-        raise ConfigError(
-            f"trainer.compile_mode={t.compile_mode} has no effect without compiling; add trainer.compile=true"
-        )
+        raise ConfigError(f"trainer.compile_mode={t.compile_mode} has no effect without compiling; add trainer.compile=true")
     if not (math.isfinite(t.peak_tflops) and t.peak_tflops >= 0):
-        raise ConfigError(
-            f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (the device's peak TFLOP/s; 0 looks the GPU up)"
-        )
-    _check_devices(t)
-    _check_run_control(t)
-
-
-def _check_devices(t: TrainerConfig) -> None:
+        raise ConfigError(f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (the device's peak TFLOP/s; 0 looks the GPU up)")
     cuda = _cuda_available()
     if t.accelerator == "cuda" and not cuda:
-        raise ConfigError(
-            "trainer.accelerator=cuda but no CUDA device is visible; use trainer.accelerator=cpu "
-            "(or auto)"
-        )
+        raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible; use trainer.accelerator=cpu (or auto)")
     if t.precision == "16-mixed" and (t.accelerator == "cpu" or not cuda):
-        raise ConfigError(
-            "trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
-            "trainer.precision=bf16-mixed or 32"
-        )
+        raise ConfigError("trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
+                          "trainer.precision=bf16-mixed or 32")
+    _check_run_control(t)
 
 
 def gpu_preset_notice(t: TrainerConfig) -> str | None:
@@ -288,38 +301,26 @@ def gpu_preset_notice(t: TrainerConfig) -> str | None:
     on the CPU: such a run compiles for minutes or takes minutes a step, with nothing said."""
     if not t.cpu_alternative or (t.accelerator != "cpu" and _cuda_available()):
         return None
-    return (
-        f"this preset is sized for a GPU and the run is on the CPU (no GPU visible, or trainer.accelerator=cpu): "
-        f"it will be very slow; use {t.cpu_alternative} instead"
-    )
+    return (f"this preset is sized for a GPU and the run is on the CPU (no GPU visible, or trainer.accelerator=cpu): "
+            f"it will be very slow; use {t.cpu_alternative} instead")
 
 
 def _check_run_control(t: TrainerConfig) -> None:
-    """Resuming, checkpoints and stopping."""
-    if t.resume not in (None, "auto"):
-        if not isinstance(t.resume, str) or not os.path.isfile(t.resume):
-            raise ConfigError(
-                f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
-                f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null"
-            )
+    """Resuming and stopping: the files named exist, the signals can be caught."""
+    if t.resume not in (None, "auto") and (not isinstance(t.resume, str) or not os.path.isfile(t.resume)):
+        raise ConfigError(f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
+                          f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null")
     # A continued run (trainer.resume=<path>) ignores init_from: its file may be gone by then.
-    resuming_a_file = t.resume not in (None, "auto")
-    if t.init_from is not None and not resuming_a_file and not os.path.isfile(t.init_from):
+    if t.init_from is not None and t.resume in (None, "auto") and not os.path.isfile(t.init_from):
         # A save_pretrained / `ringtrain export format=hf` folder holds its weights as model.safetensors.
         weights = os.path.join(str(t.init_from), "model.safetensors")
         fix = f"pass {weights}" if os.path.isdir(t.init_from) and os.path.isfile(weights) else (
             "pass a checkpoint (.pt) or a .safetensors file to start from, or null")
         raise ConfigError(f"trainer.init_from={t.init_from!r} is not a file; {fix}")
-    if t.keep_last_k < 1:
-        raise ConfigError(f"trainer.keep_last_k={t.keep_last_k} must be >= 1 (1 keeps only the newest checkpoint)")
-    if t.on_nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"trainer.on_nonfinite={t.on_nonfinite!r} is unknown; use one of {', '.join(NONFINITE_POLICIES)}")
     for name in t.stop_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
-            raise ConfigError(
-                f"trainer.stop_signals: {name!r} is not a signal this process can catch; use names like "
-                f"SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] to handle none)"
-            )
+            raise ConfigError(f"trainer.stop_signals: {name!r} is not a signal this process can catch; use names "
+                              f"like SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] to handle none)")
 
 
 def _cuda_available() -> bool:

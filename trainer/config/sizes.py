@@ -1,28 +1,23 @@
 """The sizes the data dictates to the model (`dims`, e.g. vocab_size, in_features, num_classes).
 
-Which model arguments get them, by the model node's own key `fill_sizes` (ringtrain's, never
-passed to the target):
-  named (default)  an argument the target names explicitly and the node leaves unset; a
-                   `**kwargs` catch-all gets nothing (torchvision's and timm's factories
-                   pass it on to a class that may not take `in_features`)
+Which model arguments get them, by the model node's own key `fill_sizes` (never passed on):
+  named (default)  an argument the target names and the node leaves unset; a `**kwargs`
+                   catch-all gets nothing (torchvision's and timm's factories pass it on to a
+                   class that may not take `in_features`)
   all              also into a `**kwargs` catch-all (a factory of yours that forwards them)
   none             nothing: the node sets every size itself
   [names]          exactly these sizes, named or through `**kwargs`
-Setting a size the data fills in the node as well is allowed only when the values agree.
+The node may set a size the data fills only to the same value.
 
-Anywhere inside the model node, nested nodes included (a `transformers.GPT2Config` node,
-say), `${data.dims.vocab_size}` is the data's value. Hydra cannot resolve it itself when the
-data is a component whose sizes are known only once it is built (a text file's vocabulary),
-so `defer_data_sizes` keeps such references as they are and `fill_data_sizes` puts the
-values in when the model is built, on each rank and when a tool rebuilds it from a checkpoint.
-
-`check_model_sizes` holds the sizes a built model reports against the data's, before work:
-the rows of its input embedding (`get_input_embeddings()`, else `config.vocab_size`) and its
-positions (`config.n_positions`, `max_position_embeddings` or `block_size`).
+Anywhere inside the model node (a nested `transformers.GPT2Config` node too),
+`${data.dims.vocab_size}` is the data's value. Where the sizes are known only once the data is
+built (a text file's vocabulary), `resolve` leaves the references as text for
+`fill_data_sizes` to fill when the model is built, on each rank or from a checkpoint.
 """
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -30,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.config.components import locate
+from ringtrain.components import locate
 from ringtrain.errors import ConfigError
 
 FILL_KEY = "fill_sizes"
@@ -39,25 +34,23 @@ DIMS_REFERENCE = re.compile(r"^\$\{data\.dims\.(\w+)\}$")
 POSITION_NAMES = ("n_positions", "max_position_embeddings", "block_size")
 
 
-def defer_data_sizes(cfg: Any) -> None:
-    """Keep each `${data.dims.<name>}` of cfg.model that the config cannot resolve as plain
-    text (escaped), for `fill_data_sizes` to replace once the data's sizes are known."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+def resolve(cfg: Any) -> dict:
+    """The composed config resolved to plain data; a `${data.dims.<name>}` of the model node that
+    the config cannot give yet (the data's sizes are known once it is built) stays that text,
+    for `fill_data_sizes` to replace when the model is built."""
+    from omegaconf import OmegaConf
 
-    def walk(node: Any) -> None:
-        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
-        for key in keys:
-            child = node._get_node(key)
-            if isinstance(child, (DictConfig, ListConfig)):
-                walk(child)
-                continue
-            raw = child._value() if child is not None else None
-            match = DIMS_REFERENCE.match(raw) if isinstance(raw, str) else None
-            if match and OmegaConf.select(cfg, f"data.dims.{match[1]}", default=None) is None:
-                node[key] = "\\" + raw  # resolves to the literal ${data.dims.<name>}
-
-    if isinstance(cfg.get("model"), DictConfig):
-        walk(cfg.model)
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    data = plain.get("data") if isinstance(plain.get("data"), dict) else {}
+    given = data.get("dims") if isinstance(data.get("dims"), dict) else None  # split data's own dims
+    names = set(re.findall(r"\$\{data\.dims\.(\w+)\}", json.dumps(plain.get("model"), default=str)))
+    later = {name: "\\${data.dims.%s}" % name for name in names if given is None or name not in given}
+    if later:  # resolves to the literal ${data.dims.<name>}
+        plain["data"] = {**data, "dims": {**(given or {}), **later}}
+    resolved = OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
+    if later and given is None:
+        del resolved["data"]["dims"]
+    return resolved
 
 
 def fill_data_sizes(node: Any, dims: Mapping[str, Any], key: str = "model") -> Any:
@@ -133,11 +126,10 @@ def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
     return {name: dims[name] for name in filled}
 
 
-def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length: int | None,
-                      length_option: str = "data.seq_len") -> None:
-    """The vocabulary and sequence length of the data against the model's embedding rows and
-    positions: a model too small for the data is one line naming both numbers and the fix
-    (`length_option`: the data's option that sets the length)."""
+def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], train: Any, data_node: Any) -> None:
+    """The data's vocabulary and sequence length against the model's embedding rows
+    (`get_input_embeddings()`, else `config.vocab_size`) and positions (POSITION_NAMES): a model
+    too small is one line naming both numbers, not an index error deep in an embedding."""
     vocab, rows = dims.get("vocab_size"), embedding_rows(model)
     if isinstance(vocab, int) and rows is not None and vocab > rows:
         raise ConfigError(
@@ -145,7 +137,10 @@ def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], sequence_length
             f"model's vocab_size to ${{data.dims.vocab_size}} (or at least {vocab})"
         )
     limit = position_limit(model)
+    sequence_length = longest_sequence(train) if limit is not None else None  # a sample read only for this
     if sequence_length is not None and limit is not None and sequence_length > limit[1]:
+        length_option = next((f"data.{key}" for key in ("seq_len", "max_length") if isinstance(data_node, Mapping)
+                              and key in data_node), "the data's max_sequence_length")
         raise ConfigError(
             f"the data's sequences are {sequence_length} tokens long but the model has {limit[1]} positions "
             f"({limit[0]}); raise the model's {limit[0]} to {sequence_length} or shorten {length_option}"
@@ -177,4 +172,19 @@ def sequence_length(inputs: Any) -> int | None:
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and not tensor.is_floating_point():
             return tensor.shape[-1]
+    return None
+
+
+def longest_sequence(dataset: Any) -> int | None:
+    """The longest sequence of token ids the training data feeds: what the Dataset says
+    (`max_sequence_length`), else the length of its first sample's ids (fixed-length windows)."""
+    if (said := getattr(dataset, "max_sequence_length", None)) is not None:
+        return said
+    try:
+        sample = dataset[0]
+    except Exception:  # an IterableDataset, or a Dataset that is not indexed this way
+        return None
+    ids = sample[0] if isinstance(sample, (tuple, list)) else sample.get("input_ids") if isinstance(sample, Mapping) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() == 1 and not ids.is_floating_point():
+        return ids.numel()
     return None

@@ -1,8 +1,6 @@
-"""What a multirun leaves behind: one summary of every job, naming the best.
-
-Hydra calls `SweepSummary.on_multirun_end` in the launching process once every job has
-finished, whatever the launcher (registered in conf/train.yaml under hydra.callbacks). Each
-job's rank 0 wrote `metrics.json` into its own directory; the summary collects them into
+"""What a multirun leaves behind: one summary of every job, naming the best. Hydra calls
+`SweepSummary.on_multirun_end` (conf/train.yaml's hydra.callbacks) in the launching process once
+every job has finished, whatever the launcher; it collects each job's metrics.json into
 `<sweep dir>/sweep_summary.json` and logs one line per job, best first.
 """
 from __future__ import annotations
@@ -18,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.checkpoints.json_text import json_text
-from ringtrain.checkpoints.rundir import RECORD_SUBDIR_VARIABLE
+from ringtrain.checkpoints.rundir import RECORD_SUBDIR
 
 log = logging.getLogger("ringtrain")
 
@@ -30,22 +28,17 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        # The jobs' records: where take_over (tools/run_record.py) had each job write it.
-        record_subdir = config.hydra.job.env_set.get(RECORD_SUBDIR_VARIABLE) or config.hydra.output_subdir
-        summary = summarize_sweep(sweep_dir, record_subdir)
+        summary = summarize_sweep(sweep_dir)
         write_text_atomically(sweep_dir / SUMMARY_FILE, json_text(summary, indent=2))
         for line in format_summary(summary):
             log.info(line)
 
 
-def summarize_sweep(sweep_dir: Path, record_subdir: str | None = ".hydra") -> dict:
+def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) -> dict:
     """Every job directory of the sweep (one with a record in `record_subdir`, or with
-    metrics.json) with its overrides (from the record) and final metric; the best per metric.
-
-    A job without metrics.json failed or was interrupted: value None. A diverged job (its
-    metric null in metrics.json, or NaN in one written before metrics were strict JSON) has
-    value None and diverged true: listed as diverged, never best.
-    """
+    metrics.json) with its overrides and final metric; the best per metric. A job without
+    metrics.json failed: value None; a diverged one (metric null, or NaN in an older file) has
+    value None and diverged true, never best."""
     jobs = []
     for job_dir in sorted(p for p in sweep_dir.iterdir() if _is_job_dir(p, record_subdir)):
         overrides_file = job_dir / str(record_subdir) / "overrides.yaml"

@@ -1,7 +1,8 @@
-"""The training loop of one rank and its parts: fit (top to bottom), set-up, the optimizer
-step, evaluation, the loop's checkpoints, meters and loggers, precision, the non-finite watch,
-loaders, lr schedules, stop signals, the profiler.
+"""The training loop of one rank: fit (top to bottom) and what it uses: set-up and the steps'
+batches (setup.py), evaluation and when it is due, the loaders (loaders.py; streams.py for an
+IterableDataset), precision, the non-finite watch, stop signals and the ranks' agreement, the
+watchdog.
 
-May import: ringtrain.errors, ringtrain.distributed, ringtrain.checkpoints, ringtrain.data,
-ringtrain.strategies, ringtrain.config. Never the job (ringtrain.run) or the tools.
+May import: everything below the job (ringtrain.config and what it may). Never the job
+(ringtrain.run) or the tools.
 """

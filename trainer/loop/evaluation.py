@@ -1,6 +1,10 @@
-"""The validation metrics of a model over a loader, the same for any number of ranks; used by
-the loop and by `ringtrain evaluate`."""
+"""Validation: when it is due (`Evaluator.due`), and the metrics of a model over a loader, the
+same for any number of ranks (`evaluate_model`, which `ringtrain evaluate` uses too)."""
 from __future__ import annotations
+
+import math
+import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,12 +14,50 @@ from ringtrain.data.tasks import metrics_from_sums
 from ringtrain.distributed import DistInfo, all_reduce_sum, gather_objects
 from ringtrain.loop.loaders import BatchLoader
 from ringtrain.loop.precision import Precision
-from ringtrain.loop.watchdog import EVALUATING, LOADING_VALIDATION_BATCH, watched
+from ringtrain.loop.watchdog import EVALUATING, LOADING_VALIDATION_BATCH, Watchdog
 from ringtrain.strategies.base import Strategy
 
 
+class Evaluator:
+    """Validation of one run: when it is due and what it measures. Due at the last step, when a
+    callback asks, every eval_every_n_steps, at every eval_every_fraction of an epoch (by the
+    epoch's global position in samples: the same steps for any ranks, batch or accumulation, and
+    after a mid-epoch resume), every eval_every_minutes (rank 0's clock, agreed a step later:
+    `time_is_up`), and, when none of those is set, at each epoch's end."""
+
+    def __init__(self, trainer: Any, parts: Any, task: Any, dist: DistInfo, watchdog: Watchdog):
+        self.every, self.fraction, self.minutes = trainer.eval_every_n_steps, trainer.eval_every_fraction, trainer.eval_every_minutes
+        self.parts, self.task, self.dist, self.watchdog = parts, task, dist, watchdog
+        order = getattr(parts.train_loader, "order", None)  # a stream has no epochs (loop/streams.py)
+        self.epoch_length = order.end if order is not None else 0  # samples of an epoch's global order
+        self.since = time.monotonic()
+
+    def due(self, step: int, position_before: int, position: int, epoch_done: bool, requested: bool) -> bool:
+        if requested or step == self.parts.total_steps:
+            return True
+        if self.every and step % self.every == 0:
+            return True
+        if self.fraction:
+            mark = self.fraction * self.epoch_length
+            return epoch_done or math.floor(position / mark) > math.floor(position_before / mark)
+        return epoch_done and not (self.every or self.minutes)
+
+    def time_is_up(self) -> bool:
+        """eval_every_minutes have passed on this rank's clock (rank 0's decides)."""
+        return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
+
+    def run(self) -> dict[str, float]:
+        """The validation metrics (val/<name>), identical for any number of ranks."""
+        parts = self.parts
+        metrics = evaluate_model(parts.model, parts.val_loader, self.task, parts.precision, self.dist,
+                                 parts.strategy, self.watchdog)
+        parts.model.train()
+        self.since = time.monotonic()
+        return {f"val/{k}": v for k, v in metrics.items()}
+
+
 def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
-                   strategy: Strategy) -> dict[str, float]:
+                   strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, float]:
     """The task's metrics over every batch of `loader` on every rank (each rank has at least
     one): each batch's sums and counts, added up in float64 and all-reduced, then divided, so
     the value is the same for any number of ranks. Leaves the model in eval mode."""
@@ -28,7 +70,8 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
     most = max(gather_objects(dist, len(loader))) if lockstep else 0
     count, last = 0, None
     with strategy.inference(model):
-        for batch in watched(loader.batches(), LOADING_VALIDATION_BATCH, EVALUATING):
+        batches = loader.batches()
+        for batch in (watchdog.watched(batches, LOADING_VALIDATION_BATCH, EVALUATING) if watchdog else batches):
             with precision.autocast():
                 outputs, targets = predictions(task, model, batch)
             for key, value in task.eval_sums(outputs, targets).items():

@@ -1,317 +1,272 @@
-"""The training loop of one rank, top to bottom.
+"""The training loop of one rank, top to bottom: forward, backward, clip, step, then what is due
+(log, evaluate, save, stop), nanoGPT's order. Every optional behaviour is a callback
+(ringtrain/callbacks/: logging, speed, the progress bar, early stopping, EMA, ...) or a
+component that decides when it is due (the Evaluator, the CheckpointManager); the step itself,
+with the non-finite watch that decides whether its update is applied, stays here, in sight.
 
-    fit(run, dist, run_dir, stop, model, data, task, resume_from)
-      set up (parts.py): the strategy wraps/shards/compiles the model; loaders, optimizer,
-        lr schedule, precision -> maybe restore a checkpoint (checkpointing.py)
-      for each optimizer step (step.py): K micro-batches, gradients reduced on the last
-        -> unscale, clip, step, schedule -> log -> evaluate -> checkpoint -> stop signal?
-The components arrive built (ringtrain/run.py builds them from config, ringtrain/trainer.py
+The components arrive built (ringtrain/run.py builds them from the config, ringtrain/trainer.py
 takes them from Python). The loop never asks which strategy it has: the strategy object does
 what differs.
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+import torch
 from torch import nn
 
-from ringtrain.checkpoints.files import load_checkpoint
-from ringtrain.checkpoints.json_text import nonfinite_names
-from ringtrain.config.schema import RunConfig
+from ringtrain.callbacks.base import Callbacks, Run, StepEnd
+from ringtrain.checkpoints.manager import CheckpointManager
+from ringtrain.data.batches import counted, samples_in, split_batch, summed_training_loss, training_loss
 from ringtrain.data.bundle import DataBundle
-from ringtrain.distributed import DistInfo
-from ringtrain.errors import ConfigError
-from ringtrain.loop.checkpointing import Checkpointer, load_training_state, load_weights_before_set_up
-from ringtrain.loop.evaluation import evaluate_model
+from ringtrain.distributed import DistInfo, all_reduce_sum
+from ringtrain.loop.evaluation import Evaluator
 from ringtrain.loop.failures import failures_reported_as_mistakes
-from ringtrain.loop.loaders import Batch
-from ringtrain.loop.logger import RunLogger
-from ringtrain.loop.meter import TrainMeter
 from ringtrain.loop.nonfinite import NonFiniteWatch
-from ringtrain.loop.parts import TrainingParts, set_up_training
-from ringtrain.loop.profiling import step_profiler
-from ringtrain.loop.progress import FitResult, Layout, Progress
-from ringtrain.loop.signals import StopAgreement, StopSignals
-from ringtrain.loop.step import optimizer_step
-from ringtrain.loop import watchdog
-from ringtrain.loop.throughput import ThroughputReporter
+from ringtrain.loop.progress import FitResult
+from ringtrain.loop.setup import TrainingParts
+from ringtrain.loop.signals import Agreement, StopSignals
+from ringtrain.loop.watchdog import SAVING, TRAINING, Watchdog
+from ringtrain.models.pretrained import architecture
 
-
+log = logging.getLogger("ringtrain")
 FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check model.*, task.* and data.*), "
                   "or one of them has a bug")
 
 
-@dataclass
-class FitState:
-    """What every step of one fit() reads: set up once, before the first step."""
-
-    config: RunConfig
-    dist: DistInfo
-    parts: TrainingParts
-    task: Any
-    checkpointer: Checkpointer
-    logger: RunLogger
-    stop: StopSignals | None
-    agreement: StopAgreement
-    nonfinite: NonFiniteWatch
-    meter: TrainMeter = field(default_factory=TrainMeter)
-    metrics: dict[str, float] = field(default_factory=dict)  # the last validation metrics
-    stopped: str | None = None  # why training ended early (FitResult.stopped)
-
-
-def fit(run: RunConfig, dist: DistInfo, run_dir: Path, stop: StopSignals | None, model: nn.Module,
-        data: DataBundle, task: Any, resume_from: Path | None = None) -> FitResult:
-    cfg = run.trainer
-    # Its checksums were verified by rank 0 when it chose the checkpoint (checkpoints/resume.py).
-    resumed = load_checkpoint(resume_from, dist.device, verify=False) if resume_from else None
-    model = model.to(dist.device)
-    if resumed:
-        load_weights_before_set_up(model, resumed, resume_from)
-    parts = set_up_training(run, dist, model, data)
-    progress, saved_layout = load_training_state(parts, resumed, dist) if resumed else (Progress(), parts.layout)
-    parts.continue_from(progress, cfg)
-    watchdog.feed(watchdog.SETTING_UP, progress.step)
-    agreement = StopAgreement(timeout_minutes=run.strategy.timeout_minutes)
+def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: DataBundle, task: Any,
+        callbacks: Callbacks, checkpoints: CheckpointManager, stop: StopSignals, watchdog: Watchdog) -> FitResult:
+    """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes)."""
+    cfg = job.trainer
+    progress = parts.progress
+    evaluator = Evaluator(cfg, parts, task, dist, watchdog)
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None)
-    logger = RunLogger(Path(run_dir), dist.is_main, parts.total_steps, cfg.progress_bar)
-    state = FitState(run, dist, parts, task, Checkpointer(run, dist, run_dir, data, task), logger, stop, agreement, nonfinite)
+    run = Run(model=parts.model, module=parts.module, optimizer=parts.optimizer, scheduler=parts.scheduler,
+              dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
+              total_steps=parts.total_steps, train_loader=parts.train_loader, group=job.group)
+    run.step, run.skipped_steps = progress.step, progress.skipped_steps
+    # What rebuilds and decodes the model from a checkpoint alone (ringtrain sample, evaluate).
+    description = {"config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims), "vocab": data.vocab,
+                   "architecture": architecture(parts.model)}
 
-    # The checkpointer last: on an exception it waits for a background write before the rest closes.
-    with logger, step_profiler(cfg.profile_steps, dist, Path(run_dir)) as profiler, agreement, state.checkpointer:
-        logger.config(run.resolved)
-        logger.advance(progress.step)
-        _report_layout_change(state, progress, saved_layout)
-        _report_batch_of_the_whole_share(state)
-        _report_warmup_past_the_end(state)
-        _stop_if_signalled_before_training(state, progress)
-        if progress.step >= parts.total_steps and state.stopped is None:
-            # A finished run started again (a requeue, the same command): report its metrics.
-            state.metrics = evaluate(state)
-            logger.info(
-                f"nothing to train: the checkpoint is at step {progress.step} of {parts.total_steps} (raise "
-                f"trainer.max_steps or trainer.max_epochs to continue); " + _format(state.metrics)
-            )
-        speed = ThroughputReporter.for_run(
-            parts.module, dist.device, cfg.precision, cfg.tf32, cfg.peak_tflops, dist.world_size,
-            start_step=progress.step, info=logger.info,
-        )
-        started = time.perf_counter()  # the loop's time: set-up and imports are not in it
-        first_step = progress.step
-        # Where a model, task and data that do not fit each other fail: one line, exit 2.
-        with failures_reported_as_mistakes("the first training step", FIRST_STEP_FIX, dist,
-                                           armed=lambda: progress.step == first_step):
-            while progress.step < parts.total_steps and state.stopped is None:
-                _train_rest_of_epoch(state, progress, speed, profiler)
-        state.checkpointer.flush()  # the final save, or a stop signal's, is on disk before fit returns
-        train_seconds = time.perf_counter() - started
-        logger.hparams(run.resolved, state.metrics, progress.step)
-        logger.summary({
-            "final": state.metrics, "monitor": task.monitor, "mode": task.mode,
-            "best": progress.best_metric, "steps": progress.step, "train_seconds": train_seconds,
-            "stopped": state.stopped, "skipped_steps": progress.skipped_steps,
-            "nonfinite": nonfinite_names(state.metrics),  # written as null in "final"
-        })
-    return FitResult(
-        metrics=state.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,
-        steps=progress.step, train_seconds=train_seconds, stopped=state.stopped,
-        skipped_steps=progress.skipped_steps,
-    )
+    def checkpoint_state(shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
+        state = {**parts.checkpoint_state(dist, shards_path), "callbacks": callbacks.state_dict(), **description}
+        callbacks.call("on_save_checkpoint", run, state)
+        return state if dist.is_main else {}
+
+    def save(best: bool) -> None:
+        watchdog.feed(SAVING, progress.step)
+        checkpoints.save(progress.step, checkpoint_state, best)
+        for step, path in checkpoints.written():
+            callbacks.call("on_checkpoint_saved", run, step, path)
+
+    def validate() -> bool:
+        """Validation metrics into run.metrics; whether the monitored one is the best so far."""
+        callbacks.call("on_validation_start", run)
+        run.metrics = evaluator.run()
+        run.log(run.metrics)
+        log.info(f"step {progress.step} epoch {run.epoch:.2f}: " + _format(run.metrics))  # rank 0 logs INFO
+        callbacks.call("on_validation_end", run, run.metrics)
+        return progress.improves(run.metrics.get(task.monitor), task.mode)
+
+    def found_nonfinite(grad_norm: torch.Tensor | None) -> bool:
+        """on_nonfinite=stop, before anything logs, evaluates or saves a non-finite value."""
+        if not nonfinite.check(progress.step, grad_norm, lambda: parts.strategy.weight_norm(parts.params)):
+            return False
+        if dist.is_main:
+            log.error(nonfinite.stop_message(progress.step, checkpoints.last))
+        run.metrics = {task.monitor: float("nan")}
+        return True
+
+    stopped = stop_kind = None
+    with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
+        try:
+            _report_start(parts, dist, job)
+            stop.lag_steps = agreement.lag_steps
+            callbacks.call("on_fit_start", run)
+            if run.control.stop_reason:  # e.g. a run resumed from the checkpoint of early stopping's last step
+                stopped, stop_kind = run.control.stop_reason, "requested"
+                log.info(f"stopped by {stopped} before training step {progress.step + 1}")
+            elif agreement.agree_now(stop.poll(progress.step)):  # a signal during set-up: before any step
+                stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
+                log.info(f"stopped by {stopped} before training step {progress.step + 1}; nothing new to save"
+                         + (f": the checkpoint it resumed from (step {progress.step}) is where the run stands"
+                            if progress.step else ""))
+            elif progress.step >= parts.total_steps:  # a finished run started again (a requeue, the same command)
+                validate()
+                log.info(f"nothing to train: the checkpoint is at step {progress.step} of {parts.total_steps} (raise "
+                         f"trainer.max_steps or trainer.max_epochs to continue)")
+            started, first_step = time.perf_counter(), progress.step
+            position = progress.samples_into_epoch
+            steps = parts.batches(watchdog, cfg.accumulate_grad_batches) if stopped is None else ()
+            # Where a model, task and data that do not fit each other fail: one line, exit 2.
+            with failures_reported_as_mistakes("the first training step", FIRST_STEP_FIX, dist,
+                                               armed=lambda: progress.step == first_step):
+                for micro_batches, position_after, epoch_done in steps:
+                    step = progress.step + 1
+                    watchdog.feed(TRAINING, step)
+                    callbacks.call("on_step_start", run, step)
+                    # Forward and backward: each micro-batch's share of the step's loss, the
+                    # gradients reduced across the ranks on the last one only.
+                    losses = StepLoss(task, micro_batches, dist)
+                    last = len(micro_batches) - 1
+                    for i, batch in enumerate(micro_batches):
+                        with parts.strategy.no_sync(parts.module, enabled=i == last), parts.precision.autocast():
+                            share = losses.forward(i, parts.module, batch)
+                        parts.precision.backward(share)
+                    # Clip, step (unless the non-finite watch skips it), schedule.
+                    logging_step = step % cfg.log_every_n_steps == 0 or step == parts.total_steps
+                    parts.precision.unscale_(parts.optimizer)
+                    if cfg.grad_clip_norm > 0:
+                        grad_norm = parts.strategy.clip_gradients(parts.params, cfg.grad_clip_norm)
+                    elif logging_step or nonfinite.needs_grad_norm:
+                        grad_norm = parts.strategy.gradient_norm(parts.params)
+                    else:
+                        grad_norm = None  # a pass over every gradient that most steps skip
+                    lr = parts.scheduler.get_last_lr()[0]
+                    applied = nonfinite.allows_update(step, losses.values, grad_norm) and parts.precision.step(parts.optimizer)
+                    parts.scheduler.step()
+                    for param in parts.params:  # zero_grad(set_to_none=True), without its per-step overhead
+                        param.grad = None
+                    if not applied and not progress.skipped_steps and dist.is_main:
+                        _report_first_skip(nonfinite, step)
+                    progress.finish_step(position_after, epoch_done, applied)
+                    run.step, run.skipped_steps = progress.step, progress.skipped_steps
+                    run.epoch = progress.epoch + progress.samples_into_epoch / max(evaluator.epoch_length, 1)
+
+                    # What is due after the step, by the schedules; nothing non-finite is logged,
+                    # evaluated or saved (on_nonfinite=stop reads the step's values here, only then).
+                    evaluate = evaluator.due(step, position, position_after, epoch_done, requested=False)
+                    saving = checkpoints.due(step, evaluate, last=step == parts.total_steps)
+                    position = position_after
+                    if (logging_step or evaluate or saving) and found_nonfinite(grad_norm):
+                        stopped, stop_kind = "non-finite", "non-finite"
+                        break
+                    callbacks.call("on_step_end", run, StepEnd(
+                        step, run.epoch, losses.detached, losses.summed, losses.samples, losses.tokens, lr, grad_norm,
+                        applied, logging_step, {name for name, due in (("validate", evaluate), ("save", saving)) if due}))
+                    # What was asked: by callbacks now, and by any rank a step ago (a stop signal,
+                    # a rank-0 callback, eval_every_minutes), which every rank now agrees on.
+                    local = run.control.take_local()
+                    agreed = agreement.exchange(stop_signal=stop.poll(step), stop_request=bool(local.get("stop_reason")),
+                                                validate=bool(local.get("validate")) or evaluator.time_is_up(),
+                                                save=bool(local.get("save")))
+                    if (run.control.validate or agreed["validate"]) and not evaluate:
+                        evaluate = True
+                        if found_nonfinite(grad_norm):
+                            stopped, stop_kind = "non-finite", "non-finite"
+                            break
+                    improved = validate() if evaluate else False
+                    if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
+                        stopped, stop_kind = run.control.stop_reason or local.get("stop_reason") or "a callback on rank 0", "requested"
+                    elif agreed["stop_signal"]:
+                        stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
+                        callbacks.call("on_stop_signal", run, stopped)
+                    if cfg.checkpoint and (saving or evaluate or stopped or run.control.save or agreed["save"]):
+                        if not saving and not evaluate and found_nonfinite(grad_norm=None):
+                            stopped, stop_kind = "non-finite", "non-finite"
+                            break
+                        save(best=improved)
+                    run.control.validate = run.control.save = False
+                    if stopped:
+                        saved = "; last.pt saved" if cfg.checkpoint else " (trainer.checkpoint=false: nothing saved)"
+                        log.info(f"stopped by {stopped} after step {progress.step}{saved}")
+                        break
+            checkpoints.flush()  # the final save, or a stop's, is on disk before fit returns
+            for step, path in checkpoints.written():
+                callbacks.call("on_checkpoint_saved", run, step, path)
+            result = FitResult(
+                metrics=run.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,
+                steps=progress.step, train_seconds=time.perf_counter() - started, stopped=stopped,
+                stop_kind=stop_kind, skipped_steps=progress.skipped_steps)
+            callbacks.call("on_fit_end", run, result)
+            return result
+        except BaseException as err:
+            callbacks.call("on_exception", run, err)
+            raise
 
 
-def _train_rest_of_epoch(state: FitState, progress: Progress, speed: ThroughputReporter, profiler) -> None:
-    """Steps over the rest of the current epoch, from its data position, until the epoch, the
-    run or a stop ends them. Every pass takes a step or finishes its epoch: the loop cannot spin."""
-    cfg, loader = state.config.trainer, state.parts.train_loader
-    start = progress.samples_into_epoch
-    epoch = loader.epoch(progress.epoch, start=start)
-    if epoch.num_batches == 0:
-        if start == 0:  # the run refuses this (config/data_lengths.py); a data set that changed size since would spin here
-            raise ConfigError(f"epoch {progress.epoch} has no batch of {cfg.batch_size}; lower trainer.batch_size")
-        # A run continued with more ranks or a bigger batch: the few samples left make no full
-        # batch (drop_last), or lie past the epoch's overfit_batches; an uninterrupted epoch
-        # of this layout would not train them either.
-        state.logger.info(f"the rest of epoch {progress.epoch} after sample {start} makes no batch of "
-                          f"{cfg.batch_size} per rank; continuing with epoch {progress.epoch + 1}")
-        progress.finish_epoch()
+class StepLoss:
+    """Each micro-batch's share of an optimizer step's loss, for backward, and the detached
+    losses the callbacks and the non-finite watch read.
+
+    The step's loss is the sum over every micro-batch and rank of what the task's loss averages
+    over (samples, or a language model's tokens not labelled -100), divided by their number:
+    K micro-batches of B on N ranks give exactly the gradient of one batch of K*N*B, also when
+    the micro-batches count different numbers of tokens. DDP and FSDP average the ranks'
+    gradients, so each rank's share is scaled by N. Sample counts are the same on every rank
+    (the loaders deal each as many samples); token counts are summed across the ranks, one
+    small all-reduce a step, without a host sync. One micro-batch on one process is the task's
+    mean loss itself."""
+
+    def __init__(self, task: Any, micro_batches: list, dist: DistInfo):
+        self.task, self.world = task, dist.world_size
+        self.detached: list[tuple[torch.Tensor, Any]] = []
+        targets = [split_batch(task, batch)[1] for batch in micro_batches]
+        self.samples = sum(samples_in(target) for target in targets)
+        self.tokens = sum(target.numel() for target in targets if target.dim() == 2 and not target.is_floating_point())
+        self.plain = len(micro_batches) == 1 and not dist.is_distributed
+        self.counts = [samples_in(target) for target in targets] if self.plain else [counted(task, t) for t in targets]
+        self.summed = any(isinstance(count, torch.Tensor) for count in self.counts)
+        if self.summed:  # at least 1: a step with nothing to count trains on nothing, not on NaN
+            self.total = all_reduce_sum(dist, sum(self.counts).float()).clamp(min=1)
+        else:
+            self.total = sum(self.counts) * self.world
+
+    def forward(self, i: int, module: nn.Module, batch: Any) -> torch.Tensor:
+        """Micro-batch `i` through the model and the task: its share of the step's loss."""
+        count = self.counts[i]
+        if self.summed:
+            loss = summed_training_loss(self.task, module, batch, count)
+            share = loss * (self.world / self.total)
+        else:
+            loss, _ = training_loss(self.task, module, batch)
+            weight = count * self.world / self.total
+            share = loss if weight == 1 else loss * weight
+        self.detached.append((loss.detach(), count))  # the one device op the loop adds
+        return share
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [loss for loss, _ in self.detached]
+
+
+def _report_start(parts: TrainingParts, dist: DistInfo, job: Any) -> None:
+    """One line each for what the run would otherwise hide at its start: a continued run's new
+    layout, a batch larger than a rank's data, a warmup that outlasts the run."""
+    if not dist.is_main:
         return
-    taken = 0
-    for micro_batches in _groups(epoch.batches, cfg.accumulate_grad_batches, progress):
-        taken += len(micro_batches)
-        position, epoch_done = epoch.position(taken), taken >= epoch.num_batches
-        if _train_one_step(state, progress, micro_batches, speed, position, epoch_done) or state.stopped:
-            return
-        if profiler:
-            profiler.step()
-    if taken < epoch.num_batches:
-        raise ConfigError(
-            f"epoch {progress.epoch} ended after {taken} of its {epoch.num_batches} batches: the training "
-            f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree"
-        )
-
-
-def _report_layout_change(state: FitState, progress: Progress, saved: Layout) -> None:
-    """One line when the run continues in another layout: what changed and where it goes on."""
-    change = state.parts.layout.changes_from(saved)
-    if change:
-        state.logger.info(
-            f"{change}; continuing at sample {progress.samples_into_epoch} of epoch {progress.epoch}, "
-            f"step {progress.step} of {state.parts.total_steps}"
-        )
-
-
-def _report_batch_of_the_whole_share(state: FitState) -> None:
-    """One line when trainer.batch_size is more than a rank's share of the training set: each
-    batch is then the whole share (drop_last=true is refused before work), not batch_size."""
-    batch, share, ranks = state.config.trainer.batch_size, len(state.parts.train_loader.order), state.dist.world_size
+    progress, batch, ranks = parts.progress, job.trainer.batch_size, dist.world_size
+    if change := parts.layout.changes_from(parts.saved_layout):
+        log.info(f"{change}; continuing at sample {progress.samples_into_epoch} of epoch {progress.epoch}, "
+                 f"step {progress.step} of {parts.total_steps}")
+    share = batch if parts.streamed else len(parts.train_loader.order)
     if share < batch and ranks == 1:
-        state.logger.info(f"trainer.batch_size={batch} is more than the training set's {share} samples: each "
-                          f"batch is the whole set, {share} samples")
+        log.info(f"trainer.batch_size={batch} is more than the training set's {share} samples: each batch is the "
+                 f"whole set, {share} samples")
     elif share < batch:
-        state.logger.info(f"trainer.batch_size={batch} is more than each process's share of the training set "
-                          f"({share} samples, {ranks} processes): each batch is the whole share, {share} samples "
-                          f"per process, {share * ranks} in all")
+        log.info(f"trainer.batch_size={batch} is more than each process's share of the training set ({share} "
+                 f"samples, {ranks} processes): each batch is the whole share, {share} samples per process, "
+                 f"{share * ranks} in all")
+    warmup = job.scheduler.get("warmup_steps", 0) if isinstance(job.scheduler, dict) else 0
+    if warmup and warmup >= parts.total_steps:
+        log.warning(f"scheduler.warmup_steps={warmup} is not below the run's {parts.total_steps} steps: the learning "
+                    f"rate is still warming up when training ends; lower scheduler.warmup_steps")
 
 
-def _report_first_skip(state: FitState, step: int) -> None:
-    """One line at the run's first skipped update (later ones are counted: train/skipped_steps,
-    metrics.json, the done line); a run skipping most updates must not look like a good one."""
-    counted = "later skips are counted in train/skipped_steps and on the final line"
-    if state.nonfinite.first_skip:
-        state.logger.warning(f"step {step}: update skipped, non-finite {state.nonfinite.first_skip} "
-                             f"(trainer.on_nonfinite=skip); {counted}")
+def _report_first_skip(nonfinite: NonFiniteWatch, step: int) -> None:
+    """The run's first skipped update (later ones are counted); most skips must not pass unseen."""
+    counted_later = "later skips are counted in train/skipped_steps and on the final line"
+    if nonfinite.first_skip:
+        log.warning(f"step {step}: update skipped, non-finite {nonfinite.first_skip} (trainer.on_nonfinite=skip); "
+                    f"{counted_later}")
     else:  # 16-mixed: GradScaler's own skip, which it makes now and then by design
-        state.logger.info(f"step {step}: update skipped by GradScaler (float16 gradients overflowed; it lowers "
-                          f"its loss scale and goes on); {counted}")
-
-
-def _report_warmup_past_the_end(state: FitState) -> None:
-    """One line when the warmup outlasts the run: the lr never reaches optimizer.lr (not an
-    error: a short trial run of a long config is common)."""
-    schedule = state.config.scheduler
-    warmup = schedule.get("warmup_steps", 0) if isinstance(schedule, dict) else 0
-    total = state.parts.total_steps
-    if warmup and warmup >= total:
-        state.logger.warning(f"scheduler.warmup_steps={warmup} is not below the run's {total} steps: the learning "
-                             f"rate is still warming up when training ends; lower scheduler.warmup_steps")
-
-
-def _stop_if_signalled_before_training(state: FitState, progress: Progress) -> None:
-    """A stop signal that came while the run set up (loaded its checkpoint, built its data)
-    stops it before its first step, agreed by every rank: nothing new to save."""
-    if state.stop is None:
-        return
-    state.stop.lag_steps = state.agreement.lag_steps
-    if not state.agreement.agree_now(state.stop.poll(progress.step)):
-        return
-    state.stopped = state.stop.received or "a stop signal on another rank"
-    state.logger.info(f"stopped by {state.stopped} before training step {progress.step + 1}; nothing new to save"
-                      + (f": the checkpoint it resumed from (step {progress.step}) is where the run stands"
-                         if progress.step else ""))
-
-
-def _train_one_step(state: FitState, progress: Progress, micro_batches: list[Batch], speed: ThroughputReporter,
-                    position: int, epoch_done: bool) -> bool:
-    """One optimizer step, which brings the epoch to sample `position`, and what is due after
-    it; True when it was the last step."""
-    cfg, parts = state.config.trainer, state.parts
-    step, total_steps = progress.step + 1, parts.total_steps
-    watchdog.feed(watchdog.TRAINING, step)
-    log_now = step % cfg.log_every_n_steps == 0 or step == total_steps
-    lr_used = parts.scheduler.get_last_lr()[0] if log_now else None
-    skipped_before = progress.skipped_steps
-    grad_norm = optimizer_step(parts, state.task, micro_batches, state.meter, state.nonfinite, progress, step,
-                               cfg.grad_clip_norm, measure_grad_norm=log_now or state.nonfinite.needs_grad_norm,
-                               dist=state.dist)
-    if progress.skipped_steps and not skipped_before:
-        _report_first_skip(state, step)
-    progress.finish_step(position, epoch_done)
-    every = cfg.eval_every_n_steps  # by default at each epoch's end; always at the last step
-    evaluate_now = step == total_steps or (step % every == 0 if every else epoch_done)
-    checkpoint_now = not evaluate_now and cfg.checkpoint and cfg.checkpoint_every_n_steps > 0 \
-        and step % cfg.checkpoint_every_n_steps == 0
-
-    # on_nonfinite=stop: the losses since the last check, and this step's update, are read
-    # (one sync) only where it matters: before values are logged or weights evaluated or saved.
-    if (log_now or evaluate_now or checkpoint_now) and _found_nonfinite(state, progress, grad_norm):
-        return True
-    if log_now:
-        values = {**state.meter.read(state.dist), "lr": lr_used, "grad_norm": float(grad_norm)}
-        if progress.skipped_steps:
-            values["train/skipped_steps"] = progress.skipped_steps
-        state.logger.scalars({**values, **speed.read(step, values)}, step)
-    state.logger.advance(1)
-    if evaluate_now:
-        state.metrics = _evaluate_and_checkpoint(state, progress)
-    elif checkpoint_now:
-        state.checkpointer.save(parts, progress, best=False)
-    if step == total_steps:
-        return True
-    _stop_if_signalled(state, progress, saved=evaluate_now or checkpoint_now)
-    return False
-
-
-def _stop_if_signalled(state: FitState, progress: Progress, saved: bool) -> None:
-    """A stop signal on any rank (agreed on by all): save last.pt unless just saved, and end."""
-    if state.stop is None or not state.agreement.should_stop(state.stop.poll(progress.step)):
-        return
-    checkpoint = state.config.trainer.checkpoint
-    if checkpoint and not saved:
-        if _found_nonfinite(state, progress, grad_norm=None):  # this step's update is not checked yet
-            return
-        state.checkpointer.save(state.parts, progress, best=False)
-    state.stopped = state.stop.received or "a stop signal on another rank"
-    state.logger.info(
-        f"stopped by {state.stopped} after step {progress.step}"
-        + ("; last.pt saved" if checkpoint else
-           " (trainer.checkpoint=false: nothing saved)")
-    )
-
-
-def _found_nonfinite(state: FitState, progress: Progress, grad_norm) -> bool:
-    """on_nonfinite=stop: whether a non-finite value showed up by this step (then the run
-    stops here, naming the first one, before anything logs, evaluates or saves it)."""
-    parts = state.parts
-    if not state.nonfinite.check(progress.step, grad_norm, lambda: parts.strategy.weight_norm(parts.params)):
-        return False
-    state.stopped = "non-finite"
-    state.logger.error(state.nonfinite.stop_message(progress.step, state.checkpointer.last))
-    state.metrics = {state.task.monitor: float("nan")}
-    return True
-
-
-def evaluate(state: FitState) -> dict[str, float]:
-    """Validation metrics over the whole validation set, identical for any number of ranks."""
-    parts = state.parts
-    metrics = evaluate_model(parts.model, parts.val_loader, state.task, parts.precision, state.dist, parts.strategy)
-    parts.model.train()
-    return {f"val/{k}": v for k, v in metrics.items()}
-
-
-def _evaluate_and_checkpoint(state: FitState, progress: Progress) -> dict[str, float]:
-    metrics = evaluate(state)
-    state.logger.scalars(metrics, progress.step)
-    epochs = progress.epoch + progress.samples_into_epoch / len(state.parts.train_loader.dataset)
-    state.logger.info(f"step {progress.step} epoch {epochs:.2f}: " + _format(metrics))
-    improved = progress.improves(metrics.get(state.task.monitor), state.task.mode)
-    if state.config.trainer.checkpoint:
-        state.checkpointer.save(state.parts, progress, best=improved)
-    return metrics
+        log.info(f"step {step}: update skipped by GradScaler (float16 gradients overflowed; it lowers its loss "
+                 f"scale and goes on); {counted_later}")
 
 
 def _format(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.5g}" for k, v in metrics.items())
-
-
-def _groups(batches: Iterator[Batch], size: int, progress: Progress) -> Iterator[list[Batch]]:
-    """Micro-batches in groups of `size` (the last group of an epoch may be shorter); the
-    watchdog knows while each group is loaded."""
-    while True:
-        watchdog.feed(watchdog.LOADING_TRAINING_BATCHES, progress.step)
-        group = list(islice(batches, size))
-        if not group:
-            return
-        yield group

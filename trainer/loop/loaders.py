@@ -1,29 +1,22 @@
 """Batches in sampler order, gathered many batches at a time.
 
-A batch is what the data gives: ringtrain's own data sets give (inputs, target) tensor pairs,
-a user's Dataset whatever its collate makes (tuples, dicts of tensors: data/batches.py says
-how the model meets them), moved to the device tensor by tensor. A Dataset that defines
-`collate_fn` (a callable on the list of samples, e.g. one that pads each batch to its longest
-row) has it passed to the DataLoader as `collate_fn`; with worker processes it must pickle
-(a bound method of a picklable Dataset does).
+A batch is what the data gives: (inputs, target) tensor pairs from ringtrain's data sets,
+whatever its collate makes from a user's (data/batches.py says how the model meets them), moved
+to the device tensor by tensor. A Dataset's own `collate_fn` (e.g. padding each batch to its
+longest row) goes to the DataLoader; with worker processes it must pickle.
 
-Every built-in data set is an in-memory tensor with `get_batch(indices)`. The loader gathers
-the samples of GATHER_BATCHES batches with one indexing operation and splits the result into
-batch views, instead of `batch_size` Python `__getitem__` calls plus a collate per batch: for
-small models that per-sample work is most of the tutorial loop's time. Any other map-style
-Dataset (a user's own) goes through one torch DataLoader, with the same order, worker
-processes (`trainer.num_workers`, `persistent_workers`, `prefetch_factor`) and pinned memory
-on CUDA; the epoch's order is handed to it through a sampler, so it can resume mid-epoch
-exactly, and its workers' seeds come from a generator seeded by (seed, epoch), never from
-the global RNG that dropout and resume depend on.
+A built-in data set is an in-memory tensor with `get_batch(indices)`: the loader gathers
+GATHER_BATCHES batches with one indexing call and splits the result into views, instead of
+`batch_size` `__getitem__` calls plus a collate per batch (most of a small model's loop time).
+Any other map-style Dataset goes through one torch DataLoader with the same order (through a
+sampler, so it resumes mid-epoch exactly), worker processes (`trainer.num_workers`, ...) and
+worker seeds from a generator seeded by (seed, epoch), never the global RNG dropout and resume
+depend on.
 
-Orders are index tensors, never Python lists (a list of a million indices costs ~90 ms an
-epoch to build). The training order is DistributedSampler's, index for index, so rank r of N
-sees exactly every N-th sample of the single-process order: a DDP run with per-rank batch B
-consumes the same samples per step as one process with batch N*B.
-
-On CUDA (`trainer.pin_memory`, on by default there) gathered batches are pinned before their
-`non_blocking` copy, so the copy does not stall the host between steps.
+Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch). The
+training order is DistributedSampler's, index for index: rank r of N sees every N-th sample of
+the single-process order, so DDP with per-rank batch B consumes per step what one process does
+with batch N*B.
 """
 from __future__ import annotations
 
@@ -38,9 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ringtrain.data.batches import collate_of, to_device
 
-# Batches per gather: amortises the indexing call while bounding the extra memory to a few
-# dozen batches.
-GATHER_BATCHES = 32
+GATHER_BATCHES = 32  # amortises the indexing call; bounds the extra memory to a few dozen batches
 
 # (inputs, target) tensors on the fast path; a tuple or dict of tensors from a DataLoader.
 Batch = Any
@@ -50,15 +41,13 @@ class ShuffledShards:
     """This rank's training order of each epoch: `DistributedSampler(dataset, world_size, rank,
     shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py).
 
-    A position in the epoch is global: `start` samples into the epoch means the first `start`
-    samples of the epoch's single-process permutation are consumed, whatever the number of
-    ranks or the batch size that consumed them (rank r of N takes every N-th sample, so N ranks
-    that each took k samples consumed exactly the first k*N). The rest of the epoch is the rest
-    of the permutation, cut to a multiple of N (drop_last) or padded up to one with the epoch's
-    first samples (whatever the start), dealt out every N-th: every rank gets the same number of samples (DDP needs equal batch
-    counts on every rank), and a run continued with another number of ranks or another batch
-    size trains each remaining sample once. From start 0 this is DistributedSampler's order.
-    `limit` > 0: the epoch is only the permutation's first `limit` samples (overfit_batches).
+    A position in the epoch is global: `start` means the first `start` samples of the epoch's
+    single-process permutation are consumed, whatever ranks or batch size consumed them (N ranks
+    that each took k consumed exactly the first k*N). The rest is cut to a multiple of N
+    (drop_last) or padded with the epoch's first samples, then dealt out every N-th: every rank
+    gets as many (DDP needs equal batch counts), and a run continued on other ranks or another
+    batch size trains each remaining sample once. `limit` > 0: the epoch is only the
+    permutation's first `limit` samples (overfit_batches).
     """
 
     def __init__(self, length: int, rank: int, world_size: int, seed: int, shuffle: bool, drop_last: bool,
@@ -89,8 +78,7 @@ class ShuffledShards:
         order, total = epoch_order[start:], self.share(start) * self.world_size
         if total > len(order):
             # Pad with the epoch's first samples, as DistributedSampler does: a function of the
-            # epoch alone, so a run resumed mid-epoch pads its last step as the uninterrupted
-            # run did (padding with the rest's first samples trained another sample there).
+            # epoch alone, so a run resumed mid-epoch pads its last step as the uninterrupted one.
             missing = total - len(order)
             order = torch.cat([order, epoch_order.repeat(math.ceil(missing / len(epoch_order)))[:missing]])
         return order[self.rank : total : self.world_size]
@@ -122,15 +110,13 @@ class WorkerOptions:
     persistent_workers: bool = False
     prefetch_factor: int = 2
     seed: int = 0
-    # trainer.stop_signals: the workers ignore them (see _leave_signals_to_the_main_process).
-    stop_signals: tuple[str, ...] = ()
+    stop_signals: tuple[str, ...] = ()  # trainer.stop_signals: the workers ignore them
 
 
-def _leave_signals_to_the_main_process(names: tuple[str, ...], worker_id: int) -> None:
-    """A DataLoader worker's start: ignore the stop signals. torchrun forwards SIGTERM to each
-    rank's whole process group and Ctrl-C reaches every process of the terminal's: a worker
-    killed by it would fail the rank's next batch before the rank finished its step and saved.
-    The main process stops the workers itself; they also exit when it dies (torch's watchdog)."""
+def ignore_stop_signals(names: tuple[str, ...], worker_id: int) -> None:
+    """A DataLoader worker's start: ignore the stop signals that torchrun (to the process group)
+    and Ctrl-C send every worker, which would fail the rank's next batch before it saved; the
+    main process stops the workers itself, and they exit when it dies (torch's watchdog)."""
     for name in names:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
@@ -178,16 +164,8 @@ class EpochPass:
 
 
 class BatchLoader:
-    def __init__(
-        self,
-        dataset: Dataset,
-        batch_size: int,
-        order: ShuffledShards | Shards,
-        device: torch.device,
-        drop_last: bool = False,
-        limit_batches: int = 0,
-        workers: WorkerOptions = WorkerOptions(),
-    ):
+    def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
+                 drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
         self.dataset = dataset
         self.batch_size = batch_size
         self.order = order
@@ -212,8 +190,7 @@ class BatchLoader:
         return self._batches_in(self.order.share(start))
 
     def epoch(self, epoch: int = 0, start: int = 0) -> "EpochPass":
-        """The batches of `epoch` after its first `start` samples of the global order (a
-        checkpoint's position: see ShuffledShards), on the device, and how many there are."""
+        """The batches of `epoch` after its first `start` samples (see ShuffledShards), and how many."""
         return EpochPass(self.batches(epoch, start), self.batches_left(start), start, self.order.share(start),
                          self.batch_size, self.order.world_size)
 
@@ -248,7 +225,7 @@ class BatchLoader:
                 collate_fn=collate_of(self.dataset),
                 persistent_workers=w.persistent_workers and w.num_workers > 0,
                 prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
-                worker_init_fn=functools.partial(_leave_signals_to_the_main_process, w.stop_signals),
+                worker_init_fn=functools.partial(ignore_stop_signals, w.stop_signals),
             )
         for batch in self._loader:
             yield to_device(batch, self.device)
@@ -268,10 +245,9 @@ def build_val_loader(
     dataset, batch_size, rank, world_size, device, limit_samples=0, limit_batches=0,
     workers: WorkerOptions = WorkerOptions(),
 ) -> BatchLoader:
-    """Each sample on exactly one rank. The limits are global, so the ranks together validate
-    on the samples one process would: `limit_samples` > 0 the first samples only,
-    `limit_batches` > 0 (trainer.limit_val_batches) one process's first batches, the first
-    limit_batches * batch_size samples, whatever the number of ranks."""
+    """Each sample on exactly one rank. The limits are global, so the ranks together validate on
+    the samples one process would: `limit_samples` > 0 the first samples, `limit_batches` > 0
+    (trainer.limit_val_batches) the first limit_batches * batch_size, whatever the ranks."""
     length = len(dataset)
     for limit in (limit_samples, limit_batches * batch_size):
         length = min(length, limit) if limit else length

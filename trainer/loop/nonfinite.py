@@ -1,27 +1,21 @@
 """What to do when a loss or gradient norm is NaN or infinite: trainer.on_nonfinite.
 
-  stop    (default) end the run, naming the first non-finite step. It costs a step nothing
-          on the device: each micro-batch's loss (the detached tensor the meter keeps anyway)
-          goes on a list, and the list is read, with one host sync, only where values are
-          about to be logged, evaluated or saved (`check`). A non-finite gradient makes the
-          weights non-finite, which the next step's loss shows; the update of the step being
-          checked has no next loss yet, so `check` also reads that step's gradient norm when
-          it was measured (logging steps) or else the weights' norm. So no checkpoint
-          (best.pt included) ever holds weights a non-finite update touched. The step named
-          is the first whose loss (or checked gradient or weights) was non-finite: for a
-          non-finite gradient between checks, the step after it. The run exits with status 3;
-          in a sweep the job scores the worst value.
-  skip    skip that optimizer update (the schedule still advances), count it
-          (`train/skipped_steps` in TensorBoard and metrics.json, the final `done:` line;
-          the first skip is a warning naming its step and value) and go on. Deciding needs
-          the gradient norm and one flag read, a host sync, per step.
+  stop    (default) end the run (exit 3; a sweep scores the worst value), naming the first
+          non-finite step. Free on the device: each micro-batch's detached loss goes on a list,
+          read with one host sync only where values are about to be logged, evaluated or saved
+          (`check`). A non-finite gradient shows in the next step's loss; the checked step has
+          none yet, so `check` also reads its gradient norm (when measured) or else the weights'
+          norm, and no checkpoint (best.pt included) holds weights a non-finite update touched.
+          For a non-finite gradient between checks, the step named is the one after it.
+  skip    skip that update (the schedule still advances), count it (`train/skipped_steps`, the
+          final `done:` line; the first is a warning) and go on: a gradient norm and one flag
+          read, a host sync, per step.
   ignore  apply every update, as a plain loop would.
-Every rank decides alike: the losses are each rank's own (a rank's micro-batch may give a
-NaN loss and a finite gradient), so the flag each policy reads is all-reduced first (skip:
-every step, in the sync it costs anyway; stop: at each check); the gradient norm is taken
-after DDP's all-reduce and the weights' norm is the global one. With 16-mixed,
-GradScaler already skips overflowing steps (that is its job: a float16 overflow is expected
-now and then) and those skips are counted the same way; on_nonfinite then watches the loss only.
+Every rank decides alike: a rank's loss is its own (one micro-batch may give a NaN loss and a
+finite gradient), so the flag is all-reduced first (skip: in the sync it costs anyway; stop: at
+each check); the gradient norm is taken after DDP's all-reduce, the weights' norm is global.
+With 16-mixed GradScaler already skips overflowing steps (float16 overflows are expected), counted
+the same way; on_nonfinite then watches the loss only.
 """
 from __future__ import annotations
 

@@ -3,12 +3,10 @@
   32          full float32, no autocast
   bf16-mixed  autocast to bfloat16 (CPU and GPU); bfloat16 has float32's range, so no scaler
   16-mixed    autocast to float16 on CUDA with a GradScaler against gradient underflow
-
 and, on CUDA, whether float32 matmuls may use TensorFloat-32 tensor cores (`trainer.tf32`).
 
-Host syncs: GradScaler.step reads "were there infs?" on the host every step (16-mixed only),
-unless the optimizer is fused: fused AdamW (ringtrain's default on CUDA) takes the scale and
-the inf flag on the device and skips the step itself, with no sync.
+GradScaler.step reads "were there infs?" on the host every step (16-mixed only), unless the
+optimizer is fused: fused AdamW (the default on CUDA) skips the step on the device, no sync.
 """
 from __future__ import annotations
 
@@ -18,20 +16,14 @@ import torch
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
-    """trainer.tf32, on CUDA only: float32 matmuls on TF32 tensor cores ("high": 10-bit
-    mantissa inputs, float32 accumulation; 7-8x an A100/H100's plain float32
-    rate) or in full float32 ("highest", torch's default). It matters for precision=32 and
-    for the float32 ops left under autocast.
-
-    Set with `torch.set_float32_matmul_precision`, not the newer
-    `torch.backends.cuda.matmul.fp32_precision`: since torch 2.9 setting the new flag alone
-    makes the legacy getter `torch.get_float32_matmul_precision()` raise ("mix of the legacy
-    and new APIs"), and inductor's autotuning calls that getter. The legacy setter keeps both
-    views consistent (the new flag then reads "tf32"), raises no deprecation warning in torch
-    2.13, and is what inductor's own hint recommends. cuDNN convolutions keep torch's default
-    (TF32 allowed) either way. CPUs are left alone: there "high" may switch float32 matmuls
-    to bfloat16 passes where the CPU has them.
-    """
+    """trainer.tf32, on CUDA only: float32 matmuls on TF32 tensor cores ("high": 10-bit mantissa
+    inputs, float32 accumulation; 7-8x an A100/H100's float32 rate) or in full float32
+    ("highest", torch's default), for precision=32 and the float32 ops left under autocast. Not
+    the newer `torch.backends.cuda.matmul.fp32_precision`: since torch 2.9 setting it alone
+    makes the legacy getter raise ("mix of the legacy and new APIs"), which inductor's
+    autotuning calls; the legacy setter keeps both views consistent, warns not in torch 2.13,
+    and is what inductor's hint recommends. cuDNN convolutions keep torch's default (TF32)
+    either way. CPUs are left alone: there "high" may switch float32 matmuls to bfloat16 passes."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
 

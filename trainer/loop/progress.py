@@ -16,9 +16,11 @@ class Progress:
     best_metric: float | None = None
     skipped_steps: int = 0  # updates skipped for non-finite values
 
-    def finish_step(self, position: int, epoch_done: bool) -> bool:
-        """Count one optimizer step that brought the epoch to `position`; returns `epoch_done`."""
+    def finish_step(self, position: int, epoch_done: bool, applied: bool = True) -> bool:
+        """Count one optimizer step that brought the epoch to `position` (`applied`: its update
+        was not skipped); returns `epoch_done`."""
         self.step += 1
+        self.skipped_steps += not applied
         if epoch_done:
             self.finish_epoch()
         else:
@@ -82,14 +84,26 @@ class FitResult:
     best_metric: float | None
     steps: int
     train_seconds: float
-    # Why training ended before its last step: "SIGTERM" (a stop signal, last.pt saved) or
-    # "non-finite" (trainer.on_nonfinite=stop); None when it ran to the end.
+    # Why training ended before its last step ("SIGTERM", "non-finite", a callback's reason such
+    # as early stopping's), and which kind of end that is: "signal" (last.pt saved, exit 143),
+    # "non-finite" (trainer.on_nonfinite=stop, exit 3) or "requested" (by a callback, exit 0).
     stopped: str | None = None
+    stop_kind: str | None = None
     skipped_steps: int = 0  # updates skipped for non-finite values (on_nonfinite=skip, fp16 scaler)
     # The trained weights, only when a spawned rank 0 hands them back to a Python caller.
     model_state: dict | None = None
 
     @property
     def stopped_by_signal(self) -> bool:
-        """Ended early by a stop signal (last.pt saved), not by a non-finite value."""
-        return self.stopped not in (None, "non-finite")
+        return self.stop_kind == "signal"
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.stopped is not None
+
+    def summary(self) -> dict:
+        """The run's end as metrics.json keeps it (non-finite metrics listed: null in the file)."""
+        nonfinite = [name for name, value in self.metrics.items() if not math.isfinite(value)]
+        return {"final": self.metrics, "monitor": self.monitor, "mode": self.mode, "best": self.best_metric,
+                "steps": self.steps, "train_seconds": self.train_seconds, "stopped": self.stopped,
+                "skipped_steps": self.skipped_steps, "nonfinite": nonfinite}

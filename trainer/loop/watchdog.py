@@ -1,36 +1,19 @@
 """A rank that makes no progress for strategy.timeout_minutes ends, whatever it is doing.
 
-The process group's timeout ends a rank that waits in a collective for too long. A rank stuck
-anywhere else never enters one: a user's Dataset.__getitem__ that loops forever, a forward
-that never returns, a read from a hung file system. Its peers then wait for it in their next
-collective until it times out, and a job whose every rank is stuck (or a ddp job of one
-process) would wait forever. A daemon thread on each rank watches the time since the loop last said
-what it is doing (`feed`); when that exceeds the timeout it prints one line naming the rank,
-what it was doing and at which step, and ends the process with USER_ERROR_EXIT (as the
-collective timeout does: the fix is in the code or in strategy.timeout_minutes). The launcher
-(torchrun, or strategies/launch.py) then ends the job; the peers' collectives fail at once,
-as they do when a rank crashes. Checkpoints already written are intact (atomic writes).
+A rank stuck outside a collective (a __getitem__ that never returns, a looping forward, a hung
+file system) never hits the collective timeout, and its peers wait until theirs fires, or
+forever when all are stuck. So a daemon thread per rank watches the time since the loop last
+said what the rank does (`feed`, one tuple assignment: cheap per batch); past the timeout it
+prints one line naming the rank, activity and step, and exits USER_ERROR_EXIT, which ends the
+job as a crash does.
 
-    with watching(run.strategy.timeout_minutes, dist.rank, dist.world_size):  # run.py
-        fit(...)                       # feeds: after set-up (a checkpoint loaded), each step,
-                                       # each group of batches, each validation batch, each save
-
-`feed` is one tuple assignment (no lock: the watcher reads the whole tuple or the previous
-one), cheap enough for every batch.
-
-A rank that is merely waiting for a stuck peer must not be the one named. While a rank loads
-batches it cannot be waiting for another rank, so it is held to the timeout itself; in every
-other phase (a step, an evaluation, a save: all may contain collectives) it gets `grace`
-seconds more, so the stuck peer ends first and this rank's collective fails with the peer's
-loss instead (or times out and names the peer, distributed.name_unresponsive_ranks).
-
-The watcher needs the GIL to run: a pure-Python loop gives it up every few milliseconds, and
-a call into C that blocks releases it; a C extension that spins while holding it would go
+A rank merely waiting for a stuck peer must not be the one named: loading batches it cannot be
+waiting, so the timeout holds; in a step, evaluation or save (collectives) it gets `grace`
+seconds more. The watcher needs the GIL: a C extension spinning while holding it goes
 unnoticed (the collective timeout still covers the peers).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -76,19 +59,26 @@ class Watchdog:
         """This rank is doing `activity` from now on (at `step`; None keeps the last one)."""
         self._fed = (time.monotonic(), activity, self._fed[2] if step is None else step)
 
-    # --- the watcher thread -------------------------------------------------------------------
+    def watched(self, items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
+        """`items`, the watchdog told `fetching` before each is fetched and `using` once it is."""
+        iterator = iter(items)
+        while True:
+            self.feed(fetching)
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self.feed(using)
+            yield item
 
     def __enter__(self) -> "Watchdog":
-        global _active
         self.feed(SETTING_UP, 0)
-        _active = self
-        self._thread = threading.Thread(target=self._watch, name="ringtrain-watchdog", daemon=True)
-        self._thread.start()
+        if self.timeout_s:  # none without a timeout (one process): feeding it costs the same
+            self._thread = threading.Thread(target=self._watch, name="ringtrain-watchdog", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        global _active
-        _active = None
         self._done.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -135,35 +125,12 @@ def flush_within(seconds: float, last_words: Callable[[], None] | None = None) -
     flusher.join(timeout=seconds)
 
 
-_active: Watchdog | None = None
-
-
-def watching(timeout_minutes: float | None, rank: int, world_size: int) -> contextlib.AbstractContextManager:
-    """The watchdog of a run with strategy.timeout_minutes (ddp, fsdp); nothing without one."""
+def watching(timeout_minutes: float | None, rank: int, world_size: int) -> Watchdog:
+    """The watchdog of a run with strategy.timeout_minutes (ddp, fsdp); one that never fires without."""
     if not timeout_minutes:
-        return contextlib.nullcontext()
+        return Watchdog(0.0, rank)
     timeout_s = timeout_minutes * 60
     # Time for a stuck peer to end and for this rank's collective to fail on it: a third of the
     # timeout, at least 10 s (a loaded machine), at most a minute.
     grace_s = max(10.0, min(60.0, timeout_s / 3)) if world_size > 1 else 0.0
     return Watchdog(timeout_s, rank, grace_s, f"strategy.timeout_minutes={timeout_minutes:g}")
-
-
-def feed(activity: Activity, step: int | None = None) -> None:
-    """Tell this process's watchdog what the rank is doing now; nothing when none watches."""
-    watchdog = _active
-    if watchdog is not None:
-        watchdog.feed(activity, step)
-
-
-def watched(items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
-    """`items`, the watchdog told `fetching` before each is fetched and `using` once it is."""
-    iterator = iter(items)
-    while True:
-        feed(fetching)
-        try:
-            item = next(iterator)
-        except StopIteration:
-            return
-        feed(using)
-        yield item

@@ -1,12 +1,10 @@
-"""The strategy interface, and what every strategy does the same way as one process on one
-device (which is what `strategy=single` is).
+"""The strategy interface, and what every strategy does as one process on one device does
+(which is `strategy=single`).
 
 A strategy is a small object built from conf/strategy/<option>.yaml by `_target_` (Lightning
-Fabric's idea, without its class tree). It is the only place that knows which strategy runs:
-the loop, the job and the tools call its methods and never ask for its name. A strategy of
-your own is a subclass in your package and a YAML file in your --config-dir (README).
-
-The loop uses it in this order:
+Fabric's idea, without its class tree), the only place that knows which strategy runs: the
+loop, the job and the tools call its methods, never ask its name. Yours is a subclass in your
+package and a YAML file in your --config-dir (README). The loop uses it in this order:
     strategy.check(trainer)                      before any work: refusals, one line each
     strategy.launch(fn, *args)                   fn on this process, or on N ranks
       dist = strategy.setup_process(accelerator) every rank: process group, device
@@ -29,9 +27,7 @@ from torch import nn
 from ringtrain.distributed import DistInfo, launcher_ranks, resolve_device
 from ringtrain.errors import ConfigError
 from ringtrain.checkpoints.state_dicts import (
-    full_model_state_dict,
-    full_optimizer_state_dict,
-    load_full_optimizer_state_dict,
+    full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict,
 )
 
 
@@ -48,8 +44,6 @@ class Strategy:
     # The conf/strategy option this class is, for messages (a subclass of yours inherits it).
     option = "single"
 
-    # --- before any work ------------------------------------------------------------------------
-
     def check(self, trainer: Any) -> None:
         """Refuse trainer settings this strategy cannot honour, and ranks started in a way it
         does not match (ConfigError, one line). A subclass calls super().check(trainer)."""
@@ -61,8 +55,6 @@ class Strategy:
                 f"torchrun started {ranks} ranks, but strategy={self.option} trains in one process; "
                 f"add strategy=ddp (or strategy=fsdp), or run without torchrun"
             )
-
-    # --- processes ------------------------------------------------------------------------------
 
     def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = (),
                accelerator: str = "auto") -> Any:
@@ -79,8 +71,6 @@ class Strategy:
     def setup_process(self, accelerator: str) -> DistInfo:
         """This process's rank, world size and device (and its process group, if any)."""
         return DistInfo(0, 0, 1, resolve_device(accelerator, 0), None)
-
-    # --- the model ------------------------------------------------------------------------------
 
     def autocast_precision(self, precision: str) -> str:
         """The precision the loop's autocast runs (a strategy may do mixed precision itself)."""
@@ -118,8 +108,6 @@ class Strategy:
     def lr_scale(self, world_size: int) -> float:
         """The factor the optimizer's learning rate is multiplied by."""
         return 1.0
-
-    # --- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                            shards_path: Callable[[], Path]) -> dict[str, Any]:

@@ -1,38 +1,24 @@
 """`trainer.compile`: torch.compile for training, falling back to eager mode when compiling fails.
 
-The loop trains `compile_for_training(model, enabled, mode)`: the bare model when it is off,
-otherwise a `CompiledModel` wrapping it. The wrapper goes *inside* DDP, as nanoGPT and
-torchtitan order it (compile first, then wrap): its compiled call runs within DDP's forward,
-so dynamo's DDP optimizer splits the graph at DDP's bucket boundaries and the gradient
-all-reduce still overlaps the backward pass (torch 2.13, `torch._dynamo.config.optimize_ddp`'s
-default; `TORCH_LOGS=ddp_graphs` shows the split, and a 2-rank gloo run with accumulation
-matches one eager process, tests/test_speed_features.py). That splitting refuses buckets
-smaller than DDP's 1 MiB first bucket, so `strategy.bucket_cap_mb` < 1 is refused with
-compiling, as is DataParallel, which copies the model in every forward (trainer/config.py).
-Under fsdp the order is the other way round: FSDP2 shards the model in place first, then the
-sharded model is compiled; dynamo runs FSDP2's hooks eagerly (torch's default), breaking the
-graph at each shard unit, and the loop sets gradient sync on the sharded model itself. There
-the backward probe below reaches no parameter (FSDP2 gathers them outside autograd), so it
-costs one forward and touches no gradient; a backward that fails to compile raises.
+The `CompiledModel` goes *inside* DDP, as nanoGPT and torchtitan order it: its compiled call
+runs within DDP's forward, so dynamo's DDP optimizer splits the graph at DDP's buckets and the
+all-reduce still overlaps the backward (torch 2.13's `optimize_ddp` default, shown by
+`TORCH_LOGS=ddp_graphs`; tests/test_speed_features.py). That splitting refuses buckets
+below DDP's 1 MiB first one, so strategies/ddp.py refuses `bucket_cap_mb` < 1 with compiling
+(strategies/dp.py refuses DataParallel, which copies the model every forward). Under fsdp,
+FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eagerly, breaking
+the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers them
+outside autograd): it costs one forward, and a backward that fails to compile raises.
 
-Why a wrapper rather than `torch.compile(model)` alone:
-  * Compile errors surface lazily. The forward graph is compiled at the first call and the
-    backward graph at the first backward, deep inside the loop. A compile that fails (no C++
-    compiler, an op inductor cannot lower, a Triton problem) should cost speed, not the run:
-    the wrapper catches a failing compiled forward, runs the same call eagerly, and if eager
-    succeeds logs ONE warning and stays eager from then on. If eager fails too, the error is
-    the model's own and eager's exception propagates unchanged. For the backward, the first
-    training forward first runs a probe: one compiled forward and backward on the same inputs
-    through `torch.autograd.grad` (no `.grad` is touched, no DDP hook fires, the RNG state and
-    buffers are restored), so a backward compile that fails is caught there, before any
-    gradient exists. The probe costs one extra forward and backward, once.
-  * Checkpoints. `torch.compile` returns a module whose state_dict keys carry `_orig_mod.`;
-    the loop saves the bare model (`trainer.checkpoint.unwrap_model` strips `.module` and
-    `._orig_mod`), so a compiled run's checkpoint loads into an uncompiled model and back.
-
-Only the training forward is compiled: evaluation runs the bare model eagerly. Compiling the
-inference graph is a second compile (inference mode, and each new batch shape, recompile)
-that pays off only for long evaluations.
+A wrapper, not `torch.compile(model)` alone, because compile errors surface lazily, deep in the
+loop, and a failed compile (no C++ compiler, an op inductor cannot lower) should cost speed, not
+the run: a failing compiled forward is rerun eagerly, and if that works, ONE warning and eager
+from then on; if eager fails too, its exception (the model's own) propagates. The first training
+forward runs a probe, a compiled forward and backward through `torch.autograd.grad` (no `.grad`
+touched, no DDP hook fired, RNG and buffers restored), so a failing backward compile is caught
+before any gradient exists. Checkpoints hold the bare model (checkpoints/files.py
+`unwrap_model`), so they load compiled or not. Evaluation runs eagerly: inference mode and each
+new batch shape recompile, which pays off only for long evaluations.
 """
 from __future__ import annotations
 
@@ -52,12 +38,9 @@ def compile_for_training(model: nn.Module, enabled: bool, mode: str = "default")
 
 
 class CompiledModel(nn.Module):
-    """`torch.compile(module)` with an eager fall-back; `.module` is the bare model.
-
-    The bare model is the only registered child, so parameters(), train()/eval() and
-    `unwrap_model` see it as usual; the compiled module is kept outside the module tree (it
-    holds the same parameters under `_orig_mod.`, which must not appear twice).
-    """
+    """`torch.compile(module)` with an eager fall-back. The bare `.module` is the only registered
+    child, so parameters(), train()/eval() and `unwrap_model` see it as usual; the compiled one
+    stays outside the tree (its `_orig_mod.` parameters must not appear twice)."""
 
     def __init__(self, module: nn.Module, mode: str = "default") -> None:
         super().__init__()

@@ -23,9 +23,8 @@ class DDP(ProcessGroupStrategy):
     option = "ddp"
 
     def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,
-                 scale_lr_by_world_size: bool,
-                 bucket_cap_mb: float, find_unused_parameters: bool, gradient_as_bucket_view: bool,
-                 static_graph: bool, forward_sync_buffers: bool) -> None:
+                 scale_lr_by_world_size: bool, bucket_cap_mb: float, find_unused_parameters: bool,
+                 gradient_as_bucket_view: bool, static_graph: bool, forward_sync_buffers: bool) -> None:
         super().__init__(backend=backend, nproc_per_node=nproc_per_node, timeout_minutes=timeout_minutes,
                          max_restarts=max_restarts, scale_lr_by_world_size=scale_lr_by_world_size)
         if bucket_cap_mb <= 0:
@@ -47,7 +46,7 @@ class DDP(ProcessGroupStrategy):
             )
 
     def setup_module(self, model: nn.Module, dist: DistInfo, trainer: Any) -> nn.Module:
-        # Compiled inside DDP, as torch.compile + DDP expects (ringtrain/loop/compilation.py).
+        # Compiled inside DDP, as torch.compile + DDP expects (strategies/compilation.py).
         module = super().setup_module(model, dist, trainer)
         return self.wrap(module, dist) if dist.is_distributed else module
 

@@ -1,16 +1,14 @@
 """strategy=fsdp: fully sharded data parallel with PyTorch's FSDP2.
 
-Why: DDP keeps a full copy of the parameters, gradients and optimizer state on every rank
-(16 bytes per parameter with AdamW in fp32), so a model stops fitting long before the batch
-does. FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps 1/N of each on each of N ranks and
+DDP keeps the full parameters, gradients and optimizer state on every rank (16 bytes a
+parameter with fp32 AdamW); FSDP2 (`fully_shard`) keeps 1/N of each on each of N ranks and
 all-gathers one unit's parameters (a transformer Block) just before that unit runs.
 
 What differs from ddp, all of it here: the model is sharded in place (its parameters become
-DTensors, so the optimizer is built after), then compiled; accumulation skips the
-reduce-scatter with set_requires_gradient_sync; gradient norms and clipping reduce over the
-shards; evaluation runs under no_grad; bf16-mixed is FSDP2's own mixed precision; and
-checkpoints are either gathered to rank 0 (`state_dict_type=full`) or written as each rank's
-shards (`sharded`, strategies/sharded_checkpoints.py).
+DTensors, so the optimizer is built after), then compiled; accumulation skips the reduce-scatter
+(set_requires_gradient_sync); gradient norms and clipping reduce over the shards; evaluation
+runs under no_grad; bf16-mixed is FSDP2's own mixed precision; checkpoints are gathered to rank
+0 (`state_dict_type=full`) or written as each rank's shards (`sharded`, checkpoints/sharded.py).
 """
 from __future__ import annotations
 
@@ -50,9 +48,8 @@ class FSDP(ProcessGroupStrategy):
     forwards_in_lockstep = True  # each sharded layer's forward all-gathers its parameters
 
     def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,
-                 scale_lr_by_world_size: bool,
-                 shard_classes: list[str], reshard_after_forward: bool, cpu_offload: bool,
-                 state_dict_type: str) -> None:
+                 scale_lr_by_world_size: bool, shard_classes: list[str], reshard_after_forward: bool,
+                 cpu_offload: bool, state_dict_type: str) -> None:
         super().__init__(backend=backend, nproc_per_node=nproc_per_node, timeout_minutes=timeout_minutes,
                          max_restarts=max_restarts, scale_lr_by_world_size=scale_lr_by_world_size)
         if state_dict_type not in STATE_DICT_TYPES:
@@ -77,7 +74,7 @@ class FSDP(ProcessGroupStrategy):
 
     def setup_module(self, model: nn.Module, dist_info: DistInfo, trainer: Any) -> nn.Module:
         # FSDP2 shards the model in place; trainer.compile then compiles the sharded model
-        # (ringtrain/loop/compilation.py), and gradient sync is set on the model itself.
+        # (strategies/compilation.py), and gradient sync is set on the model itself.
         from ringtrain.strategies.compilation import compile_for_training
 
         param_dtype = torch.bfloat16 if trainer.precision == "bf16-mixed" else None
@@ -112,9 +109,9 @@ class FSDP(ProcessGroupStrategy):
         return clip_sharded_grad_norm(params, max_norm)
 
     def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        # A forward under inference_mode makes FSDP2 allocate its all-gather buffers as
-        # inference tensors; the next training forward then fails ("Inplace update to inference
-        # tensor outside InferenceMode"), even after reshard() (torch 2.13, checked here).
+        # Under inference_mode FSDP2 allocates its all-gather buffers as inference tensors, and the
+        # next training forward fails ("Inplace update to inference tensor") even after reshard()
+        # (torch 2.13).
         return torch.no_grad()
 
     def checkpoint_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -128,17 +125,11 @@ class FSDP(ProcessGroupStrategy):
         return {"shards": shards.name}
 
 
-# --- sharding --------------------------------------------------------------------------------
-
-
-
 def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The FSDP units when the user names none: the repeated layers, i.e. the class of the
-    modules in any nn.ModuleList whose members all share one class (a Transformer's blocks,
-    ringtrain's or a user's), as torchtitan shards each block. A model without such a list is
-    one unit: memory is still sharded between steps, but forward gathers everything at once,
-    so name its repeated layer with strategy.shard_classes to do better. A Hugging Face model
-    says which layers must stay whole (`_no_split_modules`, its decoder layers): those."""
+    """The FSDP units when the user names none: a Hugging Face model's `_no_split_modules` (its
+    decoder layers), else the class of any nn.ModuleList whose members share one class (the
+    blocks), as torchtitan shards each block. Without one the model is a single unit: sharded
+    between steps, but forward gathers it all at once (name a layer in strategy.shard_classes)."""
     declared = [name for name in getattr(model, "_no_split_modules", None) or ()
                 if any(type(module).__name__ == name for module in model.modules())]
     if declared:
@@ -159,59 +150,44 @@ def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 
 def resolve_shard_classes(model: nn.Module, names: Iterable[str]) -> tuple[type[nn.Module], ...]:
-    """Map class names ("Block") or dotted paths ("ringtrain.models.transformer.Block") to the classes of
-    `model`'s submodules. A name that matches nothing raises ValueError listing the classes
-    present; a short name shared by several classes selects all of them."""
+    """The classes of `model`'s submodules by name ("Block") or dotted path
+    ("ringtrain.models.transformer.Block"); a short name shared by several selects all; one
+    matching nothing is a ValueError."""
     present = {type(module) for module in model.modules()}
     chosen: list[type[nn.Module]] = []
     for name in names:
         matches = [cls for cls in present if name in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")]
         if not matches:
             available = ", ".join(sorted({cls.__name__ for cls in present}))
-            raise ValueError(
-                f"shard class '{name}' matches no module of {type(model).__name__}; "
-                f"name one of its classes: {available}"
-            )
+            raise ValueError(f"shard class '{name}' matches no module of {type(model).__name__}; "
+                             f"name one of its classes: {available}")
         chosen.extend(cls for cls in sorted(matches, key=lambda c: c.__qualname__) if cls not in chosen)
     return tuple(chosen)
 
 
-def shard_model(
-    model: nn.Module,
-    device: torch.device,
-    *,
-    shard_classes: tuple[type[nn.Module], ...] | None = None,
-    reshard_after_forward: bool = True,
-    param_dtype: torch.dtype | None = None,
-    cpu_offload: bool = False,
-) -> nn.Module:
+def shard_model(model: nn.Module, device: torch.device, *, shard_classes: tuple[type[nn.Module], ...] | None = None,
+                reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                cpu_offload: bool = False) -> nn.Module:
     """Shard `model` in place with FSDP2 over all ranks of the default process group; return it.
 
-    Each submodule whose class is in `shard_classes` (None: `default_shard_classes`) becomes
-    one FSDP unit, gathered just for its own forward and backward; the root module becomes
-    the last unit and holds everything else (embeddings, final norm, head). Parameters are
-    replaced by DTensors sharded on dim 0, so build the optimizer and any cached parameter
-    list after this call.
+    Each submodule of a `shard_classes` class (None: `default_shard_classes`) becomes one unit,
+    gathered just for its own forward and backward; the root is the last unit, holding the rest
+    (embeddings, final norm, head). Parameters become DTensors sharded on dim 0: build the
+    optimizer and any cached parameter list after this call. A parameter shared across modules
+    (a tied embedding / lm_head) must live in one unit, so a module sharing one with the outside
+    is not a unit of its own: the enclosing unit (the root) holds it.
 
     reshard_after_forward: free each unit's gathered parameters after its forward and gather
-        them again in backward (less memory, one more all-gather per unit). The root keeps
-        FSDP's own default (not resharded), since backward needs it first.
-    param_dtype: e.g. torch.bfloat16, the dtype of the gathered parameters, so forward,
-        backward and the all-gather run in it; gradients are reduced in float32 and the
-        sharded parameters and optimizer state stay in their own dtype.
-    cpu_offload: keep the sharded parameters, gradients and optimizer step on the CPU and copy
-        each unit to `device` when it is gathered (so the optimizer must be a CPU one: no
-        fused=True CUDA AdamW).
-
-    A parameter shared between modules (the Transformer's tied embedding / lm_head) must live
-    in one unit: a shard-class module holding a parameter also used outside it is not made a
-    unit of its own, so the parameter falls to the enclosing unit (the root).
+        them again in backward; the root keeps FSDP's default (not resharded): backward needs
+        it first.
+    param_dtype: the gathered parameters' dtype (forward, backward and all-gather run in it);
+        gradients reduce in float32, the shards and optimizer state keep their own dtype.
+    cpu_offload: shards, gradients and the optimizer step live on the CPU, each unit copied to
+        `device` when gathered (so no fused=True CUDA AdamW).
     """
     if next(model.parameters(), None) is None:
-        raise ValueError(
-            f"{type(model).__name__} has no parameters, so FSDP has nothing to shard; "
-            f"give the model trainable parameters or use strategy=single"
-        )
+        raise ValueError(f"{type(model).__name__} has no parameters, so FSDP has nothing to shard; "
+                         f"give the model trainable parameters or use strategy=single")
     if isinstance(model, (FSDPModule, DistributedDataParallel, nn.DataParallel)):
         raise ValueError(
             f"the model is already wrapped ({type(model).__name__}); pass the bare model to shard_model once"
@@ -257,10 +233,8 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
     candidates = [m for m in model.modules() if m is not model and isinstance(m, shard_classes)]
     if not candidates and not isinstance(model, shard_classes):
         names = ", ".join(cls.__name__ for cls in shard_classes)
-        raise ValueError(
-            f"no submodule of {type(model).__name__} is a shard class ({names}); "
-            f"name one of: {', '.join(sorted({type(m).__name__ for m in model.modules()}))}"
-        )
+        raise ValueError(f"no submodule of {type(model).__name__} is a shard class ({names}); "
+                         f"name one of: {', '.join(sorted({type(m).__name__ for m in model.modules()}))}")
     owners: dict[nn.Parameter, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -280,9 +254,6 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
         )
     # modules() lists parents before children: reversed, every child comes before its parent.
     return units[::-1]
-
-
-# --- gradient norms over shards ------------------------------------------------------------
 
 
 def sharded_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:

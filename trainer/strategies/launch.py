@@ -1,14 +1,9 @@
-"""Starting N ranks on this machine without torchrun, through torch's own elastic launcher
-(`torch.distributed.launcher.api.elastic_launch`, what torchrun runs). The ranks get what
-torchrun's get: RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set, a worker monitor that ends the job
-when one rank fails (the others receive SIGTERM), SIGTERM/SIGINT to this process passed on to
-the ranks, and restarts of the whole group after a failure (`strategy.max_restarts`; the
-restarted ranks resume from last.pt, trainer.resume=auto).
-
-What ringtrain adds around it, each for a reason named where it is done:
-  * the arguments travel pickled, as bytes (tensors must not become shared memory);
-  * the other stop signals (SIGUSR1, ...) reach the ranks too;
-  * a failure is one line with the rank's exit status, not elastic's multi-line report.
+"""Starting N ranks on this machine without torchrun, through torch's elastic launcher (what
+torchrun runs), so the ranks get what torchrun's get: RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set,
+a monitor that ends the job when one rank fails (the others get SIGTERM), SIGTERM/SIGINT passed
+on to the ranks, and restarts of the whole group (`strategy.max_restarts`; the restarted ranks
+resume from last.pt). ringtrain adds: arguments pickled as bytes, the other stop signals
+(SIGUSR1, ...) passed on too, and a failure as one line with the rank's exit status.
 """
 from __future__ import annotations
 
@@ -44,12 +39,9 @@ _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts: int = 0,
                  stop_signals: Sequence[str] = ()) -> Any:
-    """Run `fn(*args)` on `nprocs` ranks on this machine; return rank 0's result.
-
-    A rank that fails ends the job (after `max_restarts` restarts of the whole group) with
-    WorkerFailedError carrying that rank's exit status; a stop signal ends it with
-    TrainingStopped (exit 143 for SIGTERM): the ranks finished their step and saved last.pt.
-    """
+    """Run `fn(*args)` on `nprocs` ranks on this machine; return rank 0's result. A failing rank
+    ends the job (after `max_restarts` restarts of the group) with WorkerFailedError carrying its
+    exit status; a stop signal with TrainingStopped (143 for SIGTERM), last.pt saved."""
     pickled_args = _pickled(args, nprocs)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"ringtrain-{uuid.uuid4()}",
@@ -114,15 +106,12 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
         # (2.5x slower measured with 2 ranks on 2 cores). OMP_NUM_THREADS overrides this.
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
-    # tqdm (the progress bar, and torch.compile's own) guards its output with a
-    # multiprocessing lock, a semaphore this process would leave behind at exit (Python's
-    # resource tracker then warns of a leak). A rank is one process: a thread lock will do.
+    # tqdm's default multiprocessing lock is a semaphore this process would leave behind at
+    # exit (the resource tracker warns of a leak); a rank is one process: a thread lock will do.
     tqdm.set_lock(threading.RLock())
-    # This rank was started with multiprocessing's "spawn", which a spawned child takes as its
-    # own default: its DataLoader workers would each start a fresh interpreter and import
-    # torch, the data libraries and the user's code again, every epoch (60 steps of an
-    # hf_rows classifier with 2 workers per rank: 50 s instead of 1.8 s under torchrun, whose
-    # ranks are plain processes). Back to the platform's default, as a torchrun rank has.
+    # A spawned child takes "spawn" as its default, so its DataLoader workers would each import
+    # torch and the user's code afresh every epoch (an hf_rows classifier with 2 workers per
+    # rank: 50 s instead of 1.8 s under torchrun). Back to the platform's default, as torchrun's.
     multiprocessing.set_start_method(None, force=True)
     launcher = os.getppid()
     try:
@@ -131,11 +120,9 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
     except SystemExit as stop:  # exit_on_user_error's one line is printed: end as the crash below does
         exit_rank(0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1)
     except Exception:
-        # A crash: its traceback is what a developer needs. torch.multiprocessing would send it
-        # to the launcher, whose report keeps only the exit status: print it here, as a
-        # torchrun rank does. Then end at once, without interpreter finalisation: it would wait
-        # for every non-daemon thread, and it can abort on gloo's threads (exit_rank says why),
-        # which the launcher would report instead of this rank's status.
+        # A crash: print its traceback here, as a torchrun rank does (the launcher's report keeps
+        # only the exit status), then end without interpreter finalisation: it would wait for
+        # every non-daemon thread, and can abort on gloo's threads (exit_rank says why).
         traceback.print_exc()
         exit_rank(1)
     if getattr(outcome, "stopped_by_signal", False):
@@ -150,22 +137,18 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
 
 
 def _leave_without_finalising_after_exit() -> None:
-    """Once this rank's result is handed over, end the process without Python's interpreter
-    finalisation: torch's gloo worker threads outlive destroy_process_group and free their
-    last work objects a moment later, taking the GIL; during finalisation that aborts the
-    process (SIGABRT, about 1 in 70 two-rank runs), which the launcher would count as a
-    failed rank. atexit handlers run before that stage."""
+    """Once this rank's result is handed over, end the process before interpreter finalisation
+    (atexit handlers run before it), which can abort on gloo's threads (distributed.exit_rank
+    says why) and the launcher would count as a failed rank."""
     import atexit
 
     atexit.register(os._exit, 0)
 
 
 def _end_if_the_launcher_dies(launcher: int) -> None:
-    """After its last step, a rank hands its result to the launcher and waits for the launcher
-    to read it. If the launcher was killed (SIGKILL, a dying node), the kernel has already
-    stopped the rank cleanly (SIGINT: finish the step, save last.pt), but nobody will read
-    the result: without this, the rank would wait forever. Waits on the launcher's pidfd, an
-    event, where the platform has one."""
+    """A rank waits for the launcher to read its result; if the launcher was killed (SIGKILL,
+    a dying node), the rank already stopped cleanly (SIGINT) but would wait forever. Watches
+    the launcher's pidfd where the platform has one."""
     if os.getppid() != launcher:
         os._exit(0)
     try:
@@ -195,9 +178,8 @@ def _quiet_elastic_logs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _other_stop_signals_reach_ranks(names: Sequence[str]) -> Iterator[None]:
-    """Stop signals elastic's agent does not handle itself (SIGUSR1, a scheduler's warning)
-    are raised as its SignalException, which makes the agent pass them on to the ranks as it
-    does SIGTERM. Without this, SIGUSR1 would kill this process and leave the ranks behind."""
+    """Stop signals elastic's agent does not handle (SIGUSR1) raised as its SignalException, so
+    it passes them on as it does SIGTERM, rather than dying and leaving the ranks behind."""
     def stop(signum: int, frame: Any) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 

@@ -1,11 +1,9 @@
 """What the strategies with one process per device (ddp, fsdp) share: the process group's
 options, joining it, and starting the ranks when no launcher did.
 
-Two ways into a multi-process run, both ending in the same `join_process_group`:
-  * torchrun (or any launcher that sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT);
-  * `strategy.nproc_per_node=N` without one: torch's own elastic launcher (what torchrun
-    runs, strategies/launch.py) starts N ranks here, with torchrun's worker monitoring,
-    signal handling and restarts (`strategy.max_restarts`).
+Both ways into a multi-process run end in `join_process_group`: torchrun (or any launcher
+setting RANK / WORLD_SIZE / MASTER_*), or `strategy.nproc_per_node=N` without one, which starts
+N ranks here through torch's elastic launcher (strategies/launch.py).
 """
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """The command that continues a run a stop signal ended, printed as the run's last line.
 
-A stopped run's last.pt is continued by auto-resume (checkpoints/resume.py) when the job lands
-in the same run directory again. The same command started again does so only where the
-directory is named by the job (hydra.run.dir, SLURM's job id, torchrun's --rdzv-id): a plain
-`python train.py model=transformer` gets a new time-stamped directory (checkpoints/rundir.py)
-and would start from step 0. So the line names the exact command, ready to paste:
+Auto-resume (checkpoints/manager.py) continues last.pt only when the job lands in the same run
+directory, and the same command does so only where the job names it (hydra.run.dir, SLURM's
+job id, torchrun's --rdzv-id): a plain `python train.py` gets a new time-stamped directory
+(checkpoints/rundir.py) and would start from step 0. So the line is the exact command:
 
-  program     as this process was started: `python train.py`, `python -m ringtrain`,
-              `ringtrain`; under torchrun the torchrun command (this worker's parent's
-              command line, which ends with this worker's arguments)
+  program     as this process was started (`python train.py`, `python -m ringtrain`,
+              `ringtrain`); under torchrun the torchrun command (the parent's command line,
+              which ends with this worker's arguments)
   arguments   the user's, with `hydra.run.dir=<this run's directory>` (absolute) in place of
-              any given; trainer.resume=<path> pointing at this run's own last.pt (a step file
-              given there would go back to that step), trainer.resume=null made auto (null
-              refuses a directory that holds checkpoints)
+              any given; trainer.resume=<path> pointing at this run's last.pt (a step file would
+              go back to that step), trainer.resume=null made auto (null refuses checkpoints)
 """
 from __future__ import annotations
 

@@ -1,39 +1,19 @@
-"""A trained model's metrics on a split: `ringtrain evaluate checkpoint=...`.
+"""A trained model's metrics on a split: `ringtrain evaluate checkpoint=...`; README.md "Using
+what you trained" and conf/evaluate.yaml (`ringtrain evaluate --help`) hold examples and settings.
 
-    ringtrain evaluate checkpoint=outputs/runs/<run>/checkpoints/best.pt
-    ringtrain evaluate checkpoint=... split=train                  # the training split
-    ringtrain evaluate checkpoint=... data.path=other.txt          # other data, same kind
-    ringtrain evaluate checkpoint=... strategy=ddp strategy.nproc_per_node=2
-    ringtrain evaluate -m checkpoint=<run a>/checkpoints/last.pt,<run b>/checkpoints/last.pt
-    torchrun --nproc_per_node=2 -m ringtrain.tools.evaluate checkpoint=...
+lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model and
+task are rebuilt from the config the checkpoint keeps (resolved `_target_` nodes and the data's
+sizes: the run's command line is not needed), its stored sections changed on the command line
+as training's are (tools/stored_sections.py), then checked like training's (config/builders.py):
+a mistake is one `error:` line, exit 2, before any data is built. A relative data.path is read
+from the current directory, as the run read it. The run's own strategy is not reused.
 
-lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model
-and task are rebuilt from the config the checkpoint keeps (the resolved `_target_` nodes
-and the data's sizes, so the run's command line is not needed), with the weights loaded.
-
-A Hydra app like every ringtrain command (`python -m ringtrain evaluate ...` is the same):
-the settings are conf/evaluate.yaml (`ringtrain evaluate --help`): `checkpoint` (required),
-`split` (val | train), `output` (where the metrics go; default `<run dir>/eval/<checkpoint>-<split>.json`,
-e.g. eval/best-val.json: one file per checkpoint and split, so evaluating another never replaces it)
-and `strategy` (auto | single | dp | ddp | fsdp; auto is ddp under torchrun, else single;
-fsdp needs strategy.nproc_per_node >= 2 or torchrun; the run's own strategy is not reused,
-evaluation is cheap). The checkpoint's stored sections model, data,
-task and trainer are sections of the config (tools/stored_sections.py), so they are changed
-as on training's command line: `data.path=x` changes a key the config has, `+data.x=1` adds
-one, `~data.x` removes one; e.g. trainer.val_batch_size, trainer.limit_val_batches,
-trainer.accelerator, trainer.precision; strategy.nproc_per_node=N starts N ranks, as
-training does. The result is checked like training's config (config/builders.check_components):
-a mistake is one `error:` line, exit 2, before any data is built. A relative path in the
-stored config (data.path) is read from the current directory, as the run read it; from
-elsewhere, pass data.path=<path>.
-
-The metrics are computed exactly as the training loop's validation: the split sharded over
-the ranks without padding, per-batch sums and counts all-reduced (data.tasks), autocast per
-`trainer.precision`; trainer.limit_val_batches=K is one process's first K batches, shared
-among the ranks; so the same checkpoint gives the val/loss the run logged at that step,
-for any number of ranks. Rank 0 prints one `name=value` line per metric on stdout and writes
-the output file (<run dir>/eval/<checkpoint>-<split>.json): {"checkpoint", "step", "split", "strategy", "overrides", "output", "world_size",
-"metrics"}. With -m, each job writes its own checkpoint's file.
+The metrics are computed exactly as the loop's validation: the split sharded over the ranks
+without padding, per-batch sums and counts all-reduced (data/tasks.py), autocast per
+trainer.precision, trainer.limit_val_batches=K one process's first K batches shared among the
+ranks; so the checkpoint gives the val/loss the run logged at that step, for any number of
+ranks. Rank 0 prints one `name=value` line per metric and writes the output file: {"checkpoint",
+"step", "split", "strategy", "overrides", "output", "world_size", "metrics"}.
 """
 from __future__ import annotations
 
@@ -44,26 +24,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+import functools
+
+from omegaconf import OmegaConf
 
 from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.checkpoints.json_text import json_text
-from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
-from ringtrain.config.builders import build_data, check_components, check_task
-from ringtrain.config.components import build
-from ringtrain.config.compose import PrimaryConfig, composes_a_job, option_nodes, parse_command_line
-from ringtrain.config.compose import CONF_DIR
+from ringtrain.checkpoints.manager import Resumed
+from ringtrain.components import build
+from ringtrain.conf import CONF_DIR, option_nodes
+from ringtrain.config.app import PrimaryConfig
+from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import TrainerConfig, build_strategy, check_options, trainer_config
 from ringtrain.data.bundle import DataBundle
+from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.loop.evaluation import evaluate_model
 from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.precision import Precision
-from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
 from ringtrain.strategies.base import Strategy
-from ringtrain.tools.app import call_with_settings, run_tool
+from ringtrain.tools.app import run_tool
+from ringtrain.tools.checkpoint_model import check_stored_config, model_node, read_checkpoint, rebuild_model
 from ringtrain.tools.stored_sections import SECTIONS, checkpoints_named, overlay, register_stored_sections, stored_section
 
 _UNUSED = "evaluation trains nothing, so the {} is not used: drop the override"
@@ -77,7 +59,7 @@ EVALUATE = PrimaryConfig(
 class EvalJob:
     """Everything a rank needs, plain and picklable (it travels to spawned ranks)."""
 
-    checkpoint: str
+    checkpoint: Resumed  # the file, read once per process (a spawned rank reads its own)
     split: str
     model: dict
     data: dict
@@ -86,22 +68,34 @@ class EvalJob:
     vocab: dict | None
     trainer: TrainerConfig
     strategy: Strategy
+    weights: str  # model, or a callback's (ema)
 
 
-def plan(
-    checkpoint: str,
-    split: Literal["val", "train"],
-    output: str | None,
-    strategy: dict,
-    model: dict,
-    data: dict,
-    task: dict,
-    trainer: dict,
-) -> tuple[EvalJob, dict[str, Any]]:
-    """Check the settings (conf/evaluate.yaml, as composed); return the job and what
-    metrics.json records of it. model, data, task and trainer are the checkpoint's stored
-    sections as the command line changed them (tools/stored_sections.py)."""
-    state = read_checkpoint(checkpoint, mmap=True)  # the config and sizes; each rank reads the weights
+def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None, strategy: dict, model: dict,
+             data: dict, task: dict, trainer: dict, weights: str = "model", trust_checkpoint: bool = False,
+             loaded: dict | None = None) -> tuple[dict, EvalResult | None]:
+    """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
+    records and rank 0's result (None on the other ranks). model, data, task and trainer are the
+    checkpoint's stored sections as the command line changed them (tools/stored_sections.py);
+    `loaded`: the checkpoints main() read already, by path."""
+    from hydra.core.hydra_config import HydraConfig
+
+    state = (loaded or {}).get(checkpoint)
+    if state is None:
+        state = read_checkpoint(checkpoint, trust=trust_checkpoint)
+    elif not trust_checkpoint:
+        check_stored_config(state, checkpoint)
+    job, record = plan(checkpoint, state, split, output, strategy, model, data, task, trainer, weights)
+    record["overrides"] = section_overrides(list(HydraConfig.get().overrides.task))
+    result = launch(job)
+    if result is not None:
+        write_metrics(Path(record["output"]), {**record, "world_size": result.world_size, "metrics": result.metrics})
+    return record, result
+
+
+def plan(checkpoint: str, state: dict, split: str, output: str | None, strategy: dict, model: dict, data: dict,
+         task: dict, trainer: dict, weights: str = "model") -> tuple[EvalJob, dict[str, Any]]:
+    """Check the settings; return the job and what the metrics file records of it."""
     stored = state["config"]
     model_node(state, checkpoint)  # refuses a model built in Python: its config cannot rebuild it
     components = {"model": model, "data": data, "task": task}
@@ -112,17 +106,18 @@ def plan(
     trainer_settings = trainer_config(**config["trainer"])
     strategy_config = evaluation_strategy(strategy)
     check_options(trainer_settings, strategy_config)
-    check_components(config["model"], config["data"], config["task"], None, None, 0)
+    check_model(config["model"], check_data(config["data"]), "the data")
+    check_task(build(config["task"], "task"))
 
     job = EvalJob(
-        checkpoint=str(Path(checkpoint).absolute()), split=split,
+        checkpoint=Resumed(Path(checkpoint).absolute(), state), split=split,
         model=config["model"], data=config["data"], task=config["task"],
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
-        trainer=trainer_settings, strategy=strategy_config,
+        trainer=trainer_settings, strategy=strategy_config, weights=weights,
     )
     metrics_file = Path(output) if output else default_output(checkpoint, split)
     record = {
-        "checkpoint": job.checkpoint, "step": (state.get("progress") or {}).get("step"),
+        "checkpoint": str(job.checkpoint.path), "step": (state.get("progress") or {}).get("step"),
         "split": split, "strategy": _strategy_option(strategy), "overrides": [], "output": str(metrics_file),
     }
     return job, record
@@ -152,10 +147,6 @@ def _strategy_option(section: dict) -> str:
     return next((name for name, node in option_nodes("strategy") if node.get("_target_") == target), str(target))
 
 
-def _auto_option() -> str:
-    return "ddp" if under_torchrun() else "single"
-
-
 def section_overrides(overrides: Sequence[str]) -> list[str]:
     """The command line's changes of the stored config (data.path=..., +data.x=1, ~data.x,
     strategy.nproc_per_node=2), for metrics.json."""
@@ -163,23 +154,22 @@ def section_overrides(overrides: Sequence[str]) -> list[str]:
     return [o for o, key in zip(overrides, keys) if "." in key and key.split(".")[0] in (*SECTIONS, "strategy")]
 
 
-def register_evaluation_options(args: Sequence[str]) -> None:
+def register_evaluation_options(args: Sequence[str]) -> dict[str, dict]:
     """What conf/evaluate.yaml composes from besides its files, registered before Hydra (and
     the check ahead) compose it: the strategy option `auto`, and the sections of every
     checkpoint the command line names (tools/stored_sections.py)."""
     from hydra.core.config_store import ConfigStore
 
     # strategy=auto: conf/strategy/ddp.yaml's strategy under torchrun, else single.yaml's.
-    auto = OmegaConf.load(CONF_DIR / "strategy" / f"{_auto_option()}.yaml")
+    auto = OmegaConf.load(CONF_DIR / "strategy" / f"{'ddp' if under_torchrun() else 'single'}.yaml")
     ConfigStore.instance().store(group="strategy", name="auto", node=OmegaConf.to_container(auto))
-    parsed_args, overrides = parse_command_line(args)
-    paths = checkpoints_named(overrides, parsed_args.multirun)
-    if not paths and composes_a_job(parsed_args):
-        raise ConfigError(f"checkpoint is required: {EVALUATE.usage}")
-    register_stored_sections([read_checkpoint(path, mmap=True).get("config") or {} for path in paths])
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-
-# --- on each rank -----------------------------------------------------------------------------
+    lines = [arg for arg in args if "=" in arg and not arg.startswith("-")]
+    paths = checkpoints_named(OverridesParser.create().parse_overrides(lines), multirun="-m" in args or "--multirun" in args)
+    loaded = {path: load_checkpoint(path, mmap=True) for path in paths if Path(path).is_file()}
+    register_stored_sections([state.get("config") or {} for state in loaded.values()])
+    return loaded
 
 
 @dataclass
@@ -203,8 +193,8 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
                 f"least one each; use fewer processes"
             )
         task = check_task(build(job.task, "task"))
-        state = read_checkpoint(job.checkpoint)
-        model = rebuild_model(job.model, job.data_dims, state, job.checkpoint).to(dist.device)
+        state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
+        model = rebuild_model(state, str(job.checkpoint.path), job.model, job.weights).to(dist.device)
         del state
         cfg = job.trainer
         loader = build_val_loader(
@@ -248,14 +238,8 @@ def write_metrics(path: Path, record: dict) -> None:
         raise ConfigError(f"cannot write {path} ({err.strerror or err}); pass output=<a writable file>") from None
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="evaluate")
-def evaluate_app(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        job, record = call_with_settings(plan, cfg, EVALUATE)
-        record["overrides"] = section_overrides(list(HydraConfig.get().overrides.task))
-        result = launch(job)
-        if result is not None:
-            write_metrics(Path(record["output"]), {**record, "world_size": result.world_size, "metrics": result.metrics})
+def show(evaluated: tuple[dict, EvalResult | None]) -> None:
+    record, result = evaluated
     if result is not None:
         for name, value in result.metrics.items():
             print(f"{name}={value:.6g}")
@@ -264,8 +248,8 @@ def evaluate_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     with exit_on_user_error():
-        register_evaluation_options(sys.argv[1:])
-    run_tool(evaluate_app, EVALUATE, validate=lambda cfg: call_with_settings(plan, cfg, EVALUATE))
+        loaded = register_evaluation_options(sys.argv[1:])
+    run_tool(EVALUATE, functools.partial(evaluate, loaded=loaded), show)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 

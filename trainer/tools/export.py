@@ -12,6 +12,14 @@ format=hf is for a Hugging Face model (a `transformers` model, built from a conf
 `from_pretrained`): the model's own `save_pretrained` writes its config and weights, so
 `AutoModelForCausalLM.from_pretrained(<output>)` loads it; a tokenizer goes with it when the
 data's vocabulary has one (a character or byte vocabulary has none: a note says so).
+`weights=ema` exports the EMA callback's average instead of the weights. A run with adapters
+(adapter=lora) exports merged (the update folded into the weights: the model's own classes and
+names again) under format=safetensors|hf, or as the adapters alone under format=peft
+(adapter_config.json + adapter_model.safetensors, `peft.PeftModel.from_pretrained` loads it).
+
+An export replaces only what an earlier export wrote (a safetensors file with ringtrain's mark
+in its metadata, a directory with a .ringtrain-export file); anything else at `output` is
+left alone unless `overwrite=true`.
 
 The model is rebuilt from the checkpoint alone (tools/checkpoint_model.py), so a sharded fsdp
 checkpoint exports too (its shards are read whole into this process's CPU memory). Without
@@ -26,16 +34,17 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
-import hydra
-from omegaconf import DictConfig
 from torch import nn
 
 from ringtrain.checkpoints.atomic import fsync_directory, replace_atomically, replace_directory
-from ringtrain.config.compose import PrimaryConfig
-from ringtrain.errors import ConfigError, exit_on_user_error
-from ringtrain.tools.app import call_with_settings, run_tool, settings_for
+from ringtrain.components import build
+from ringtrain.config.app import PrimaryConfig
+from ringtrain.errors import ConfigError
+from ringtrain.models.lora import merge_lora, save_peft_adapter
+from ringtrain.tools.app import run_tool
 from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
 
 EXPORT = PrimaryConfig(
@@ -43,21 +52,32 @@ EXPORT = PrimaryConfig(
 )
 
 
-def export(checkpoint: str, format: Literal["safetensors", "hf"] = "safetensors", output: str | None = None) -> Path:
+MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported file's metadata
+
+
+def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safetensors", output: str | None = None,  # noqa: A002
+           overwrite: bool = False, weights: str = "model", trust_checkpoint: bool = False) -> Path:
     """Write the weights of `checkpoint` as `format`; returns the file or directory written."""
-    state = read_checkpoint(checkpoint)
+    state = read_checkpoint(checkpoint, trust=trust_checkpoint)
     node = model_node(state, checkpoint)
     step = (state.get("progress") or {}).get("step", 0)
     default = Path(checkpoint).absolute().parent.parent / "export" / f"step-{step:08d}"
+    target = Path(output) if output else default.with_suffix(".safetensors") if format == "safetensors" else default
+    _refuse_to_replace(target, format, overwrite)
+    adapter = (state.get("config") or {}).get("adapter")
+    if format == "peft" and not adapter:
+        raise ConfigError(f"format=peft writes a run's adapters, but {checkpoint} was trained without any "
+                          f"(adapter=lora); use format=safetensors or format=hf")
+    model = rebuild_model(state, checkpoint, weights=weights)
+    if format == "peft":
+        lora = build(adapter, "adapter")
+        write_directory(target, lambda d: save_peft_adapter(model, lora, d, node.get("pretrained_model_name_or_path")))
+        return target
+    if adapter:
+        merge_lora(model)
     if format == "safetensors":
-        target = Path(output) if output else default.with_suffix(".safetensors")
-        _refuse_a_directory(target)
-        model = rebuild_model(node, state.get("data_dims") or {}, state, checkpoint)
         write_safetensors(model, target)
     else:
-        target = Path(output) if output else default
-        _refuse_a_foreign_directory(target)
-        model = rebuild_model(node, state.get("data_dims") or {}, state, checkpoint)
         if not callable(getattr(model, "save_pretrained", None)):
             raise ConfigError(
                 f"format=hf writes a Hugging Face directory, but this checkpoint's model ({node['_target_']}) is not "
@@ -73,7 +93,7 @@ def write_safetensors(model: nn.Module, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def write(temp: Path) -> None:
-        save_model(model, str(temp), metadata={"format": "pt"})  # "pt": what transformers expects
+        save_model(model, str(temp), metadata={"format": "pt", MARK: "1"})  # "pt": what transformers expects
         _finish_file(temp)
 
     replace_atomically(target, write)
@@ -82,12 +102,17 @@ def write_safetensors(model: nn.Module, target: Path) -> None:
 def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, target: Path) -> None:
     """`model.save_pretrained` (config and weights) and the vocabulary's tokenizer, if it has
     one, into a directory that replaces `target` once complete."""
+    write_directory(target, lambda directory: (model.save_pretrained(str(directory)), _save_tokenizer(vocab, directory)))
+
+
+def write_directory(target: Path, fill: Callable[[Path], Any]) -> None:
+    """What `fill` writes into a new directory, marked as an export's, replacing `target` once complete."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by a killed export
     try:
-        model.save_pretrained(str(partial))
-        _save_tokenizer(vocab, partial)
+        fill(partial)
+        (partial / MARK).write_text("written by ringtrain export; a later export may replace this directory\n")
         for file in partial.rglob("*"):
             if file.is_file():
                 _finish_file(file)
@@ -113,17 +138,30 @@ def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
               f"(ringtrain sample decodes with the checkpoint's vocabulary)", file=sys.stderr)
 
 
-def _refuse_a_directory(target: Path) -> None:
-    if target.is_dir():
+def _refuse_to_replace(target: Path, format: str, overwrite: bool) -> None:  # noqa: A002
+    """One line before anything is built: a path through a file, a directory where a file goes,
+    or something at `target` that no export wrote (unless `overwrite`)."""
+    for parent in target.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"output={target} goes through {parent}, which is a file; choose an output in a directory")
+    if format == "safetensors" and target.is_dir():
         raise ConfigError(f"output={target} is a directory; name the .safetensors file to write")
+    if not target.exists() or overwrite or _exported(target):
+        return
+    raise ConfigError(f"output={target} exists and was not written by ringtrain export; choose another output, "
+                      f"or pass overwrite=true to replace it")
 
 
-def _refuse_a_foreign_directory(target: Path) -> None:
-    """An earlier export is replaced; anything else at `target` is never deleted."""
-    if target.exists() and not (target.is_dir() and (target / "config.json").is_file()):
-        raise ConfigError(
-            f"output={target} exists and is not an exported model directory; choose a new output"
-        )
+def _exported(target: Path) -> bool:
+    if target.is_dir():
+        return (target / MARK).is_file()
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(target), "pt") as file:
+            return MARK in (file.metadata() or {})
+    except Exception:  # not a safetensors file at all
+        return False
 
 
 def _finish_file(path: Path) -> None:
@@ -147,18 +185,8 @@ def _safetensors():
     return safetensors.torch
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="export")
-def export_app(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        target = call_with_settings(export, cfg, EXPORT)
-    print(target)
-
-
 def main() -> None:
-    # transformers' progress bars (loading, writing shards) would be all the output besides the
-    # path written; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    run_tool(export_app, EXPORT, validate=lambda cfg: settings_for(export, cfg, EXPORT))
+    run_tool(EXPORT, export)
 
 
 if __name__ == "__main__":

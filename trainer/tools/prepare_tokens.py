@@ -1,15 +1,9 @@
-"""A token directory for data=token_file: `ringtrain prepare_tokens input=... output=...`.
+"""A token directory for data=token_file: `ringtrain prepare_tokens input=... output=...`; the
+settings and examples are conf/prepare_tokens.yaml (`ringtrain prepare_tokens --help`).
 
-    ringtrain prepare_tokens input=input.txt output=my_tokens [vocab=char|byte] [val_fraction=0.1]
-    ringtrain prepare_tokens input=input.txt output=my_tokens vocab=bpe vocab_size=2048
-    ringtrain prepare_tokens input=input.txt output=my_tokens vocab=bpe tokenizer=tokenizer.json
-    ringtrain prepare_tokens random_tokens=N vocab_size=V output=my_tokens [seed=0]
-
-Writes train.bin, val.bin and meta.json into `output`, from a UTF-8 text or as random ids;
-the tokenizing is data/prepare_tokens.py's. vocab=bpe trains a byte-level BPE tokenizer of
-vocab_size ids on the input (data/bpe.py), or uses the given tokenizer.json, and writes it
-into `output` as tokenizer.json too. A Hydra app like every ringtrain command: the
-settings and their defaults are conf/prepare_tokens.yaml (`ringtrain prepare_tokens --help`).
+Writes train.bin, val.bin and meta.json into `output`, from a UTF-8 text (data/prepare_tokens.py)
+or as random ids. vocab=bpe trains a byte-level BPE tokenizer of vocab_size ids on the input
+(data/bpe.py), or uses the given tokenizer.json, and writes it into `output` too.
 """
 from __future__ import annotations
 
@@ -17,14 +11,11 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-import hydra
-from omegaconf import DictConfig
-
-from ringtrain.config.compose import PrimaryConfig
+from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
-from ringtrain.errors import ConfigError, exit_on_user_error
-from ringtrain.tools.app import call_with_settings, run_tool, settings_for
+from ringtrain.errors import ConfigError
+from ringtrain.tools.app import run_tool
 
 PREPARE_TOKENS = PrimaryConfig(
     "prepare_tokens", "ringtrain prepare_tokens", usage="ringtrain prepare_tokens input=<text file> output=<token dir>",
@@ -32,18 +23,12 @@ PREPARE_TOKENS = PrimaryConfig(
 MAX_VOCAB_SIZE = 1 << 32  # the widest token dtype is uint32
 
 
-def prepare_tokens(
-    output: str,
-    input: str | None = None,  # noqa: A002 - the setting's name on the command line
-    vocab: Literal["char", "byte", "bpe"] = "char",
-    val_fraction: float = 0.1,
-    random_tokens: int | None = None,
-    vocab_size: int | None = None,
-    seed: int = 0,
-    tokenizer: str | None = None,
-) -> dict:
+def prepare_tokens(output: str, input: str | None = None,  # noqa: A002 - the setting's name on the command line
+                   vocab: Literal["char", "byte", "bpe"] = "char", val_fraction: float = 0.1,
+                   random_tokens: int | None = None, vocab_size: int | None = None, seed: int = 0,
+                   tokenizer: str | None = None) -> dict:
     """Write the token directory `output` from the text file `input`, or `random_tokens`
-    random ids below `vocab_size`; returns what meta.json records."""
+    random ids below `vocab_size`; returns what meta.json records, and `output`."""
     if random_tokens is not None:
         if input is not None or vocab_size is None:
             raise ConfigError(
@@ -52,7 +37,7 @@ def prepare_tokens(
         if random_tokens < 2 or not 1 <= vocab_size <= MAX_VOCAB_SIZE:
             raise ConfigError(f"random_tokens must be at least 2 and vocab_size between 1 and {MAX_VOCAB_SIZE}")
         notice_replaced_files(output, writes_tokenizer=False)
-        return prepare_random(output, random_tokens, vocab_size, seed)
+        return {**prepare_random(output, random_tokens, vocab_size, seed), "output": output}
     if input is None:
         raise ConfigError(f"input is required (or random_tokens=N vocab_size=V): {PREPARE_TOKENS.usage}")
     if not 0 < val_fraction < 1:
@@ -64,10 +49,10 @@ def prepare_tokens(
             raise ConfigError(f"vocab_size is a setting of vocab=bpe or random_tokens, not of vocab={vocab}; "
                               f"add vocab=bpe or drop it")
         notice_replaced_files(output, writes_tokenizer=False)
-        return prepare_text(input, output, vocab, val_fraction)
+        return {**prepare_text(input, output, vocab, val_fraction), "output": output}
     chosen = bpe_tokenizer(input, tokenizer, vocab_size)
     notice_replaced_files(output, writes_tokenizer=True)
-    return prepare_text(input, output, "bpe", val_fraction, tokenizer=chosen)
+    return {**prepare_text(input, output, "bpe", val_fraction, tokenizer=chosen), "output": output}
 
 
 def notice_replaced_files(output: str, writes_tokenizer: bool) -> None:
@@ -97,16 +82,12 @@ def bpe_tokenizer(input: str, tokenizer: str | None, vocab_size: int | None):  #
         raise ConfigError(str(err)) from None
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="prepare_tokens")
-def prepare_tokens_app(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        meta = call_with_settings(prepare_tokens, cfg, PREPARE_TOKENS)
-    print(f"wrote {cfg.output}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
-          f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
-
-
 def main() -> None:
-    run_tool(prepare_tokens_app, PREPARE_TOKENS, validate=lambda cfg: settings_for(prepare_tokens, cfg, PREPARE_TOKENS))
+    def show(meta: dict) -> None:
+        print(f"wrote {meta['output']}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
+              f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
+
+    run_tool(PREPARE_TOKENS, prepare_tokens, show)
 
 
 if __name__ == "__main__":

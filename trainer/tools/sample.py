@@ -1,27 +1,16 @@
-"""Text from a trained language model: `ringtrain sample checkpoint=... prompt=...`.
+"""Text from a trained language model: `ringtrain sample checkpoint=... prompt=...`; the
+settings are conf/sample.yaml (`ringtrain sample --help`), examples in README.md.
 
-    ringtrain sample checkpoint=outputs/runs/<run>/checkpoints/best.pt prompt="ROMEO:" \
-        max_new_tokens=200 temperature=0.8 top_k=200 seed=0 [num_samples=1] [device=auto|cpu|cuda]
-    ringtrain sample -m checkpoint=... seed=0,1,2          # one sample per seed
+nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint alone
+(tools/checkpoint_model.py) and the text encoded and decoded with the vocabulary it keeps
+(characters, bytes, or a BPE tokenizer.json; data/vocab.py), so neither the run's command line
+nor its data file is needed. The prompt and generated text go to stdout (samples separated by
+dashes), all else to stderr. The forward passes run under the run's `trainer.precision`
+(float32 on the CPU for a 16-mixed run).
 
-nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint
-alone (its model node, the data's sizes and the weights; tools/checkpoint_model.py) and the text
-is encoded and decoded with the vocabulary the checkpoint keeps (characters, bytes, or a BPE
-tokenizer's whole tokenizer.json; data/vocab.py), so neither the run's command
-line nor its data file is needed. Prints the prompt followed by the generated text on stdout
-(samples separated by a line of dashes); everything else goes to stderr.
-
-A Hydra app like every ringtrain command: the settings and their defaults are conf/sample.yaml
-(`ringtrain sample --help`). `temperature=0` is greedy decoding (deterministic); `top_k`
-keeps the k likeliest tokens (`top_k=null` keeps all); `prompt=FILE:path` reads the prompt
-from a file, which also spares quoting a prompt with commas or brackets (Hydra's grammar:
-prompt="'Hello, world'" in a shell). The forward passes run under the run's `trainer.precision` (float32
-on the CPU for a 16-mixed run).
-
-`generate()` works for any model that maps (B, T) token ids to (B, T, vocab) logits, as a
-tensor or as the output the run's task reads (a Hugging Face model's `logits`, data/batches.py);
-the context is cropped to the model's positions: `block_size`, `n_positions` or
-`max_position_embeddings`, whichever its config has (config/sizes.py).
+`generate()` works for any model mapping (B, T) token ids to (B, T, vocab) logits, as a tensor
+or the output the run's task reads (a Hugging Face model's `logits`, data/batches.py); the
+context is cropped to the model's positions (config/sizes.py).
 """
 from __future__ import annotations
 
@@ -30,20 +19,18 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import hydra
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from ringtrain.tools.checkpoint_model import choose_device, inference_precision, model_node, read_checkpoint, rebuild_model
-from ringtrain.config.compose import PrimaryConfig
-from ringtrain.config.components import build, is_node, locate
+from ringtrain.components import build, is_node, locate
+from ringtrain.config.app import PrimaryConfig
 from ringtrain.config.sizes import position_limit
 from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import CharVocab, Vocab, vocab_from_state
-from ringtrain.errors import ConfigError, exit_on_user_error
-from ringtrain.tools.app import call_with_settings, run_tool, settings_for
+from ringtrain.errors import ConfigError
+from ringtrain.tools.app import run_tool
+from ringtrain.tools.checkpoint_model import choose_device, inference_precision, read_checkpoint, rebuild_model
 
 SAMPLE = PrimaryConfig(
     "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
@@ -54,24 +41,13 @@ LANGUAGE_MODEL_DATA = "data=text, token_file or hf_text"
 
 
 @torch.inference_mode()
-def generate(
-    model: nn.Module,
-    idx: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-    task: Any = None,
-) -> torch.Tensor:
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None, task: Any = None) -> torch.Tensor:
     """Continue the (B, T) token ids `idx` by `max_new_tokens` tokens; returns (B, T + new).
-
-    Each step feeds the last tokens the model has positions for (all of them when it does not
-    say), takes the last position's logits (`task.output_key` of its output), and picks the next token:
-    the argmax when `temperature` is 0, else a draw from softmax(logits / temperature)
-    restricted to the `top_k` likeliest tokens. Runs in eval mode (no dropout) and restores
-    the model's mode afterwards. No KV cache: the whole context is recomputed each step,
-    which is what a model of any architecture supports.
-    """
+    Each step feeds the last tokens the model has positions for, takes the last position's
+    logits (`task.output_key` of its output) and picks the argmax (`temperature` 0) or a draw
+    from softmax(logits / temperature) over the `top_k` likeliest, in eval mode. No KV cache:
+    recomputing the whole context each step is what a model of any architecture supports."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
     if top_k is not None and top_k < 1:
@@ -110,10 +86,8 @@ def encode_prompt(vocab: Vocab, prompt: str) -> torch.Tensor:
     if isinstance(vocab, CharVocab):
         unknown = sorted(set(prompt) - set(vocab.chars))
         if unknown:
-            raise ConfigError(
-                f"prompt has characters the model's vocabulary lacks: {', '.join(map(repr, unknown))}; "
-                f"use only the {vocab.size} characters of the training text"
-            )
+            raise ConfigError(f"prompt has characters the model's vocabulary lacks: {', '.join(map(repr, unknown))}; "
+                              f"use only the {vocab.size} characters of the training text")
     ids = vocab.encode_tensor(prompt)
     if not len(ids):
         raise ConfigError(f"prompt={prompt!r} encodes to no tokens with the model's tokenizer; give some text")
@@ -132,8 +106,8 @@ def read_prompt(prompt: str) -> str:
 
 def refuse_a_model_that_is_not_a_language_model(state: dict, checkpoint: str) -> None:
     """Only a run trained with a language-model task (data/tasks.py LanguageModelTask, or a
-    subclass: data=text, token_file, hf_text, hf_gpt2 with shift_labels) predicts next tokens.
-    A classifier's data may still keep a vocabulary (hf_rows with a tokenizer), so the task
+    subclass: data=text, token_file, hf_text, hf_gpt2 with shift_labels) predicts next tokens. A
+    classifier's data may still keep a vocabulary (hf_rows with a tokenizer), so the task
     decides; only a checkpoint whose task cannot be read is judged by its data's vocabulary."""
     config = state.get("config") or {}
     verdict = _trained_as_a_language_model(config.get("task"))
@@ -143,11 +117,9 @@ def refuse_a_model_that_is_not_a_language_model(state: dict, checkpoint: str) ->
     task = (config.get("task") or {}).get("_target_", "its task")
     sizes = ", ".join(sorted(state.get("data_dims") or {}))
     data = f"on data of sizes ({sizes})" if verdict is False else f"on data that gives no vocabulary ({sizes or 'no sizes'})"
-    raise ConfigError(
-        f"{checkpoint} holds {model}, trained with {task} {data}: not a language model, so there is no "
-        f"text to sample (sample needs a run of task=language_model: {LANGUAGE_MODEL_DATA}); "
-        f"`ringtrain evaluate checkpoint=...` reports its metrics"
-    )
+    raise ConfigError(f"{checkpoint} holds {model}, trained with {task} {data}: not a language model, so there is no "
+                      f"text to sample (sample needs a run of task=language_model: {LANGUAGE_MODEL_DATA}); "
+                      f"`ringtrain evaluate checkpoint=...` reports its metrics")
 
 
 def _trained_as_a_language_model(node: Any) -> bool | None:
@@ -162,38 +134,30 @@ def _trained_as_a_language_model(node: Any) -> bool | None:
     return inspect.isclass(kind) and issubclass(kind, LanguageModelTask)
 
 
-def sample(
-    checkpoint: str,
-    prompt: str = "\n",
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int | None = 200,
-    seed: int = 0,
-    num_samples: int = 1,
-    device: Literal["auto", "cpu", "cuda"] = "auto",
-) -> list[str]:
-    """`num_samples` texts, each the prompt followed by `max_new_tokens` generated characters
-    (tokens); see the module docstring. User mistakes raise ConfigError / CheckpointError."""
+def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8,
+           top_k: int | None = 200, seed: int = 0, num_samples: int = 1,
+           device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model",
+           trust_checkpoint: bool = False) -> list[str]:
+    """`num_samples` texts, each the prompt and `max_new_tokens` generated tokens; a user's
+    mistakes raise ConfigError / CheckpointError."""
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0; use 0 for greedy decoding, e.g. 0.8 to sample")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=null for all tokens")
     if max_new_tokens < 0 or num_samples < 1:
         raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
-    state = read_checkpoint(checkpoint)
+    state = read_checkpoint(checkpoint, trust=trust_checkpoint)
     refuse_a_model_that_is_not_a_language_model(state, checkpoint)
     if not state.get("vocab"):
-        raise ConfigError(
-            f"this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
-            f"{LANGUAGE_MODEL_DATA}"
-        )
+        raise ConfigError(f"this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
+                          f"{LANGUAGE_MODEL_DATA}")
     try:
         vocab = vocab_from_state(state["vocab"])
     except ValueError as err:
         raise ConfigError(f"checkpoint {checkpoint!r} has an unusable vocabulary ({err})") from None
     ids = encode_prompt(vocab, read_prompt(prompt))
     target = choose_device(device)
-    model = rebuild_model(model_node(state, checkpoint), state.get("data_dims") or {}, state, checkpoint)
+    model = rebuild_model(state, checkpoint, weights=weights)
     model.to(target)
     precision = inference_precision((state["config"].get("trainer") or {}).get("precision"), target)
     task = stored_task(state["config"].get("task"))
@@ -216,10 +180,7 @@ def stored_task(node: Any) -> Any:
     return build(node, "task")
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name="sample")
-def sample_app(cfg: DictConfig) -> None:
-    with exit_on_user_error():
-        texts = call_with_settings(sample, cfg, SAMPLE)
+def show(texts: list[str]) -> None:
     # A vocabulary may hold characters the console's encoding lacks: replace those, never crash.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
@@ -227,7 +188,7 @@ def sample_app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    run_tool(sample_app, SAMPLE, validate=lambda cfg: settings_for(sample, cfg, SAMPLE))
+    run_tool(SAMPLE, sample, show)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,13 @@
 """A checkpoint's stored config as sections of `ringtrain evaluate`'s config.
 
-Evaluation rebuilds the model, data and task from the config a checkpoint keeps, and the
-command line may change it as on training's: `data.path=other.txt` changes a key the stored
-config has (a misspelt key is refused), `+data.x=1` adds one, `~data.x` removes one. Hydra
-checks each override against the config it composes, so that config must hold the stored
-keys before Hydra runs. `register_stored_sections` therefore reads the config of every
-checkpoint the command line names (several in a sweep: -m checkpoint=a,b) and registers its
-sections model, data, task and trainer as the config group option `from_checkpoint/sections`,
-which conf/evaluate.yaml lists as an optional default.
-
-A value those checkpoints share is registered as it is, so `--cfg job` prints the config that
-will be evaluated; where they differ (or only some have the key) it is `???`, which `overlay`
-reads as "this checkpoint's own value". With one checkpoint, the sections are its config.
+The command line changes the stored config as training's: `data.path=other.txt` changes a key
+it has (a misspelt one is refused), `+data.x=1` adds one, `~data.x` removes one. Hydra checks
+each override against the config it composes, so that must hold the stored keys before Hydra
+runs: `register_stored_sections` reads the config of every checkpoint the command line names
+(-m checkpoint=a,b: several) and registers its model, data, task and trainer sections as the
+option `from_checkpoint/sections`, an optional default of conf/evaluate.yaml. A value the
+checkpoints share is registered as it is (`--cfg job` prints it); where they differ it is
+`???`, which `overlay` reads as "this checkpoint's own value".
 """
 from __future__ import annotations
 

@@ -1,0 +1,50 @@
+"""The Loggers callback: hands the run's hyperparameters and metrics to the loggers of the
+`logger` group (ringtrain/loggers/: TensorBoard, CSV, Weights & Biases, MLflow), on rank 0."""
+from __future__ import annotations
+
+import logging
+
+from ringtrain.callbacks.base import Callback, Run
+
+log = logging.getLogger("ringtrain")
+
+
+class Loggers(Callback):
+    rank_zero_only = True
+
+    def __init__(self, loggers: dict) -> None:
+        self.loggers = dict(loggers)
+        # Those whose start() returned: the only ones to log to and to finish. A run that fails
+        # before (another callback's on_fit_start) or while they start (a store that cannot be
+        # opened) must not call finish() on a logger that never started: its AttributeError
+        # replaced the error that stopped the run.
+        self.started: dict = {}
+
+    def on_fit_start(self, run: Run) -> None:
+        name = run.run_dir.name
+        for key, logger in self.loggers.items():
+            logger.start(run.run_dir, name, run.group, run.config)
+            self.started[key] = logger
+
+    def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
+        for logger in self.started.values():
+            logger.log_metrics(metrics, step)
+
+    def on_fit_end(self, run: Run, result) -> None:
+        summary = result.summary()
+        best = {result.monitor: result.best_metric} if result.best_metric is not None else None
+        self._finish({**summary, "best": best}, "stopped" if result.stopped_early else "completed")
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        self._finish({"final": run.metrics, "best": None, "steps": run.step}, "failed", failing=True)
+
+    def _finish(self, summary: dict, status: str, failing: bool = False) -> None:
+        started, self.started = self.started, {}  # once: a failure in on_fit_end must not finish them again
+        for key, logger in started.items():
+            try:
+                logger.finish(summary, status)
+            except Exception:
+                if not failing:
+                    raise
+                # The run is failing already: its own error is the one to report; the others still close.
+                log.warning(f"logger.{key} could not record the failed run", exc_info=True)

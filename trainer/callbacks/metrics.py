@@ -1,0 +1,78 @@
+"""The training metrics a run logs: the loss and the gradient norm (TrainMetrics), the learning
+rate (LearningRateMonitor), a streamed data set's mixture and passes (StreamMetrics)."""
+from __future__ import annotations
+
+import torch
+
+from ringtrain.callbacks.base import Callback, Run, StepEnd
+from ringtrain.distributed import all_reduce_sum
+
+
+class TrainMetrics(Callback):
+    """train/loss over the steps since the last logging step, on every rank together (one
+    all-reduce at a logging step); grad_norm; train/skipped_steps once an update was skipped
+    (non-finite values, float16 overflow).
+
+    The losses stay detached tensors on the device until a logging step sums them, so a step
+    costs no host synchronisation and no arithmetic. A micro-batch's loss is a mean over its
+    samples, or a sum over its tokens (a language model's, labels -100 not counted): the logged
+    loss weighs every sample, or every token, alike."""
+
+    def __init__(self) -> None:
+        self._losses: list[tuple[torch.Tensor, object]] = []
+        self._summed: list[bool] = []
+
+    def on_step_end(self, run: Run, step: StepEnd) -> None:
+        self._losses.extend(step.losses)
+        self._summed.extend([step.summed] * len(step.losses))
+        if not step.logging:
+            return
+        values = {"train/loss": self._read(run)}
+        if step.grad_norm is not None:
+            values["grad_norm"] = float(step.grad_norm)
+        if run.skipped_steps:
+            values["train/skipped_steps"] = run.skipped_steps
+        run.log(values)
+
+    def _read(self, run: Run) -> float:
+        device = self._losses[0][0].device
+        total, count = torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)
+        for (loss, weight), summed in zip(self._losses, self._summed):
+            total = total + (loss.double() if summed else loss.double() * weight)
+            count = count + weight
+        self._losses, self._summed = [], []
+        total, count = all_reduce_sum(run.dist, torch.stack([total, count]).to(run.dist.device)).tolist()
+        return total / max(count, 1.0)
+
+
+class LearningRateMonitor(Callback):
+    """The learning rate at each logging step: `lr`, and `lr-group<i>` for every further
+    parameter group whose rate differs (Lightning's LearningRateMonitor)."""
+
+    rank_zero_only = True
+
+    def on_step_end(self, run: Run, step: StepEnd) -> None:
+        if step.logging:
+            rates = [group["lr"] for group in run.optimizer.param_groups]
+            run.log({"lr": step.lr, **{f"lr-group{i}": rate for i, rate in enumerate(rates) if i and rate != rates[0]}})
+
+
+class StreamMetrics(Callback):
+    """At each logging step, for a streamed training set (loop/streams.py) that can say them:
+    each source's share of the samples drawn so far by every rank, `data/mix/<source>` (a
+    mixture's `drawn_counts`), and the passes over the data every reader has completed,
+    `data/epochs` (`completed_epochs`). Nothing for a map-style data set."""
+
+    def on_step_end(self, run: Run, step: StepEnd) -> None:
+        dataset = getattr(run.train_loader, "dataset", None)
+        drawn, epochs = getattr(dataset, "drawn_counts", None), getattr(dataset, "completed_epochs", None)
+        if not step.logging or not callable(getattr(run.train_loader, "state_dict", None)) or not (drawn or epochs):
+            return
+        state, values = run.train_loader.state_dict(), {}
+        if callable(drawn):
+            counts = drawn(state)  # this rank's readers; every rank's summed
+            totals = all_reduce_sum(run.dist, torch.tensor([float(counts[n]) for n in counts], device=run.dist.device))
+            values = {f"data/mix/{name}": share for name, share in zip(counts, (totals / totals.sum().clamp(min=1)).tolist())}
+        if callable(epochs):
+            values["data/epochs"] = epochs(state)
+        run.log(values)

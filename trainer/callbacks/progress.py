@@ -1,0 +1,74 @@
+"""What the console shows of training: a progress bar with the loss and the speed, or, with
+trainer.progress_bar=false, one log line per logging step (which train.log keeps too)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ringtrain.callbacks.base import Callback, Run, StepEnd
+
+log = logging.getLogger("ringtrain")
+
+
+class ProgressBar(Callback):
+    rank_zero_only = True
+
+    def on_fit_start(self, run: Run) -> None:
+        self.bar = None
+        self._console = contextlib.ExitStack()
+        if run.trainer.progress_bar:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True)
+            self._console.enter_context(logging_redirect_tqdm())  # log lines above the bar, not through it
+
+    def on_step_end(self, run: Run, step: StepEnd) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
+        if "train/loss" not in metrics:
+            return
+        shown = {"loss": f"{metrics['train/loss']:.4g}", **speed_fields(metrics)}
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+        else:
+            log.info(f"step {step}: " + " ".join(f"{key}={value}" for key, value in shown.items()))
+
+    def on_fit_end(self, run: Run, result) -> None:
+        self._close()
+
+    def on_exception(self, run: Run, error: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self._console.close()
+
+
+def speed_fields(values: dict[str, float]) -> dict[str, str]:
+    """The speed figures of a logging step, short enough for a progress bar."""
+    fields = {}
+    if "throughput/tokens_per_sec" in values:
+        fields["tok/s"] = _si(values["throughput/tokens_per_sec"])
+    elif "throughput/samples_per_sec" in values:
+        fields["samples/s"] = _si(values["throughput/samples_per_sec"])
+    if "throughput/step_ms" in values:
+        ms = values["throughput/step_ms"]
+        fields["ms/step"] = f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+    if "throughput/mfu_percent" in values:
+        fields["mfu"] = f"{values['throughput/mfu_percent']:.1f}%"
+    if "memory/peak_allocated_gib" in values:
+        fields["mem"] = f"{values['memory/peak_allocated_gib']:.2f}GiB"
+    return fields
+
+
+def _si(value: float) -> str:
+    """12345.6 -> "12.3k"."""
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g}{suffix}"
+    return f"{value:.3g}"

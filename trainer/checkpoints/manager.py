@@ -1,0 +1,308 @@
+"""A run's checkpoints, one component: which one the run continues from, reading it (once),
+writing new ones and keeping the newest few (torchtitan's CheckpointManager is the model).
+
+    checkpoints = CheckpointManager(run_dir / "checkpoints", trainer, dist)
+    resumed = checkpoints.resume(trainer.resume, kept)   # rank 0 decides; each rank reads it once
+    if checkpoints.due(step, evaluated, last): checkpoints.save(step, gather_state, best)
+    checkpoints.flush()                                   # the last save is on disk
+
+trainer.resume is `auto` (the newest readable checkpoint here, else a fresh start: what a
+restarted job relies on), a path (continue that run; config/continuation.py gives its config)
+or null (never; a directory holding checkpoints is refused). An unreadable newest file
+(truncated, checksum mismatch) is named in one line and moved into checkpoints/unreadable/,
+never deleted, and an older one used. The file format is checkpoints/files.py. A save writes `step-<N>.pt` atomically, hard-links `last.pt` (and `best.pt`) to it and keeps
+`keep_last_k` step files. With trainer.async_checkpoint training stops only to copy the state
+to CPU memory; a thread writes it (checkpoints/background.py), and a failure stops the run at
+the next save or `flush` on every rank, the previous checkpoint intact. Only rank 0 writes;
+every rank takes part.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ringtrain.checkpoints.atomic import remove_if_present, temp_name_pattern
+from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
+from ringtrain.checkpoints.files import (
+    BEST_NAME, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,
+    read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, shards_name, step_checkpoint_name,
+    step_checkpoints,
+)
+from ringtrain.distributed import DistInfo, broadcast_object
+from ringtrain.errors import ConfigError
+
+log = logging.getLogger("ringtrain")
+
+# The temporary names of ringtrain's own writes; nothing else is ever removed as stale.
+_STALE_TEMP_NAME = temp_name_pattern(r"[\w.-]+\.pt")
+_STALE_SHARDS_NAME = re.compile(r"^\.step-\d+\.shards\.(?:partial|previous)$")  # a killed sharded save's
+
+
+class Resumed:
+    """The checkpoint a run continues from, read once: its path and its state (tensors on the
+    CPU). Sent to a spawned rank it travels as its path: that process reads it itself."""
+
+    def __init__(self, path: Path, state: dict[str, Any] | None):
+        self.path, self.state = Path(path), state
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "state": None}
+
+
+class CheckpointManager:
+    def __init__(self, directory: Path, trainer: Any, dist: DistInfo):
+        self.directory = Path(directory)
+        self.keep_last_k, self.enabled, self.every = trainer.keep_last_k, trainer.checkpoint, trainer.checkpoint_every_n_steps
+        self.dist = dist
+        self.writer = BackgroundWriter() if trainer.async_checkpoint else None
+        self._snapshot: dict[str, Any] | None = None  # the last copy written in the background
+        self._written: list[tuple[int, Path]] = []  # saves complete on disk, not yet reported
+
+    @property
+    def last(self) -> Path:
+        return self.directory / LAST_NAME
+
+    def resume(self, resume: Any, kept: dict, given: Resumed | None = None) -> Resumed | None:
+        """The checkpoint this run continues from, read on every rank (rank 0 decides which),
+        or None. `kept`: the model section it must have been trained with. `given`: the one
+        trainer.resume=<path> names, already read by this process (config/continuation.py)."""
+        decision: tuple[str, str | None] = ("ok", None)
+        chosen = None
+        if self.dist.is_main:
+            try:
+                chosen = self._choose(resume, kept, given)
+                decision = ("ok", str(chosen.path) if chosen else None)
+            except (RunDirError, CheckpointError, ConfigError) as err:
+                decision = (type(err).__name__, str(err))
+        kind, value = broadcast_object(self.dist, decision)
+        if kind != "ok":
+            raise {"RunDirError": RunDirError, "CheckpointError": CheckpointError, "ConfigError": ConfigError}[kind](value)
+        if value is None:
+            return None
+        if chosen is None:  # another rank: its own read of the file rank 0 chose (and verified)
+            mine = given is not None and given.state is not None and given.path.resolve() == Path(value).resolve()
+            chosen = Resumed(Path(value), given.state if mine else _read(Path(value)))
+        return chosen
+
+    def _choose(self, resume: Any, kept: dict, given: Resumed | None) -> Resumed | None:
+        for stale in self.remove_stale_files():
+            log.info(f"removed {stale.name}, left by a save that was killed mid-write")
+        if resume == "auto":
+            return self._newest_readable(kept)
+        if resume is None:
+            if self._holds_checkpoints():
+                raise RunDirError(f"{self.directory.parent} already holds checkpoints and trainer.resume=null; continue it "
+                                  f"with trainer.resume=auto, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
+            return None
+        path = Path(resume).resolve()
+        if path.parent != self.directory.resolve() and self._holds_checkpoints():
+            raise RunDirError(f"{self.directory.parent} already holds checkpoints of another run; continue it with "
+                              f"trainer.resume={self.last}, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
+        mine = given is not None and given.state is not None and given.path.resolve() == path
+        state = given.state if mine else _read(path)
+        log.info(f"resuming from {resume} (step {state['progress']['step']})")
+        return Resumed(path, state)
+
+    def _newest_readable(self, kept: dict) -> Resumed | None:
+        """trainer.resume=auto: the newest checkpoint that reads, after one warning for each
+        newer one that does not, which is set aside; None for a directory without any."""
+        found = find_resumable(self.directory)
+        if found.path is None:
+            if found.unreadable:
+                files = "; ".join(_describe(names, why).replace(f"{self.directory}/", "") for names, why in found.unreadable)
+                raise RunDirError(
+                    f"no checkpoint in {self.directory} can be read ({files}); they are left as they are. Start over with "
+                    f"trainer.resume=null and a new hydra.run.dir (hydra.sweep.dir in a sweep), or continue from a good "
+                    f"copy with trainer.resume=<its path>")
+            return None
+        _refuse_another_model(self.directory.parent, found.state["config"].get("model"), kept)
+        for warning, (names, _) in zip(found.warnings, found.unreadable):
+            log.warning(f"{warning}; it is kept in {self.directory / UNREADABLE_DIR}")
+            set_aside(names)  # newer than the one resumed: rotation would count them, a save replace them
+        log.info(f"resuming from {found.path} (step {found.state['progress']['step']})")
+        return Resumed(found.path, found.state)
+
+    def _holds_checkpoints(self) -> bool:
+        return self.last.is_file() or (self.directory / BEST_NAME).is_file() or bool(step_checkpoints(self.directory))
+
+    def due(self, step: int, evaluated: bool, last: bool) -> bool:
+        """Whether `step` saves: after each evaluation, every checkpoint_every_n_steps, at the end."""
+        return self.enabled and (evaluated or last or (self.every > 0 and step % self.every == 0))
+
+    def save(self, step: int, gather: Callable[[Path], dict[str, Any]], best: bool) -> None:
+        """Every rank: `gather(shards_path)` collects the state (rank 0 gets it, the others {});
+        rank 0 writes step-<step>.pt, last.pt (and best.pt), now or in the background; every
+        rank learns whether the write (or the previous one) failed."""
+        # The previous write ends first: its failure stops the run before more is gathered, one
+        # copy of the state waits in memory, and its rotation cannot delete this save's shards.
+        self.flush()
+        state = gather(self.directory / shards_name(step))
+        failure = self._write(state, step, best) if self.dist.is_main else None
+        # Also the barrier: nobody resumes from a file before it is complete (or copied).
+        if failure := broadcast_object(self.dist, failure):
+            raise CheckpointError(failure)
+
+    def flush(self) -> None:
+        """Every rank: wait for rank 0's background write; its failure raises on every rank."""
+        failure = self._wait() if self.dist.is_main else None
+        if self.writer is not None and (failure := broadcast_object(self.dist, failure)):
+            raise CheckpointError(failure)
+
+    def written(self) -> list[tuple[int, Path]]:
+        """(step, step file) of the saves complete on disk since the last call (rank 0)."""
+        done, self._written = self._written, []
+        return done
+
+    def _write(self, state: dict[str, Any], step: int, best: bool) -> str | None:
+        if self.writer is None:
+            try:
+                self._store(state, step, best)
+            except CheckpointError as err:
+                return str(err)
+            return None
+        # A deep copy: on CPU the state's tensors are the live parameters and optimizer moments,
+        # which the next step changes in place while the thread writes; the previous copy's
+        # memory is reused (its write has ended: save waited for it).
+        snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
+        self.writer.submit(lambda: self._store(snapshot, step, best))
+        return None
+
+    def _wait(self) -> str | None:
+        err = self.writer.wait() if self.writer is not None else None
+        if err is None or isinstance(err, CheckpointError):
+            return None if err is None else str(err)
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"cannot save checkpoint in {self.directory}: {type(err).__name__}{': ' + text if text else ''}"
+
+    def _store(self, state: dict[str, Any], step: int, best: bool) -> None:
+        """Write step-<step>.pt durably, link last.pt (and best.pt) to it, then delete the step
+        files beyond the newest keep_last_k and the shards directories no file names."""
+        step_path = self.directory / step_checkpoint_name(step)
+        if "shards" in state and "shard_checksums" not in state:  # DCP's files carry none: record theirs
+            state = {**state, "shard_checksums": directory_checksums(self.directory / state["shards"])}
+        save_checkpoint(step_path, state, intact=self.last)
+        link_checkpoint(step_path, self.last)
+        if best:
+            link_checkpoint(step_path, self.directory / BEST_NAME)
+        self._rotate(step)
+        remove_unnamed_shards(self.directory)
+        self._written.append((step, step_path))
+
+    def _rotate(self, saved: int) -> None:
+        # Deleting a step name never loses last.pt or best.pt: they are hard links to the file.
+        kept = []
+        for step, path in step_checkpoints(self.directory):
+            if step <= saved:
+                kept.append(path)
+                continue
+            # Newer than the step just saved: the line of training a resume from an older
+            # checkpoint left behind (one that cannot be read is kept aside instead).
+            try:
+                read_checkpoint(path, mmap=True)
+            except Unusable as why:
+                log.warning(f"{path} {why}; moved to {set_aside([path])[0]}, not deleted")
+                continue
+            log.warning(f"removing {path}: step {step} of the line of training this run left when it resumed "
+                        f"from an older checkpoint (step {saved} was just saved in its place)")
+            remove_if_present(path)
+        for path in kept[: -self.keep_last_k]:
+            remove_if_present(path)
+
+    def remove_stale_files(self) -> list[Path]:
+        """What saves killed mid-write left behind (ringtrain's own names only)."""
+        if not self.directory.is_dir():
+            return []
+        removed = []
+        for entry in self.directory.iterdir():
+            if _STALE_TEMP_NAME.match(entry.name) and entry.is_file():
+                remove_if_present(entry)
+                removed.append(entry)
+            elif _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+        return sorted(removed + remove_unnamed_shards(self.directory))
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an exception no collective is safe (another rank may be gone): rank 0 only waits,
+        # so the write in flight ends complete before the process does.
+        if exc_type is not None and self.dist.is_main and (failure := self._wait()):
+            log.warning(failure)
+
+
+class Found(NamedTuple):
+    """What `find_resumable` found: the newest checkpoint that reads (None: none) with its
+    state, and each newer file that does not: (its names, why)."""
+
+    path: Path | None
+    state: dict[str, Any] | None
+    unreadable: list[tuple[list[Path], str]]
+
+    @property
+    def warnings(self) -> list[str]:
+        """One line per unreadable file, naming what the run falls back to."""
+        then = f"falling back to {self.path}" if self.path is not None else "no readable checkpoint is left"
+        return [f"checkpoint {_describe(names, why)}; {then}" for names, why in self.unreadable]
+
+
+def find_resumable(directory: Path) -> Found:
+    """The newest checkpoint in `directory` that reads, checksums matching (last.pt, the step
+    files newest first, best.pt), read once; and each newer one that does not. A name that is
+    the same file as one tried (last.pt and its step file are hard links) is not read again."""
+    directory = Path(directory)
+    candidates = [directory / LAST_NAME, *(path for _, path in reversed(step_checkpoints(directory))), directory / BEST_NAME]
+    tried: list[Path] = []
+    unreadable: list[tuple[list[Path], str]] = []
+    for path in candidates:
+        if not path.is_file() or any(_same_file(earlier, path) for earlier in tried):
+            continue
+        tried.append(path)
+        try:
+            return Found(path, read_checkpoint(path, mmap=True), unreadable)
+        except Unusable as err:
+            names = [path] + [p for p in candidates if p != path and p.is_file() and _same_file(p, path)]
+            unreadable.append((names, str(err)))
+    return Found(None, None, unreadable)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return read_checkpoint(path, mmap=True)
+    except Unusable as err:
+        raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
+
+
+def _refuse_another_model(run_dir: Path, stored: Any, kept: dict) -> None:
+    if stored != kept:
+        changed = first_difference(stored or {}, kept or {}, "model")
+        raise RunDirError(f"{run_dir} holds a run whose {changed} differs from this one's; continue it with the "
+                          f"same model, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
+
+
+def first_difference(old: Any, new: Any, prefix: str) -> str:
+    """`model.n_layers (2 -> 3)`: the first key where two configs differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new), key=str):
+            if old.get(key) != new.get(key):
+                return first_difference(old.get(key), new.get(key), f"{prefix}.{key}")
+    return f"{prefix} ({old!r} -> {new!r})"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _describe(names: list[Path], why: str) -> str:
+    """`<dir>/last.pt (= step-00000800.pt) is corrupt: ...`"""
+    first, *aliases = names
+    return f"{first} (= {', '.join(p.name for p in aliases)}) {why}" if aliases else f"{first} {why}"

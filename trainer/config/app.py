@@ -1,0 +1,243 @@
+"""Every command's Hydra app: composed once by @hydra.main, a composition mistake one line.
+
+Each command (train, evaluate, sample, consolidate, export, prepare_tokens) is a Hydra app
+whose primary config is conf/<name>.yaml, so `--help`, `--cfg job`, `+key`, `~key`,
+`--config-dir` and `-m` (with any sweeper and launcher) are Hydra's own. `run_app` turns off
+Hydra's printed report of an error (HYDRA_FULL_ERROR: Hydra raises instead), so that a
+composition mistake arrives as Hydra's exception, whose fields (the key, the options there
+are) make one line naming the fix, exit 2. The `${ringtrain.*:}` resolvers the configs use are
+registered here too.
+"""
+from __future__ import annotations
+
+import atexit
+import difflib
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ringtrain.checkpoints.rundir import log_file, rank_tag, run_directory, run_name
+from ringtrain.conf import options_defining
+from ringtrain.errors import ConfigError, exit_on_user_error
+
+# Settings Lightning users reach for, and what they are called here.
+LIGHTNING_HABITS = {
+    "trainer.devices": "strategy=ddp strategy.nproc_per_node=N (or torchrun --nproc_per_node=N)",
+    "trainer.num_nodes": "torchrun --nnodes=N (see README, Several machines)",
+    "trainer.fast_dev_run": "debug=fast_dev_run",
+    "trainer.max_time": "trainer.max_steps",
+    "trainer.gradient_clip_val": "trainer.grad_clip_norm",
+    "trainer.accumulate_grad": "trainer.accumulate_grad_batches",
+    "trainer.check_val_every_n_epoch": "trainer.eval_every_n_steps",
+    "trainer.val_check_interval": "trainer.eval_every_n_steps (steps) or trainer.eval_every_fraction (of an epoch)",
+    "trainer.limit_train_batches": "trainer.overfit_batches or trainer.max_steps",
+    "trainer.ckpt_path": "trainer.resume=<path to last.pt>",
+    "trainer.strategy": "strategy=single|dp|ddp|fsdp",
+    "trainer.callbacks": "callbacks.<name>=... (conf/callbacks/)",
+    "trainer.logger": "logger.<name>=... (conf/logger/)",
+    "ckpt_path": "trainer.resume=<path to last.pt>",
+    "seed": "trainer.seed",
+    "devices": "strategy=ddp strategy.nproc_per_node=N (or torchrun --nproc_per_node=N)",
+    "precision": "trainer.precision",
+    "max_epochs": "trainer.max_epochs",
+    "max_steps": "trainer.max_steps",
+    "batch_size": "trainer.batch_size",
+    "lr": "optimizer.lr",
+}
+# Groups that are presets rather than sections of the run's config.
+PRESET_GROUPS = ("experiment", "debug", "hparams_search")
+# Sections that hold a `_target_` node: a key they lack may be a new argument (+key=value).
+COMPONENT_SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "adapter")
+
+
+@dataclass(frozen=True)
+class PrimaryConfig:
+    """A command's primary config, conf/<name>.yaml, and how its messages name it."""
+
+    name: str
+    program: str  # the command as the user types it, e.g. "ringtrain evaluate"
+    usage: str = ""  # a whole command line, the fix for a missing required setting
+    # A key (or a section) the config does not have -> what to write instead.
+    hints: Mapping[str, str] = field(default_factory=dict)
+    presets: tuple[str, ...] = ()  # train's top level has preset groups; a tool's is its settings
+
+
+TRAIN = PrimaryConfig("train", "ringtrain", usage="ringtrain [group=option ...] [key=value ...]",
+                      hints={key: f"use {fix}" for key, fix in LIGHTNING_HABITS.items()}, presets=PRESET_GROUPS)
+
+
+def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], config_name: str | None = None) -> Any:
+    """Run `task` as the Hydra app of conf/<primary.name>.yaml (or the primary config
+    `config_name` registered in Hydra's ConfigStore); a composition mistake is one line."""
+    import hydra
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
+    from yaml import YAMLError
+
+    register_resolvers()
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its exception rather than printing a report
+    # transformers' progress bars (loading weights) would come between a command's lines, or
+    # before its one-line refusal; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    jobs_started = []
+
+    @functools.wraps(task)
+    def job(cfg: Any) -> Any:
+        jobs_started.append(True)
+        return task(cfg)
+
+    app = hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name=config_name or primary.name)(job)
+    with exit_on_user_error():
+        try:
+            return app()
+        except (ConfigCompositionException, MissingConfigException, OverrideParseException,
+                SearchPathException, YAMLError) as err:
+            raise ConfigError(composition_message(err, primary)) from None
+        except OSError as err:
+            if jobs_started or not err.filename:
+                raise
+            raise ConfigError(output_directory_message(err)) from None  # Hydra making the run (or sweep) directory
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    resolvers = {
+        "ringtrain.run_name": run_name, "ringtrain.run_dir": run_directory, "ringtrain.log_file": log_file,
+        "ringtrain.rank_tag": rank_tag, "ringtrain.direction": optimization_direction,
+        "ringtrain.scratch_dir": scratch_directory, "ringtrain.one_name": one_path_name,
+    }
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            # cached: one run name per process, however often the run directory is resolved
+            OmegaConf.register_new_resolver(name, resolver, use_cache=name in ("ringtrain.run_name", "ringtrain.run_dir"))
+
+
+def optimization_direction(mode: str) -> str:
+    """Optuna's direction for the task's mode: a loss (min) or an accuracy (max)."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"task.mode={mode!r} must be min or max")
+    return "maximize" if mode == "max" else "minimize"
+
+
+def one_path_name(text: str) -> str:
+    """`text` as one directory name: a sweep job's overrides may hold paths (a/b), which would
+    nest the job's directory."""
+    return str(text).replace(os.sep, "_")
+
+
+@functools.cache
+def scratch_directory() -> str:
+    """Where a tool's multirun keeps the multirun.yaml Hydra's sweeper writes (the tools write
+    their results where they say): one per process, removed at exit."""
+    path = tempfile.mkdtemp(prefix="ringtrain-multirun-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+# --- composition mistakes as one line ---------------------------------------------------------
+
+
+def composition_message(err: Exception, primary: PrimaryConfig) -> str:
+    """Hydra's exception as one line naming the fix, read from its fields."""
+    from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options:
+        return _missing_option_message(err.missing_cfg_file, err.options)
+    if isinstance(err, SearchPathException):
+        return f"{_lines(err)[0]}; pass --config-dir the folder that holds your <group>/<option>.yaml files"
+    if sweep := _sweep_outside_a_multirun():
+        key, value = sweep.split("=", 1)
+        return (f"'{sweep}' lists several values: add -m to sweep them, or, for one text with a comma, quote it "
+                f"for Hydra inside the shell's quotes: \"{key}='{value}'\"")
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        return _unknown_key_message(str(cause.full_key), getattr(cause, "parent_node", None), primary)
+    if isinstance(err, OverrideParseException):
+        lines = _lines(err)  # the parser's reason, between Hydra's heading and its link to the grammar
+        reason = next((line for line in lines[1:] if line != "^" and not line.startswith("See ")), lines[0])
+        return (f"cannot read the override '{err.override}' ({reason}); write group=option or key=value, e.g. model=mlp "
+                f"optimizer.lr=0.01; quote a value with signs for Hydra inside the shell's quotes: \"key='a, b#'\"")
+    if hasattr(err, "problem_mark"):  # a config file that is not YAML
+        mark, start = err.problem_mark, getattr(err, "context_mark", None)
+        context = f" ({err.context} that starts at line {start.line + 1}, column {start.column + 1})" if start else ""
+        return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {err.problem}{context}; fix the YAML syntax there"
+    return "; ".join(_lines(err)) + f"; see `{primary.program} --help`"
+
+
+def output_directory_message(err: OSError) -> str:
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv) else "hydra.run.dir"
+    path = Path(err.filename)
+    existing = next(parent for parent in path.parents if parent.exists())
+    why = (f"{existing} is a file, not a directory" if existing.is_file()
+           else f"nothing can be written in {existing} ({err.strerror})")
+    return (f"the {key.split('.')[1]} directory {path} ({key}) cannot be created: {why}; set {key} to a directory "
+            f"you can write to")
+
+
+def _sweep_outside_a_multirun() -> str | None:
+    """The command line's first sweep override (a=1,2) when it is not a multirun, as typed."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    args = sys.argv[1:]
+    if {"-m", "--multirun"} & set(args):
+        return None
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except OverrideParseException:
+        return None
+    return next((o.input_line for o in overrides if o.is_sweep_override()), None)
+
+
+def _lines(err: Exception) -> list[str]:
+    return [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+
+
+def _missing_option_message(missing: str, options: list[str]) -> str:
+    group, _, option = missing.rpartition("/")
+    close = difflib.get_close_matches(option, options, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    if group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
+        hint = " (Optuna and joblib come with pip install 'ringtrain[sweep]', submitit with 'ringtrain[slurm]')"
+    elif not close and "--config-dir" not in " ".join(sys.argv):  # most likely the user's own, folder not given
+        hint = f"; your own? put {group}/{option}.yaml in a config folder and pass --config-dir <folder>"
+    return f"{group}={option} is not an option of {group}; choose one of {', '.join(sorted(options))}{hint}"
+
+
+def _typed_key(full_key: str) -> str:
+    """The key the command line typed that `full_key` (the part Hydra found missing) begins."""
+    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in sys.argv[1:] if "=" in arg and not arg.startswith("-")]
+    return next((key for key in reversed(keys) if key == full_key or key.startswith(full_key + ".")), full_key)
+
+
+def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig) -> str:
+    key = _typed_key(full_key)
+    section, _, rest = key.partition(".")
+    if hint := primary.hints.get(key) or primary.hints.get(section):
+        return f"{key} is not a setting here; {hint}"
+    known = sorted(str(k) for k in parent.keys() if k not in ("_target_", "hydra")) if parent is not None else []
+    if "." not in full_key:  # the top level of the config
+        if not primary.presets:  # a tool: its top level is its settings
+            return f"{key} is not a setting of {primary.program}; the settings are {', '.join(known)}"
+        names = known + list(primary.presets)
+        close = difflib.get_close_matches(section, names, n=1)
+        what = "a config group or setting" if not rest else "a config group"
+        return f"{section} is not {what}; {f'did you mean {close[0]}? ' if close else ''}the groups are {', '.join(names)}"
+    owner, _, name = full_key.rpartition(".")
+    owners = options_defining(section, rest) if section in COMPONENT_SECTIONS else []
+    if owners:
+        picks = " or ".join(f"{section}={option}" for option in owners)
+        return f"{key} is not a setting of this {section}; it belongs to {picks}: choose that option or drop the override"
+    if section in COMPONENT_SECTIONS and owner == section:
+        target = parent.get("_target_", "?") if parent is not None else "?"
+        return (f"{key} is not set by this {section} ({target}); to pass a new argument write +{key}=<value>, "
+                f"or check the spelling (set now: {', '.join(known) or 'nothing'})")
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{key} is not a setting of {owner}; {f'did you mean {close[0]}? ' if close else ''}known: {', '.join(known)}"

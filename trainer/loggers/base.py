@@ -1,0 +1,62 @@
+"""What every logger implements, and what they share: the run's config flattened into
+hyperparameters, the names of the final and best metrics, and the one-line error for a
+logger whose library is missing."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ringtrain.errors import ConfigError
+
+
+class Logger:
+    """Receives one run's hyperparameters and metrics (rank 0 only)."""
+
+    def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
+        """Before the first step. run_dir: the run's directory; run_name: the run's (or sweep
+        job's) name; group: the sweep's name for jobs of a multirun (one run per job, grouped),
+        else None; config: the resolved run config as plain nested data (the hyperparameters)."""
+        raise NotImplementedError
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """The metrics of `step`; one step may come in more than one call (training, then validation)."""
+        raise NotImplementedError
+
+    def finish(self, summary: dict, status: str) -> None:
+        """After the last step, also on a stop or a failure: summary = {"final": {...metrics...},
+        "best": {metric: value} or None, "steps": int, ...}; status is "completed", "stopped" or
+        "failed". Flush and close."""
+        raise NotImplementedError
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: bool, int, float and str kept, anything else (lists, None) as str."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def final_and_best(summary: dict) -> dict[str, float]:
+    """The end of a run as metrics: `final/<metric>` and `best/<metric>`, the names every logger uses."""
+    final = {f"final/{name}": value for name, value in summary["final"].items()}
+    best = {f"best/{name}": value for name, value in (summary.get("best") or {}).items()}
+    return {**final, **best}
+
+
+def import_extra(package: str) -> ModuleType:
+    """The optional `package`, or one line naming the ringtrain extra that installs it (named alike)."""
+    try:
+        return importlib.import_module(package)
+    except ModuleNotFoundError as err:
+        if err.name != package:  # installed, but a module it needs is missing: that error says which
+            raise
+        raise ConfigError(f"logger.{package} needs the {package} package: pip install 'ringtrain[{package}]'") from None

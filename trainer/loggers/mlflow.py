@@ -1,0 +1,64 @@
+"""MLflow, to a local store by default: `sqlite:///outputs/mlflow.db`, beside Hydra's outputs/
+(MLflow 3's own default backend; its file store, ./mlruns, refuses to start unless
+MLFLOW_ALLOW_FILE_STORE=true). `mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db`
+shows it. A sweep's jobs are runs of one experiment named by the sweep; a single run goes to
+the experiment "ringtrain"; `experiment_name` overrides both."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ringtrain.loggers.base import Logger, final_and_best, flatten, import_extra
+
+# MLflow's run status for each way a run ends.
+RUN_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+class MLflowLogger(Logger):
+    """Params: the config flattened (model.d_model); metrics with their step; at the end
+    final/<metric> and best/<metric> at the last step, and the run's status."""
+
+    def __init__(self, tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment_name: str | None = None):
+        self.mlflow = import_extra("mlflow")
+        self.tracking_uri, self.experiment_name = tracking_uri, experiment_name
+
+    def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
+        name = self.experiment_name or group or "ringtrain"
+        with _one_process_at_a_time(self.tracking_uri):
+            self.client = self.mlflow.MlflowClient(self.tracking_uri)
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        tags = {"ringtrain.run_dir": str(run_dir), **({"ringtrain.group": group} if group else {})}
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        # MLflow refuses a longer value (a long list in the config): it is cut to fit.
+        longest = self.mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+        params = [self.mlflow.entities.Param(key, str(value)[:longest]) for key, value in flatten(config).items()]
+        self.client.log_batch(self.run_id, params=params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        milliseconds = int(time.time() * 1000)
+        values = [self.mlflow.entities.Metric(key, float(value), milliseconds, step) for key, value in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=values)
+
+    def finish(self, summary: dict, status: str) -> None:
+        self.log_metrics(final_and_best(summary), summary["steps"])
+        self.client.set_terminated(self.run_id, RUN_STATUS[status])
+
+
+@contextlib.contextmanager
+def _one_process_at_a_time(tracking_uri: str) -> Iterator[None]:
+    """Hold a lock beside a local SQLite store: jobs of a sweep that start together (the joblib
+    launcher) would otherwise each make a new store's tables, and one of them fail ("table runs
+    already exists", "duplicate column name"), or each create the same experiment."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    lock_path = Path(tracking_uri.removeprefix("sqlite:///") + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield

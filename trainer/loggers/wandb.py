@@ -1,0 +1,34 @@
+"""Weights & Biases, offline by default: the run is written under <run dir>/wandb/offline-run-*/
+(a .wandb file of records) and `wandb sync <that directory>` uploads it later; no account or
+network is needed until then. A sweep's jobs are runs of one W&B group, named by the sweep."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ringtrain.errors import ConfigError
+from ringtrain.loggers.base import Logger, final_and_best, import_extra
+
+MODES = ("offline", "online", "disabled")
+
+
+class WandbLogger(Logger):
+    """The config goes in nested, as W&B shows it flattened itself (model.d_model) and keeps
+    lists as lists; the summary gets final/<metric>, best/<metric>, steps and status."""
+
+    def __init__(self, project: str = "ringtrain", mode: str = "offline", tags: list[str] | None = None):
+        if mode not in MODES:
+            raise ConfigError(f"logger.wandb.mode={mode} is not one of {', '.join(MODES)}")
+        self.wandb = import_extra("wandb")
+        self.project, self.mode, self.tags = project, mode, list(tags or [])
+
+    def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
+        self.run = self.wandb.init(project=self.project, mode=self.mode, dir=run_dir, name=run_name,
+                                   group=group, tags=self.tags, config=config)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, summary: dict, status: str) -> None:
+        self.run.summary.update({**final_and_best(summary), "steps": summary["steps"], "status": status})
+        # W&B marks a run with a non-zero exit code as failed; a stopped run can be resumed, not failed.
+        self.run.finish(exit_code=1 if status == "failed" else 0)

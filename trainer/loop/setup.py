@@ -1,0 +1,232 @@
+"""What one rank trains with, set up once: the model as the strategy runs it, the loaders, the
+optimizer, the lr schedule and the precision (`TrainingParts`), restored from the checkpoint
+the run continues from, if any; and the optimizer steps' batches, epoch after epoch."""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, load_model_weights
+from ringtrain.checkpoints.frozen_base import base_identity, load_over_base, trainable_weights
+from ringtrain.checkpoints.manager import Resumed
+from ringtrain.data.bundle import DataBundle
+from ringtrain.distributed import DistInfo, gather_objects
+from ringtrain.errors import ConfigError
+from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
+from ringtrain.loop.streams import StreamLoader, is_stream
+from ringtrain.optim import build_optimizer, build_scheduler
+from ringtrain.optim import WarmupCosine
+from ringtrain.loop.precision import Precision, set_matmul_precision
+from ringtrain.loop.progress import Layout, Progress
+from ringtrain.loop.watchdog import LOADING_TRAINING_BATCHES, Watchdog
+from ringtrain.strategies.base import Strategy
+
+log = logging.getLogger("ringtrain")
+
+
+@dataclass
+class TrainingParts:
+    strategy: Strategy
+    model: nn.Module  # the bare model (sharded in place under fsdp)
+    module: nn.Module  # what the loop calls: wrapped, sharded and/or compiled by the strategy
+    params: list[nn.Parameter]  # taken after sharding (FSDP2 makes them DTensors)
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    precision: Precision
+    train_loader: BatchLoader | StreamLoader  # a map-style training set's, or a stream's (loop/streams.py)
+    val_loader: BatchLoader
+    layout: Layout  # how the data is dealt out: ranks, per-rank batch, accumulation
+    progress: Progress  # where training stands
+    saved_layout: Layout  # the layout of the checkpoint it continues from (this one's for a new run)
+    total_steps: int  # the step the run ends at
+    base: dict[str, Any] | None = None  # adapters: the frozen base's identity, kept instead of its weights
+
+    def checkpoint_state(self, dist: DistInfo, shards_path) -> dict[str, Any]:
+        """Every rank's part of a checkpoint (checkpoints/files.py); rank 0 gets the whole
+        state, the others what they contributed: the strategy's weights (full, or each rank's
+        shards written to `shards_path`), every rank's RNG state, the schedule, the loss
+        scaler, the layout and where training stands."""
+        rng = gather_objects(dist, rng_state(dist.device))  # every rank's, for exact resume
+        weights = self.strategy.checkpoint_weights(self.model, self.optimizer, lambda: shards_path)
+        if self.base is not None and "model" in weights:  # the frozen base is named, not copied
+            weights = {**weights, "model": trainable_weights(self.model, weights["model"]), "base": self.base}
+        stream = {"data_stream": gather_objects(dist, self.train_loader.state_dict())} if self.streamed else {}
+        return {"format": CHECKPOINT_FORMAT, **weights, "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.state_dict(), "layout": self.layout.state_dict(),
+                "progress": self.progress.state_dict(), "rng": rng, **stream}
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.train_loader, StreamLoader)
+
+    def batches(self, watchdog: Watchdog, accumulate: int) -> Iterator[tuple[list[Batch], int, bool]]:
+        """(micro-batches, the epoch's global position after them, whether they end the epoch)
+        for each optimizer step to come, from the training position on, epoch after epoch."""
+        progress, loader = self.progress, self.train_loader
+        if isinstance(loader, StreamLoader):  # no epochs: the steps' batches, one after another
+            batches = loader.batches()
+            while progress.step < self.total_steps:
+                watchdog.feed(LOADING_TRAINING_BATCHES, progress.step)
+                yield [next(batches) for _ in range(accumulate)], 0, False
+            return
+        while progress.step < self.total_steps:
+            start, index = progress.samples_into_epoch, progress.epoch
+            epoch = loader.epoch(index, start=start)
+            if epoch.num_batches == 0:
+                if start == 0:  # refused before work; a data set that changed size since would spin here
+                    raise ConfigError(f"epoch {progress.epoch} has no batch of {loader.batch_size}; lower trainer.batch_size")
+                # A run continued with more ranks or a bigger batch: the few samples left make no
+                # full batch; an uninterrupted epoch of this layout would not train them either.
+                log.info(f"the rest of epoch {progress.epoch} after sample {start} makes no batch of "
+                         f"{loader.batch_size} per rank; continuing with epoch {progress.epoch + 1}")
+                progress.finish_epoch()
+                continue
+            taken = 0
+            while True:
+                watchdog.feed(LOADING_TRAINING_BATCHES, progress.step)
+                group = list(islice(epoch.batches, accumulate))
+                if not group:
+                    break
+                taken += len(group)
+                yield group, epoch.position(taken), taken >= epoch.num_batches
+                if progress.step >= self.total_steps or progress.epoch != index:
+                    break
+            if taken < epoch.num_batches and progress.epoch == index and progress.step < self.total_steps:
+                raise ConfigError(
+                    f"epoch {progress.epoch} ended after {taken} of its {epoch.num_batches} batches: the training "
+                    f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree")
+
+
+def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
+                    resumed: Resumed | None) -> TrainingParts:
+    """Place the model (with the checkpoint's full weights), let the strategy wrap, shard or
+    compile it, then the loaders, the optimizer over the set-up model's parameters, the lr
+    schedule and the precision; a checkpoint's sharded weights and the rest of its state go
+    into them once they exist."""
+    cfg, strategy = job.trainer, job.strategy
+    state = resumed.state if resumed else None
+    model = model.to(dist.device)
+    if cfg.activation_checkpointing:
+        checkpoint_activations(model)
+    base = base_identity(model) if job.adapter is not None else None
+    if state is not None and "base" in state:  # adapters over a base rebuilt from the config
+        load_over_base(model, state, resumed.path)
+    elif state is not None and "shards" not in state:  # full weights go into the bare model
+        load_model_weights(model, state, resumed.path)
+    module = strategy.setup_module(model, dist, cfg)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"{type(model).__name__} has no trainable parameters (none, or all frozen): nothing to "
+                          f"train; point model._target_ at a model with parameters, or leave some trainable")
+    train_loader, val_loader = _loaders(cfg, dist, data)
+    optimizer = (job.optimizer([p for p in model.parameters() if p.requires_grad]) if callable(job.optimizer)
+                 else build_optimizer(job.optimizer, model, dist.device, strategy.lr_scale(dist.world_size)))
+    layout = Layout(dist.world_size, cfg.batch_size, cfg.accumulate_grad_batches)
+    progress = Progress()
+    total = steps_in_run(cfg, train_loader, progress)
+    scheduler = job.scheduler(optimizer) if callable(job.scheduler) else build_scheduler(job.scheduler, optimizer, total)
+    set_matmul_precision(dist.device, cfg.tf32)
+    precision = Precision(strategy.autocast_precision(cfg.precision), dist.device)
+    saved_layout = layout
+    if state is not None:
+        if "shards" in state:  # into the set-up model: each rank reads what its shards need
+            from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
+
+            load_sharded(state["shards"], model, optimizer)
+        else:
+            strategy.load_optimizer_state(model, optimizer, state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        precision.load_state_dict(state.get("scaler") or {})
+        rng = state["rng"]
+        set_rng_state(rng[dist.rank] if len(rng) == dist.world_size else rng[0], dist.device)
+        progress.load_state_dict(state["progress"])
+        saved_layout = Layout(**state["layout"])
+        if isinstance(train_loader, StreamLoader):
+            if "data_stream" not in state:
+                raise ConfigError(f"{resumed.path} was saved by a run on a map-style data set, not a stream; continue "
+                                  f"it with its own data, or start a new run (trainer.resume=null)")
+            train_loader.restore(state["data_stream"])
+        # Where the run ends, at this layout (steps stay steps; epochs are counted from the
+        # position reached); a cosine schedule reaches its end there too.
+        total = steps_in_run(cfg, train_loader, progress)
+        if isinstance(scheduler, WarmupCosine):
+            scheduler.total_steps = total
+    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
+                         train_loader, val_loader, layout, progress, saved_layout, total, base)
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """trainer.activation_checkpointing: each layer's activations recomputed in backward, by the
+    model's own switch (a transformers model's gradient_checkpointing_enable, non-reentrant,
+    which frozen inputs and FSDP2 allow; ringtrain's Transformer's config)."""
+    if callable(enable := getattr(model, "gradient_checkpointing_enable", None)):
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(getattr(model, "config", None), "activation_checkpointing"):
+        model.config.activation_checkpointing = True
+    else:
+        raise ConfigError(f"trainer.activation_checkpointing=true: {type(model).__name__} has no switch for it (a "
+                          f"transformers model's gradient_checkpointing_enable, or a config.activation_checkpointing); "
+                          f"recompute inside your model with torch.utils.checkpoint, or set it false")
+
+
+def steps_in_run(trainer: Any, loader: BatchLoader | StreamLoader, progress: Progress) -> int:
+    """The step the run ends at: trainer.max_steps, else the steps taken, those that finish the
+    current epoch from its data position, and the later epochs' steps, at this layout."""
+    if trainer.max_steps > 0:
+        return trainer.max_steps
+    if isinstance(loader, StreamLoader):
+        raise ConfigError("a streamed training set has no epochs to count: set trainer.max_steps to the number of "
+                          "optimizer steps to train")
+    if progress.epoch >= trainer.max_epochs:
+        return progress.step
+    k = trainer.accumulate_grad_batches
+    rest_of_epoch = math.ceil(loader.batches_left(progress.samples_into_epoch) / k)
+    return progress.step + rest_of_epoch + (trainer.max_epochs - progress.epoch - 1) * math.ceil(len(loader) / k)
+
+
+def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | StreamLoader, BatchLoader]:
+    overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
+    workers = worker_options(cfg, dist.device)
+    if is_stream(data.train):
+        for setting in ("overfit_batches", "eval_every_fraction"):
+            if value := getattr(cfg, setting):
+                raise ConfigError(f"trainer.{setting}={value} needs epochs, which a streamed training set has not; use "
+                                  f"trainer.max_steps and trainer.eval_every_n_steps")
+        train_loader: BatchLoader | StreamLoader = StreamLoader(data.train, cfg.batch_size, dist, workers)
+    else:
+        train_loader = build_train_loader(
+            data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, dist.device,
+            shuffle=not overfit, limit_batches=overfit, workers=workers,
+        )
+    val_loader = build_val_loader(
+        data.train if overfit else data.val, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size,
+        dist.device,
+        # overfit: the samples the ranks train on, the first overfit * batch * world_size
+        limit_samples=overfit * cfg.batch_size * dist.world_size, limit_batches=cfg.limit_val_batches,
+        workers=workers,
+    )
+    return train_loader, val_loader
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's torch RNG states (CPU, and CUDA when used), for the checkpoint's `rng`."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put back what `rng_state` returned."""
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,97 @@
+"""Batches from a streamed training set: a torch `IterableDataset` (data=stream, data=mixture,
+or a user's own), read through torchdata's `StatefulDataLoader`, whose state (the dataset's
+`state_dict()` in each worker, and what the loader had yielded) goes into every checkpoint, one
+per rank, so that a resumed run continues at the next unseen example without reading through
+the consumed ones.
+
+A stream has no length: the run is `trainer.max_steps` steps, and its position is the stream's
+own, not a global epoch position, so it continues exactly only on as many ranks and workers as
+saved it (the dataset may refuse more precisely: `check_resume`). It must not end: a stream
+that runs dry would leave the ranks with unequal numbers of batches. The stream's protocol,
+all of it optional but `__iter__`:
+
+    set_rank(rank, world_size)         which share of the data this rank reads
+    state_dict() / load_state_dict()   its position (torchdata's protocol); without them the
+                                       loader replays the consumed batches on resume
+    check_resume(state, rank, world_size, num_workers) -> str | None
+                                       why a saved position cannot continue here, one line
+    resume_note(state) -> str | None   something a continued run should say (changed weights)
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import Dataset, IterableDataset
+
+from ringtrain.data.batches import collate_of, to_device
+from ringtrain.distributed import DistInfo
+from ringtrain.errors import ConfigError
+from ringtrain.loop.loaders import Batch, WorkerOptions, ignore_stop_signals
+
+log = logging.getLogger("ringtrain")
+
+
+def is_stream(dataset: Dataset) -> bool:
+    return isinstance(dataset, IterableDataset)
+
+
+class StreamLoader:
+    """A rank's batches of a streamed training set, and the position they leave it at."""
+
+    def __init__(self, dataset: IterableDataset, batch_size: int, dist: DistInfo, workers: WorkerOptions):
+        try:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+        except ImportError:
+            raise ConfigError("a streamed training set is read with torchdata's StatefulDataLoader: "
+                              "pip install 'ringtrain[stream]' (or torchdata)") from None
+        if callable(set_rank := getattr(dataset, "set_rank", None)):
+            set_rank(dist.rank, dist.world_size)
+        self.dataset, self.batch_size, self.dist, self.workers = dataset, batch_size, dist, workers
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = StatefulDataLoader(
+                dataset, batch_size=batch_size, num_workers=workers.num_workers, collate_fn=collate_of(dataset),
+                pin_memory=workers.pin_memory, prefetch_factor=workers.prefetch_factor if workers.num_workers else None,
+                worker_init_fn=functools.partial(ignore_stop_signals, workers.stop_signals))
+        self._batches: Iterator[Any] | None = None
+
+    def restore(self, states: list[dict[str, Any]]) -> None:
+        """Continue at the position `states` (every rank's, from a checkpoint) keep for this rank."""
+        rank, world = self.dist.rank, self.dist.world_size
+        if len(states) != world:
+            raise ConfigError(
+                f"the data stream was saved by {len(states)} ranks, not {world}: a stream's position continues exactly "
+                f"only on as many ranks and DataLoader workers as saved it; resume with {len(states)} ranks, or start "
+                f"a new run (trainer.resume=null)")
+        state = states[rank]
+        check = getattr(self.dataset, "check_resume", None)
+        if callable(check) and (reason := check(state, rank, world, self.workers.num_workers)):
+            raise ConfigError(reason)  # before load_state_dict, which fails on another layout without a word
+        note = getattr(self.dataset, "resume_note", None)
+        if callable(note) and (said := note(state)) and self.dist.is_main:
+            log.info(said)
+        if not callable(getattr(self.dataset, "state_dict", None)) and self.dist.is_main:
+            log.warning(f"{type(self.dataset).__name__} has no state_dict(): the loader reads through the batches "
+                        f"consumed before the checkpoint to continue after them")
+        self.loader.load_state_dict(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def batches(self) -> Iterator[Batch]:
+        """This rank's batches, on the device, from where the stream stands (one iterator for the
+        run: starting another would restart the workers from the main process's copy)."""
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        taken = 0
+        for batch in self._batches:
+            taken += 1
+            yield to_device(batch, self.dist.device)
+        raise ConfigError(
+            f"the streamed training set {type(self.dataset).__name__} ended after {taken} batches of this run; a "
+            f"stream must not end (the ranks would fall out of step): repeat its data, and let trainer.max_steps "
+            f"end the run")

@@ -1,0 +1,119 @@
+"""Optimizers and learning-rate schedules from `_target_` nodes (conf/optimizer/,
+conf/scheduler/), and ringtrain's own schedules: a linear warm-up, then constant or cosine
+decay. Every schedule steps once per optimizer step.
+
+Any torch (or user's) optimizer and scheduler works: ringtrain passes what only it knows, by
+argument name, and the node gives the rest:
+  optimizer  `params` (the model's parameters); `fused=True` on CUDA when the optimizer has a
+             fused kernel and the node leaves `fused` unset
+  scheduler  `optimizer`, and `total_steps` when the scheduler takes it (ours, OneCycleLR)
+ringtrain's own keys, read here and never passed to the target:
+  optimizer.decay_matrices_only  weight decay on 2-D+ weights only, never biases or norms (adamw)
+  scheduler.warmup_steps         linear warmup before any scheduler (torch's SequentialLR);
+                                 ringtrain's own schedules take it as an argument instead
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
+
+from ringtrain.components import accepts, build, locate
+
+OPTIMIZER_KEYS = ("decay_matrices_only",)
+SCHEDULER_KEYS = ("warmup_steps",)
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay 2-D (and larger) weights only: matrices and embeddings, never biases or norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """The optimizer `node` describes, over `model`'s parameters."""
+    node = dict(node)
+    decay_matrices_only = node.pop("decay_matrices_only", False)
+    target = locate(node["_target_"], "optimizer")
+    extra: dict[str, Any] = {}
+    if decay_matrices_only:
+        extra["params"] = parameter_groups(model, node.get("weight_decay", _default(target, "weight_decay", 0.0)))
+    else:
+        extra["params"] = [p for p in model.parameters() if p.requires_grad]
+    if lr_scale != 1.0:
+        extra["lr"] = node.get("lr", _default(target, "lr", None)) * lr_scale
+    # One fused CUDA kernel for the whole update instead of several launches per tensor.
+    if device.type == "cuda" and "fused" not in node and accepts(target, "fused"):
+        extra["fused"] = True
+    return build(node, "optimizer", **extra)
+
+
+def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
+    """The schedule `node` describes (constant lr when None), with its warmup."""
+    node = dict(node or {"_target_": f"{__name__}.WarmupConstant"})
+    warmup = node.pop("warmup_steps", 0)
+    target = node["_target_"]
+    extra: dict[str, Any] = {"optimizer": optimizer}
+    if accepts(target, "total_steps"):
+        extra["total_steps"] = total_steps
+    if accepts(target, "warmup_steps"):  # ours: the warmup is part of the schedule
+        return build(node, "scheduler", warmup_steps=warmup, **extra)
+    if not warmup:
+        return build(node, "scheduler", **extra)
+    # start_factor 1/w ... 1 over the first w steps: step s uses lr * (s + 1) / w, as ours do.
+    ramp = LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=max(1, warmup - 1))
+    after = build(node, "scheduler", **extra)
+    return SequentialLR(optimizer, [ramp, after], milestones=[warmup])
+
+
+def _default(target, name: str, fallback):
+    parameter = inspect.signature(target).parameters.get(name)
+    return fallback if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+class WarmupConstant(LRScheduler):
+    """Linear warmup to the optimizer's lr over `warmup_steps` steps, then constant."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int = 0, last_epoch: int = -1):
+        if warmup_steps < 0:
+            raise ValueError(f"scheduler.warmup_steps={warmup_steps} must be >= 0")
+        self.warmup_steps = warmup_steps
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, step: int) -> float:
+        """The lr multiplier of optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
+
+
+class WarmupCosine(WarmupConstant):
+    """Linear warmup, then a cosine decay from the optimizer's lr to `min_lr` at `total_steps`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                 min_lr: float = 0.0, last_epoch: int = -1):
+        if min_lr < 0:
+            raise ValueError(f"scheduler.min_lr={min_lr} must be >= 0")
+        too_high = [group["lr"] for group in optimizer.param_groups if min_lr > group.get("initial_lr", group["lr"])]
+        if too_high:
+            raise ValueError(f"scheduler.min_lr={min_lr} exceeds optimizer.lr={too_high[0]}; lower it")
+        self.total_steps, self.min_lr = total_steps, min_lr
+        super().__init__(optimizer, warmup_steps, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        step = self.last_epoch
+        if step < self.warmup_steps:
+            return [base * self.factor(step) for base in self.base_lrs]
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return [self.min_lr + (base - self.min_lr) * cosine for base in self.base_lrs]

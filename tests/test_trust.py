@@ -192,7 +192,7 @@ def flag(command: str) -> str:
     return "trainer.trust_checkpoint=true" if command == "resume" else "trust_checkpoint=true"
 
 
-NAMED = {"hf_remote_code": "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
+NAMED = {"hf_remote_code": "sets model.trust_remote_code=true, which would run Python from the model's directory",
          "model_package": f"model._target_={PACKAGE}.Net",
          "data_target": f"data._target_={PACKAGE}.LineData",
          "data_split": f"data.train._target_={PACKAGE}.Line"}

@@ -105,17 +105,20 @@ def _remote_code_keys(node: Any, key: str = "") -> Iterator[str]:
 
 
 def _hf_class(target: str) -> bool:
-    """A transformers model, config or tokenizer class, or its `from_pretrained` (remote code
-    lives in transformers_modules, never in `transformers.`, and needs trust_remote_code)."""
-    parts = target.split(".")
-    if parts[-1] == "from_pretrained":
-        parts = parts[:-1]
-    if len(parts) != 2 or parts[0] != "transformers" or not parts[1][:1].isupper():
+    """A model, config or tokenizer class of the transformers library, or its `from_pretrained`
+    (the library's own code: a directory's code runs only with trust_remote_code, which is
+    checked apart; remote code lives in transformers_modules, never in `transformers.`), named
+    as transformers exports it (transformers.GPT2LMHeadModel) or where it is defined."""
+    path = target.removesuffix(".from_pretrained")
+    name = path.rpartition(".")[2]
+    if not path.startswith("transformers.") or not name[:1].isupper():
         return False
     try:
         import transformers
     except ImportError:
         return False
-    cls = getattr(transformers, parts[1], None)
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type) or path not in (f"transformers.{name}", f"{cls.__module__}.{cls.__qualname__}"):
+        return False
     library = (transformers.PreTrainedModel, transformers.PretrainedConfig, transformers.PreTrainedTokenizerBase)
-    return isinstance(cls, type) and (issubclass(cls, library) or parts[1].startswith("Auto"))
+    return issubclass(cls, library) or name.startswith("Auto")

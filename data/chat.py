@@ -26,8 +26,8 @@ second rendering adds is the turn (with whatever the template writes after the e
 token, such as ChatML's newline). That needs each rendering to extend the one before; a
 template that rewrites earlier turns is refused.
 
-A conversation longer than `max_length` loses its end; `truncation` counts what was cut (a
-one-line `summary()` for the log). One whose prompt alone (everything before its first
+A conversation longer than `max_length` loses its end; `truncation` counts what was cut, and
+setup() logs its one-line `summary()`. One whose prompt alone (everything before its first
 trained token) leaves no trained token within max_length is refused.
 
 `packing`: the conversations are laid end to end in rows of at most max_length tokens
@@ -36,6 +36,7 @@ need `use_cache: false` in their config.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 ROW_KEYS = ("input_ids", "attention_mask", "labels")
 # Bump when what a cached row holds changes, so old files are not read as new ones.
 ROWS_FORMAT = "chat-1"
+
+log = logging.getLogger("ringtrain")
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class ChatData(DataModule):
         if val_path is not None:
             self.sources["data.val_path"] = self._source(val_path, "data.val_path")
         self.dims = {"vocab_size": len(self.tokenizer)}  # len(): the added tokens too (vocab_size leaves them out)
+        # The checkpoint keeps the tokenizer and its template: `ringtrain sample chat=true` needs nothing else.
+        self.vocab = {"kind": "bpe", "tokenizer_json": self.tokenizer.backend_tokenizer.to_str(),
+                      "chat_template": self.tokenizer.chat_template}
         self.truncation: Truncation | None = None  # known after setup()
 
     def _source(self, path: Any, key: str) -> tuple[list[str], str]:
@@ -118,6 +124,7 @@ class ChatData(DataModule):
     def setup(self) -> None:
         splits = {key: self._tokenized(key, *source) for key, source in self.sources.items()}
         self.truncation = _truncation(list(splits.values()), self.max_length)
+        log.info(self.truncation.summary())
         train = splits["data.path"]
         if "data.val_path" in splits:
             val = splits["data.val_path"]

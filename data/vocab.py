@@ -124,7 +124,7 @@ class BPEVocab:
 
     kind = "bpe"
 
-    def __init__(self, tokenizer_json: str):
+    def __init__(self, tokenizer_json: str, chat_template: str | None = None):
         if not isinstance(tokenizer_json, str) or not tokenizer_json.strip():
             raise ValueError("a 'bpe' vocabulary needs 'tokenizer_json', the text of a tokenizer.json")
         try:
@@ -136,7 +136,7 @@ class BPEVocab:
         except Exception as err:  # tokenizers raises its own Exception type for a bad file
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ValueError(f"not a tokenizers tokenizer.json ({first})") from None
-        self.tokenizer_json = tokenizer_json
+        self.tokenizer_json, self.chat_template = tokenizer_json, chat_template
         ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
         if not ids:
             raise ValueError("the tokenizer.json has an empty vocabulary")
@@ -170,11 +170,20 @@ class BPEVocab:
         pieces.append(self._tokenizer.decode(run, skip_special_tokens=False))
         return "".join(pieces)
 
+    def chat_prompt(self, text: str) -> str:
+        """`text` as a user's turn rendered by the chat template, up to the assistant's reply."""
+        from transformers import PreTrainedTokenizerFast
+
+        from_json = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer, chat_template=self.chat_template)
+        return from_json.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
     def to_state(self) -> dict:
-        return {"kind": self.kind, "tokenizer_json": self.tokenizer_json}
+        extra = {"chat_template": self.chat_template} if self.chat_template else {}
+        return {"kind": self.kind, "tokenizer_json": self.tokenizer_json, **extra}
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BPEVocab) and other.tokenizer_json == self.tokenizer_json
+        return isinstance(other, BPEVocab) and other.to_state() == self.to_state()
 
     def __repr__(self) -> str:
         return f"BPEVocab({self.size} ids)"
@@ -197,7 +206,7 @@ def vocab_from_state(state: dict) -> Vocab:
     if kind == "byte":
         return ByteVocab()
     if kind == "bpe":
-        return BPEVocab(state.get("tokenizer_json"))
+        return BPEVocab(state.get("tokenizer_json"), state.get("chat_template"))
     raise ValueError(f"unknown vocabulary kind {kind!r}; expected one of {', '.join(VOCAB_KINDS)}")
 
 

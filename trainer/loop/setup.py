@@ -166,16 +166,19 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
 
 def checkpoint_activations(model: nn.Module) -> None:
     """trainer.activation_checkpointing: each layer's activations recomputed in backward, by the
-    model's own switch (a transformers model's gradient_checkpointing_enable, non-reentrant,
-    which frozen inputs and FSDP2 allow; ringtrain's Transformer's config)."""
-    if callable(enable := getattr(model, "gradient_checkpointing_enable", None)):
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(getattr(model, "config", None), "activation_checkpointing"):
+    model's own switch: a transformers model's (non-reentrant, which frozen inputs and FSDP2
+    allow; activation_checkpointing_enable, gradient_checkpointing_enable before transformers 5),
+    ringtrain's Transformer's config."""
+    hf_switch = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable", None)
+    if callable(hf_switch) and getattr(model, "supports_gradient_checkpointing", True):
+        key = "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable") else "gradient_checkpointing_kwargs"
+        hf_switch(**{key: {"use_reentrant": False}})
+    elif hasattr(getattr(model, "config", None), "activation_checkpointing") and not callable(hf_switch):
         model.config.activation_checkpointing = True
     else:
         raise ConfigError(f"trainer.activation_checkpointing=true: {type(model).__name__} has no switch for it (a "
-                          f"transformers model's gradient_checkpointing_enable, or a config.activation_checkpointing); "
-                          f"recompute inside your model with torch.utils.checkpoint, or set it false")
+                          f"transformers model that supports it, or a config.activation_checkpointing); recompute "
+                          f"inside your model with torch.utils.checkpoint, or set it false")
 
 
 def steps_in_run(trainer: Any, loader: BatchLoader | StreamLoader, progress: Progress) -> int:

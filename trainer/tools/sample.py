@@ -136,7 +136,7 @@ def _trained_as_a_language_model(node: Any) -> bool | None:
 
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8,
            top_k: int | None = 200, seed: int = 0, num_samples: int = 1,
-           device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model",
+           device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model", chat: bool = False,
            trust_checkpoint: bool = False) -> list[str]:
     """`num_samples` texts, each the prompt and `max_new_tokens` generated tokens; a user's
     mistakes raise ConfigError / CheckpointError."""
@@ -155,7 +155,13 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
         vocab = vocab_from_state(state["vocab"])
     except ValueError as err:
         raise ConfigError(f"checkpoint {checkpoint!r} has an unusable vocabulary ({err})") from None
-    ids = encode_prompt(vocab, read_prompt(prompt))
+    text = read_prompt(prompt)
+    if chat:  # the prompt as the user's turn of a conversation the model was fine-tuned on (data=chat)
+        if not getattr(vocab, "chat_template", None):
+            raise ConfigError(f"chat=true renders the prompt with the tokenizer's chat template, but {checkpoint} keeps "
+                              f"none (it was not trained on data=chat); drop chat=true")
+        text = vocab.chat_prompt(text)
+    ids = encode_prompt(vocab, text)
     target = choose_device(device)
     model = rebuild_model(state, checkpoint, weights=weights)
     model.to(target)

@@ -38,7 +38,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -54,6 +54,17 @@ SPLITS = ("train", "val")
 META_FILE = "meta.json"
 
 _HOW_TO_MAKE = "ringtrain prepare_tokens input=INPUT.txt output=OUT_DIR makes one from a text file"
+
+
+def window_rows(indices: Any, count: int) -> np.ndarray:
+    """`indices` of `count` windows as int64 rows, negative ones from the end (as torch indexes)."""
+    rows = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
+    if rows.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(rows.shape)}")
+    rows = np.where(rows < 0, rows + count, rows)
+    if rows.size and (rows.min() < 0 or rows.max() >= count):
+        raise IndexError(f"window indices must lie in [-{count}, {count}) for {count} windows")
+    return rows
 
 
 class TokenWindows(Dataset):
@@ -106,14 +117,7 @@ class TokenWindows(Dataset):
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (len(indices), block_size) int64: only the chosen windows
         are read, with one positioned read each."""
-        rows = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
-        if rows.ndim != 1:
-            raise ValueError(f"indices must be 1-D, got shape {tuple(rows.shape)}")
-        count = len(self)
-        rows = np.where(rows < 0, rows + count, rows)  # negative indices count from the end, as in torch
-        if rows.size and (rows.min() < 0 or rows.max() >= count):
-            raise IndexError(f"window indices must lie in [-{count}, {count}) for {count} windows")
-        windows = torch.from_numpy(self._read_windows(rows))
+        windows = torch.from_numpy(self._read_windows(window_rows(indices, len(self))))
         return windows[:, :-1], windows[:, 1:]
 
     def _read_windows(self, rows: np.ndarray) -> np.ndarray:

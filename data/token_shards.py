@@ -41,7 +41,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.data import token_ids
 from ringtrain.data.bundle import DataError, DataModule
-from ringtrain.data.token_file import META_FILE, SPLITS, check_token_directory, read_meta
+from ringtrain.data.token_file import META_FILE, SPLITS, check_token_directory, read_meta, window_rows
 
 LLMC_MAGIC = 20240520  # llm.c's GPT-2 token shards (dev/data/data_common.py HEADERS_INFO["gpt-2"])
 LLMC_VERSION = 1  # uint16 ids
@@ -90,23 +90,13 @@ class ShardWindows(Dataset):
         return shard, rows - self.starts[shard]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = torch.from_numpy(self.read_windows(self._checked_rows([index]))[0])
+        window = torch.from_numpy(self.read_windows(window_rows([index], len(self)))[0])
         return window[:-1], window[1:]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each (len(indices), seq_len) int64, one positioned read per window."""
-        windows = torch.from_numpy(self.read_windows(self._checked_rows(indices)))
+        windows = torch.from_numpy(self.read_windows(window_rows(indices, len(self))))
         return windows[:, :-1], windows[:, 1:]
-
-    def _checked_rows(self, indices) -> np.ndarray:
-        rows = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64)
-        if rows.ndim != 1:
-            raise ValueError(f"indices must be 1-D, got shape {tuple(rows.shape)}")
-        count = len(self)
-        rows = np.where(rows < 0, rows + count, rows)  # negative indices count from the end, as in torch
-        if rows.size and (rows.min() < 0 or rows.max() >= count):
-            raise IndexError(f"window indices must lie in [-{count}, {count}) for {count} windows")
-        return rows
 
     def read_windows(self, rows: np.ndarray) -> np.ndarray:
         """(len(rows), seq_len + 1) int64 ids of samples `rows` (in range)."""

@@ -83,3 +83,11 @@ def _few_threads():
     torch.set_num_threads(min(previous, 2))
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def hf_offline():
+    """HF_HUB_OFFLINE=1 for a module's tests (subprocesses inherit it): nothing is fetched."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield

@@ -49,6 +49,24 @@ class CheckpointStore:
         return step_checkpoints(self.directory)
 
 
+def assert_same_state(a, b, where: str) -> None:
+    """Bit for bit: tensors by torch.equal (and dtype), containers item by item."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} differs in length"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
 def remove_stale_temp_files(directory: Path) -> list[Path]:
     """What a run removes from its checkpoints directory as it starts: debris of killed saves."""
     return CheckpointStore(directory, keep_last_k=1).manager.remove_stale_files()

@@ -11,7 +11,6 @@ has a batch more than the other: fsdp's evaluation must keep its sharded forward
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from pathlib import Path
@@ -43,14 +42,8 @@ FINE_TUNE = ["model=pretrained_gpt2", "optimizer=adamw", "optimizer.lr=3e-3", "t
 
 
 @pytest.fixture(scope="module", autouse=True)
-def offline():
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # subprocesses inherit it: nothing is fetched
+def offline(hf_offline):  # conftest.py: no hub, in this process and its subprocesses
     yield
-    if previous is None:
-        del os.environ["HF_HUB_OFFLINE"]
-    else:
-        os.environ["HF_HUB_OFFLINE"] = previous
 
 
 @pytest.fixture(scope="module")

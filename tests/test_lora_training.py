@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from conftest import QUIET, REPO, run_cli, run_module
-from helpers import Job, job_ok, ok, refused
+from helpers import Job, assert_same_state, job_ok, ok, refused
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,14 +92,8 @@ INTERRUPTIBLE = REPO / "tests" / "interruptible_train.py"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def offline():
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # subprocesses inherit it: nothing is fetched
+def offline(hf_offline):  # conftest.py: no hub, in this process and its subprocesses
     yield
-    if previous is None:
-        del os.environ["HF_HUB_OFFLINE"]
-    else:
-        os.environ["HF_HUB_OFFLINE"] = previous
 
 
 @pytest.fixture(scope="module")
@@ -184,22 +178,6 @@ def _tensor_bytes(value) -> int:
 
 def _step_file(run: Path) -> Path:
     return max((run / "checkpoints").glob("step-*.pt"))
-
-
-def _same(a, b, where: str) -> None:
-    """Bit for bit: tensors by torch.equal (and dtype), containers item by item."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} differs in length"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _refused(proc, *phrases: str) -> str:
@@ -301,7 +279,7 @@ def test_sigterm_at_an_observed_step_then_the_same_command_resumes_bit_identical
     ended, reference = _checkpoint(run), _checkpoint(lora_run)
     assert ended["progress"] == reference["progress"] and ended["progress"]["step"] == STEPS
     for part in ("model", "optimizer", "scheduler", "base"):
-        _same(ended[part], reference[part], part)
+        assert_same_state(ended[part], reference[part], part)
 
 
 # --- 3. exports, loaded by peft and transformers -----------------------------------------------

@@ -29,6 +29,7 @@ from conftest import QUIET, REPO, run_cli
 from helpers import (
     TORCHRUN,
     Job,
+    assert_same_state,
     alive,
     corrupt_tensor_bytes,
     job_ok,
@@ -90,24 +91,9 @@ def assert_identical(run_dir: Path, reference: dict) -> None:
     """Weights, optimizer and schedule state, progress: bit for bit those of `reference`."""
     state = checkpoint(run_dir)
     assert state["progress"] == reference["progress"]
-    _assert_equal(state["model"], reference["model"], "model")
-    _assert_equal(state["optimizer"], reference["optimizer"], "optimizer")
-    _assert_equal(state["scheduler"], reference["scheduler"], "scheduler")
-
-
-def _assert_equal(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            _assert_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where} differs in length"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    assert_same_state(state["model"], reference["model"], "model")
+    assert_same_state(state["optimizer"], reference["optimizer"], "optimizer")
+    assert_same_state(state["scheduler"], reference["scheduler"], "scheduler")
 
 
 def periodic_save_steps(world_size: int) -> set[int]:
@@ -323,8 +309,8 @@ def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_p
     assert resumed_from_step(output) == saved
     straight, resumed = checkpoint(tmp_path / "straight"), checkpoint(tmp_path / "run")
     assert resumed["progress"] == straight["progress"]
-    _assert_equal(resumed["scheduler"], straight["scheduler"], "scheduler")
-    _assert_equal(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "straight"), "model")
+    assert_same_state(resumed["scheduler"], straight["scheduler"], "scheduler")
+    assert_same_state(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "straight"), "model")
 
 
 def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(tmp_path, reference):

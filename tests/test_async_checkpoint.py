@@ -127,6 +127,7 @@ def test_sigkill_while_a_background_write_is_in_flight_resumes_the_previous_chec
     assert_identical(tmp_path / "run", reference(1))
 
 
+@pytest.mark.slow
 def test_sigterm_during_background_writes_waits_for_them_and_exits_143_with_a_loadable_last_pt(
         tmp_path, reference):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]

@@ -70,7 +70,7 @@ def test_torchrun_job_writes_one_run_dir_from_rank_0_only(tmp_path):
     assert (run / "train.log").read_text().count("learned w=") == 1
 
 
-@pytest.mark.parametrize("flag", [["--local-rank=0"], ["--local_rank", "0"]])
+@pytest.mark.parametrize("flag", [["--local-rank=0"], pytest.param(["--local_rank", "0"], marks=pytest.mark.slow)])
 def test_legacy_local_rank_argument_is_accepted(tmp_path, flag):
     proc = run_cli(flag + ["trainer.max_steps=3", f"hydra.run.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -85,7 +85,7 @@ def test_nccl_without_cuda_fails_clearly_once_for_the_job(tmp_path):
     assert proc.stderr.count("error: strategy.backend=nccl needs a CUDA device") == 1
 
 
-@pytest.mark.parametrize("split,key", [("training", "data.num_samples"), ("validation", "data.num_val_samples")])
+@pytest.mark.parametrize("split,key", [("training", "data.num_samples"), pytest.param("validation", "data.num_val_samples", marks=pytest.mark.slow)])
 def test_more_ranks_than_samples_fails_clearly(tmp_path, split, key):
     # A rank without validation samples used to leave the all-reduce of the metrics hanging.
     proc = run_cli(["strategy=ddp", f"{key}=1", f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN, timeout=120)

@@ -29,7 +29,7 @@ def _train(tmp_path, name, overrides, launcher=None):
     return checkpoint_weights(tmp_path / name)
 
 
-@pytest.mark.parametrize("optimizer,atol", [("sgd", 1e-5), ("adamw", 1e-4)])
+@pytest.mark.parametrize("optimizer,atol", [pytest.param("sgd", 1e-5, marks=pytest.mark.slow), ("adamw", 1e-4)])
 def test_fsdp_two_ranks_batch_b_match_one_process_batch_2b(tmp_path, optimizer, atol):
     common = [f"optimizer={optimizer}", "trainer.max_steps=40"]
     single = _train(tmp_path, "single", common + ["trainer.batch_size=16"])

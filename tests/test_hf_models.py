@@ -95,6 +95,7 @@ def test_evaluate_reproduces_the_last_validation_metric_and_sample_prints_text(s
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout.strip()) >= 6 + 60 - 5  # past its 32 positions
 
 
+@pytest.mark.slow
 def test_a_tiny_gpt2_trains_as_a_two_rank_ddp_job(user_dir):
     _train(user_dir, "ddp", "strategy=ddp", "trainer.batch_size=4", launcher=TORCHRUN)
     first, last = _val_losses(user_dir / "ddp")[0], _val_losses(user_dir / "ddp")[-1]

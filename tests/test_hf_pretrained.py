@@ -108,6 +108,7 @@ def test_pretrained_gpt2_fine_tunes_from_yaml_then_evaluates_and_exports_for_fro
     _check_export(run / "export" / "step-00000020", weights)
 
 
+@pytest.mark.slow
 def test_pretrained_gpt2_fine_tunes_under_fsdp_on_two_ranks_and_exports(user):
     from ringtrain.tools.export import export
 

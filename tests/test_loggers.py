@@ -531,6 +531,7 @@ def test_a_2x2_multirun_gives_four_runs_in_each_logger(sweep):
 
 
 @needs_mlflow
+@pytest.mark.slow
 def test_a_sweep_naming_the_mlflow_store_on_its_command_line_keeps_each_job_one_directory_under_it(
         tmp_path, new_mlflow_store):
     shutil.copy(new_mlflow_store, tmp_path / "mlflow.db")

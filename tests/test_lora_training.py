@@ -344,6 +344,7 @@ def sgd_run(user) -> Path:
     return _train(user, "sgd-single", [*SGD, "trainer.batch_size=16"])
 
 
+@pytest.mark.slow
 def test_lora_as_two_rank_ddp_matches_one_process_on_the_same_global_batch_and_evaluates(user, sgd_run):
     run = _train(user, "ddp", [*SGD, "trainer.batch_size=8", "strategy=ddp", "strategy.nproc_per_node=2"])
     _assert_loss_fell(run)

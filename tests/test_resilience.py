@@ -289,6 +289,7 @@ def test_torchrun_worker_sigkilled_then_the_same_command_ends_bit_identical(tmp_
     assert_identical(tmp_path / "run", reference(2))
 
 
+@pytest.mark.slow
 def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_path):
     """strategy.state_dict_type=sharded: each rank's shards plus the step file that names them."""
     from conftest import checkpoint_weights
@@ -313,6 +314,7 @@ def test_fsdp_sharded_checkpoints_survive_a_sigkilled_worker_bit_identical(tmp_p
     assert_same_state(checkpoint_weights(tmp_path / "run"), checkpoint_weights(tmp_path / "straight"), "model")
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(tmp_path, reference):
     args = DDP + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("torchrun-sigterm", 2)
@@ -372,7 +374,8 @@ def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, 
     assert_identical(tmp_path / "run", reference(2))
 
 
-@pytest.mark.parametrize("rendezvous", ["standalone", pytest.param("static", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("rendezvous", ["standalone", "static"])
 def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(tmp_path, reference, rendezvous):
     # Static: the run id is "none", so the run directory is named by the clock and a restart
     # finds it through rank 0's note (checkpoints/restart_notes.py).
@@ -389,6 +392,7 @@ def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(t
 # --- two ranks, self-launched (strategy.nproc_per_node=2): the parent spawns the workers --------
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_self_launched_parent_is_forwarded_saves_and_exits_143(tmp_path, reference):
     args = SELF_LAUNCHED + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("self-launched-sigterm", 2)
@@ -524,6 +528,7 @@ TINY_LM = [
 ]
 
 
+@pytest.mark.slow
 def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_path):
     run_dir = tmp_path / "lm"
     job_ok(run_job(TINY_LM + ["trainer.max_steps=6", f"hydra.run.dir={run_dir}"]))
@@ -681,6 +686,7 @@ def test_a_stalled_rank_ends_the_job_and_is_named(tmp_path):
 # --- one job per run directory ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_second_job_in_a_running_jobs_directory_is_refused_and_the_first_is_unharmed(tmp_path, reference):
     run_dir = tmp_path / "run"
     args = SINGLE + [f"hydra.run.dir={run_dir}"]

@@ -175,6 +175,7 @@ def test_a_run_continued_on_another_number_of_ranks_trains_each_sample_once(user
     assert diff < 1e-5
 
 
+@pytest.mark.slow
 def test_a_per_rank_batch_change_on_resume_trains_each_sample_once(user_dir, tmp_path, stopped_at_step_5):
     """Batch 16 stopped at step 5 (80 samples in), continued with batch 24: 304 samples left
     make 13 batches (the last of 16), so the epoch ends at step 18, each sample drawn once."""
@@ -187,6 +188,7 @@ def test_a_per_rank_batch_change_on_resume_trains_each_sample_once(user_dir, tmp
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["progress"]["step"] == 18
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_resumed_job_within_seconds(user_dir, tmp_path, stopped_at_step_5):
     """The issue's hang: a run continued with another batch. SIGTERM as soon as it says where it
     continues: it stops (before or after a step), exits 143, and the same command finishes."""

@@ -105,7 +105,7 @@ def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(c
     assert json.loads((char_run / "eval" / "last-val.json").read_text()) == record
 
 
-@pytest.mark.parametrize("launch", ["self-launched", "torchrun"])
+@pytest.mark.parametrize("launch", [pytest.param("self-launched", marks=pytest.mark.slow), "torchrun"])
 def test_evaluate_on_two_ranks_equals_one_process(char_run, tmp_path, launch):
     checkpoint = f"checkpoint={char_run / 'checkpoints/last.pt'}"
     ok(run_module("evaluate", [checkpoint, "split=train", f"output={tmp_path / 'one.json'}"]))
@@ -131,6 +131,7 @@ def test_evaluate_under_dp_and_fsdp_gives_one_processs_metric(char_run, tmp_path
     assert other["metrics"]["val/loss"] == pytest.approx(one["metrics"]["val/loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_limit_val_batches_gives_one_processs_metric_on_two_ranks(char_run, tmp_path):
     """limit_val_batches=3 with batches of 5 is the first 15 validation samples, shared among
     the ranks: two ranks report one process's value (not two ranks' 3 batches each)."""

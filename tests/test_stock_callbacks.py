@@ -247,7 +247,7 @@ def counted_jobs(user_dir, tmp_path_factory) -> CountedJobs:
     return CountedJobs(user_dir, tmp_path_factory)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_a_users_callback_keeps_counting_exactly_across_sigterm_and_the_same_command(
         counted_jobs, uninterrupted_counts, ranks):
     """The user's my_callbacks.counter.Counter, chosen by their --config-dir's callbacks/counter.yaml
@@ -352,6 +352,7 @@ def test_early_stopping_interrupted_mid_patience_and_resumed_stops_at_the_same_s
     assert summary(run_dir)["stopped"] == summary(early_run)["stopped"]
 
 
+@pytest.mark.slow
 def test_early_stopping_interrupted_at_its_stop_step_and_resumed_ends_there(early_run, tmp_path):
     stop, _, _ = expected_stop(validations(early_run), PATIENCE)
     run_dir = tmp_path / "run"

@@ -141,6 +141,7 @@ def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
     assert server.returncode is not None
 
 
+@pytest.mark.slow
 def test_a_sweep_job_refused_in_a_directory_leaves_its_owners_record_as_it_was(tmp_path):
     """Each job writes its .hydra/ record once it owns its directory, as a single run does
     (checkpoints/rundir.py): Hydra wrote it as the job started, so a second sweep into the same
@@ -202,6 +203,7 @@ def test_optuna_sweep_survives_a_diverging_trial_and_beats_its_worst_trial(tmp_p
 
 
 @_needs("hydra_plugins.hydra_optuna_sweeper")
+@pytest.mark.slow
 def test_optuna_direction_follows_the_task_metric():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf

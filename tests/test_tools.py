@@ -20,7 +20,7 @@ def _settings(tool: str) -> list[str]:
     return [key for key in OmegaConf.load(CONF_DIR / f"{tool}.yaml") if key not in ("defaults", "hydra")]
 
 
-@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("tool", [tool if tool == "evaluate" else pytest.param(tool, marks=pytest.mark.slow) for tool in TOOLS])
 def test_help_lists_every_setting_and_cfg_job_prints_the_config(tool, tmp_path):
     shown = run_module("ringtrain", [tool, "--help"], cwd=tmp_path)  # the dispatcher: python -m ringtrain <tool>
     assert shown.returncode == 0, shown.stderr[-2000:]

@@ -186,7 +186,7 @@ def test_evaluate_rebuilds_the_users_model_from_its_checkpoint(single_run, user_
         assert evaluated[key] == pytest.approx(value, abs=1e-6), key
 
 
-@pytest.mark.parametrize("launch", ["torchrun", "self-launched"])
+@pytest.mark.parametrize("launch", ["torchrun", pytest.param("self-launched", marks=pytest.mark.slow)])
 def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(single_run, user_dir, tmp_path, launch):
     args = ["strategy=ddp", "trainer.batch_size=16", f"hydra.run.dir={tmp_path / 'ddp'}"]
     if launch == "torchrun":
@@ -206,7 +206,8 @@ def test_fsdp_with_sharded_checkpoints_trains_the_users_cnn_and_consolidates_int
     _train(user_dir, ["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded",
                       "trainer.batch_size=16", f"hydra.run.dir={run_dir}"])
     assert (run_dir / "checkpoints" / "step-00000048.shards" / ".metadata").is_file()
-    proc = run_module("ringtrain.tools.consolidate", [f"checkpoint={run_dir / 'checkpoints/last.pt'}",
+    # --config-dir: the user's own config names the model and data the checkpoint keeps (config/trust.py)
+    proc = run_module("ringtrain.tools.consolidate", ["--config-dir", "my_conf", f"checkpoint={run_dir / 'checkpoints/last.pt'}",
                                               f"output={tmp_path / 'cnn.pt'}"], cwd=user_dir)
     assert proc.returncode == 0, proc.stderr[-2000:]
     from my_pkg.nets import SmallCNN
@@ -249,6 +250,7 @@ def test_a_bad_component_is_one_line_exit_2_and_no_run_directory(user_dir, tmp_p
     assert not (tmp_path / "run").exists() and not (user_dir / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_a_self_launched_ranks_workers_start_as_a_torchrun_ranks_do(user_dir, tmp_path):
     """The ranks ringtrain starts itself are spawned; a spawned process takes "spawn" as its
     own default, so its DataLoader workers re-imported torch and the user's code every epoch

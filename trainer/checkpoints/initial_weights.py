@@ -15,9 +15,8 @@ shapes; a tied tensor (output layer and token embedding) may be stored once, as 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> int:
     number of tensors loaded. A mismatch is a ConfigError naming the tensor."""
     path = str(path)
     if path.endswith(".safetensors"):
-        weights = _read_safetensors(path, lambda file: {name: file.get_tensor(name) for name in file.keys()})
+        weights = _read_safetensors(path)
     else:
         state = _read_torch_file(path)
         if "shards" in state:  # a sharded fsdp checkpoint: DCP reads its shards into the model
@@ -44,20 +43,6 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> int:
     check_shapes_fit(model, {name: tensor.shape for name, tensor in weights.items()}, f"trainer.init_from={path}")
     model.load_state_dict(weights, strict=False)  # strict in substance: check_shapes_fit
     return len(weights)
-
-
-def initial_weight_shapes(path: str | Path) -> dict[str, list[int]]:
-    """The shape of every tensor in `path` (any file load_initial_weights reads), read without
-    loading the weights where the format allows: for the check before any work starts."""
-    path = str(path)
-    if path.endswith(".safetensors"):
-        return _read_safetensors(path, lambda file: {name: list(file.get_slice(name).get_shape()) for name in file.keys()})
-    state = _read_torch_file(path, mmap=True)
-    if "shards" in state:
-        from ringtrain.checkpoints.sharded import sharded_model_shapes
-
-        return sharded_model_shapes(state["shards"])
-    return {name: list(tensor.shape) for name, tensor in state["model"].items()}
 
 
 def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], source: str) -> None:
@@ -80,17 +65,17 @@ def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], sour
         )
 
 
-def _read_torch_file(path: str, mmap: bool = False) -> dict:
+def _read_torch_file(path: str) -> dict:
     """A ringtrain checkpoint (through the loader every tool uses, with its checks), else a
-    plain `torch.save(model.state_dict())` file as {"model": ...}. `mmap`: map the tensors."""
+    plain `torch.save(model.state_dict())` file as {"model": ...}."""
     try:
-        return read_checkpoint(path, "cpu", mmap=mmap)
+        return read_checkpoint(path, "cpu")
     except Unusable as err:  # a state_dict file carries torch.save's checksums too
         if err.damaged:
             raise ConfigError(f"trainer.init_from={path} {err}; pass an intact copy of it") from None
         refusal = err
     try:
-        plain = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        plain = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:
         plain = None
     if isinstance(plain, dict) and plain and all(isinstance(v, torch.Tensor) for v in plain.values()):
@@ -101,9 +86,8 @@ def _read_torch_file(path: str, mmap: bool = False) -> dict:
     ) from None
 
 
-def _read_safetensors(path: str, read: Callable[[Any], Any]) -> Any:
-    """`read(file)` of the safetensors file at `path` opened with safe_open (tensors are read
-    only when asked for); a file that is not one is a ConfigError."""
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at `path`; a file that is not one is a ConfigError."""
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
@@ -113,7 +97,7 @@ def _read_safetensors(path: str, read: Callable[[Any], Any]) -> Any:
         ) from None
     try:
         with safe_open(path, "pt", device="cpu") as file:
-            return read(file)
+            return {name: file.get_tensor(name) for name in file.keys()}
     except (SafetensorError, OSError) as err:
         detail = " ".join(str(err).split())[:200]
         raise ConfigError(f"trainer.init_from={path} cannot be read as safetensors ({detail}); pass a .safetensors file") from None

@@ -25,8 +25,3 @@ def json_text(value: Any, **dumps_options: Any) -> str:
     """json.dumps of `value` with non-finite floats as null (strict JSON)."""
     return json.dumps(finite_or_none(value), allow_nan=False, **dumps_options)
 
-
-def nonfinite_names(values: dict[str, Any]) -> list[str]:
-    """The names in `values` whose number is NaN or infinite (null in the file)."""
-    return [name for name, value in values.items()
-            if isinstance(value, (int, float)) and not math.isfinite(value)]

@@ -103,10 +103,6 @@ class NonFiniteWatch:
         torch_dist.all_reduce(earliest, op=torch_dist.ReduceOp.MIN)
         return float(earliest)
 
-    def first_bad_step(self) -> int | None:
-        """The first non-finite step found by `check` so far, or None."""
-        return self._first_bad
-
     def stop_message(self, step: int, last_checkpoint: Path) -> str:
         saved = f"{last_checkpoint} is from before it" if last_checkpoint.exists() else "nothing was saved"
         return (

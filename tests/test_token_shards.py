@@ -319,3 +319,101 @@ def test_an_id_past_the_vocabulary_ends_the_command_in_one_line_before_training(
     refused(proc, f"error: {corpus / 'fineweb_train_000001.bin'}: token ",
             "but the vocabulary has 60 ids (data.vocab_size); set data.vocab_size to at least 64 or tokenize again")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+RECORDED_SHARDS = '''
+"""data=token_shards whose training split records every window the training loader fetches."""
+import os
+import sys
+
+from torch.utils.data import Dataset
+
+from ringtrain.data.token_shards import TokenShards
+
+
+class Recorded(Dataset):
+    def __init__(self, windows, record):
+        self.windows, self.record = windows, record
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, index):
+        if sys._getframe(1).f_code.co_filename.endswith("fetch.py"):  # torch's DataLoader fetching
+            os.makedirs(self.record, exist_ok=True)
+            with open(os.path.join(self.record, f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt"), "a") as f:
+                f.write(f"{index}\\n")
+        return self.windows[index]
+
+
+class RecordedShards(TokenShards):
+    def __init__(self, record: str, **kwargs):
+        super().__init__(**kwargs)
+        self.record = record
+
+    def setup(self):
+        super().setup()
+        self.train = Recorded(self.train, self.record)
+'''
+
+
+@pytest.mark.slow
+def test_every_window_trains_once_across_sigterm_and_one_process_two_ranks_one_process(tmp_path):
+    """Issue 29's recording test: one process accumulating 2 micro-batches, stopped by SIGTERM at
+    an observed step; continued on 2 ranks (torchrun, the same global batch) to a later step;
+    finished on one process again. Every window of the epoch is trained exactly once over the
+    three, and the weights are the uninterrupted run's to 1e-6 (two ranks only sum in another
+    order)."""
+    import re
+    import signal
+    import sys
+    from collections import Counter
+
+    from conftest import QUIET, REPO
+    from helpers import TORCHRUN, Job
+
+    (tmp_path / "recorded_shards.py").write_text(RECORDED_SHARDS.lstrip())
+    corpus = _corpus(tmp_path / "corpus")
+    windows = len(ShardWindows(TokenShards(str(corpus), seq_len=16, vocab_size=64, cache_dir="").shards["train"], 16))
+    common = ["data=token_shards", "data._target_=recorded_shards.RecordedShards", f"data.path={corpus}",
+              "data.vocab_size=64", "data.cache_dir=", "model=transformer", "model.n_layers=1", "model.d_model=32",
+              "model.n_heads=2", "model.block_size=16", "model.dropout=0.0", "optimizer=sgd", "optimizer.lr=0.1",
+              "trainer.seed=3", "trainer.max_epochs=1"]
+    one_process, two_ranks = ["trainer.batch_size=4", "trainer.accumulate_grad_batches=2"], \
+        ["strategy=ddp", "trainer.batch_size=4"]
+
+    def args(run: Path, record: str, layout: list[str]) -> list[str]:
+        return common + layout + [f"+data.record={tmp_path / record}", f"hydra.run.dir={run}"]
+
+    ok(run_cli(args(tmp_path / "straight", "straight", one_process), cwd=tmp_path))
+
+    run, release = tmp_path / "run", tmp_path / "release"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "RINGTRAIN_TEST_STEP_SECONDS": "0",
+           "RINGTRAIN_TEST_HOLD_AT_STEP": "5", "RINGTRAIN_TEST_HOLD_UNTIL_FILE": str(release)}
+    env.pop("PYTHONPATH", None)
+    with Job([sys.executable, str(REPO / "tests" / "interruptible_train.py"), *args(run, "first", one_process),
+              *QUIET], cwd=tmp_path, env=env) as first:
+        first.wait_for_step(5)
+        first.send_signal(signal.SIGTERM)
+        release.touch()
+        status, output = first.finish()
+    assert status == 143 and re.search(r"stopped by SIGTERM after step 5; last.pt saved", output), output[-4000:]
+    ok(run_cli(args(run, "second", two_ranks) + ["trainer.max_steps=16"], cwd=tmp_path, launcher=TORCHRUN))
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["layout"]["world_size"] == 2
+    ok(run_cli(args(run, "third", one_process), cwd=tmp_path))
+
+    def drawn(*records: str) -> Counter:
+        counts: Counter = Counter()
+        for record in records:
+            for file in (tmp_path / record).glob("rank*.txt"):
+                counts.update(int(line) for line in file.read_text().split())
+        return counts
+
+    assert sorted(drawn("straight")) == list(range(windows))
+    together = drawn("first", "second", "third")
+    assert sorted(together) == list(range(windows)), f"{windows - len(together)} windows never trained"
+    assert max(together.values()) == 1, [i for i, n in together.items() if n > 1][:10]
+    assert all(drawn(record) for record in ("first", "second", "third"))
+    ended = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert ended["progress"]["epoch"] == 1 and ended["layout"]["world_size"] == 1
+    assert_same_weights(checkpoint_weights(tmp_path / "straight"), checkpoint_weights(run), atol=1e-6)

@@ -188,7 +188,7 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_ranks_keep_the_single_process_ema_of_the_same_global_batch(tmp_path, request, strategy):
     if strategy == "ddp":
         common, single_dir = MLP + EMA + [f"trainer.max_steps={STEPS}"], request.getfixturevalue("ema_run")

@@ -90,7 +90,7 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("state_dict_type", ["full", pytest.param("sharded", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("state_dict_type", [pytest.param("full", marks=pytest.mark.slow), pytest.param("sharded", marks=pytest.mark.slow)])
 def test_fsdp_on_spawned_ranks_hands_the_trained_weights_back_to_the_callers_model(runs, tmp_path, state_dict_type):
     """Under fsdp each rank holds only its shards: the weights are gathered before the ranks end."""
     script = tmp_path / "fsdp_api.py"

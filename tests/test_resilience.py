@@ -211,6 +211,7 @@ def continue_as_printed(output: str, cwd: Path) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_run_stopped_without_hydra_run_dir_prints_the_command_that_continues_it(tmp_path, reference):
     """No hydra.run.dir: the same command started again would open a new time-stamped
     directory; the printed one continues this run from the step the stop saved."""

@@ -199,3 +199,22 @@ def test_a_mixture_logs_its_realized_proportions_and_resumes_bit_identically(cor
     train_in_process(common + ["trainer.max_steps=60", "trainer.log_every_n_steps=60"], corpus / "resumed")
     straight, resumed = checkpoint_weights(corpus / "straight"), checkpoint_weights(corpus / "resumed")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_bad_line_met_mid_run_ends_it_in_one_line_and_the_last_checkpoint_is_intact(corpus):
+    """A JSON Lines file whose 301st line is cut is found only when the stream reaches it, after
+    some steps and saves: the run ends there, one line naming the file and the line, exit 2; the
+    last checkpoint is the one saved before, intact and loadable."""
+    from ringtrain.checkpoints.files import read_checkpoint
+
+    web = corpus / "web.jsonl"
+    with web.open("a") as f:
+        f.write('{"text": "cut\n')
+    run = corpus / "run"
+    proc = run_cli(SMALL_LM + ["data=stream", f"data.path={web}", f"data.tokenizer={corpus / 'tokenizer.json'}",
+                               "data.val_documents=20", "trainer.max_steps=10000", "trainer.checkpoint_every_n_steps=5",
+                               f"hydra.run.dir={run}"], cwd=corpus)
+    refused(proc, f"data.path: {web} line 301 (byte ", "is not JSON", "fix or remove that line")
+    saved = read_checkpoint(run / "checkpoints" / "last.pt")  # checksums verified
+    assert saved["progress"]["step"] >= 5 and saved["progress"]["step"] % 5 == 0
+    assert (run / "checkpoints" / f"step-{saved['progress']['step']:08d}.pt").is_file()

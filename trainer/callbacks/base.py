@@ -139,7 +139,10 @@ class Callbacks:
         self._several_ranks = several_ranks
 
     def call(self, hook: str, run: Run, *args: Any) -> None:
-        for callback in self._hooked[hook]:
+        hooked = self._hooked[hook]
+        if not hooked and not run.logged:  # most hooks at most steps: nothing to do
+            return
+        for callback in hooked:
             if callback.rank_zero_only and self._several_ranks:
                 self._call_on_rank_zero(callback, hook, run, *args)
             else:

@@ -64,9 +64,11 @@ class StreamMetrics(Callback):
     `data/epochs` (`completed_epochs`). Nothing for a map-style data set."""
 
     def on_step_end(self, run: Run, step: StepEnd) -> None:
+        if not step.logging:
+            return
         dataset = getattr(run.train_loader, "dataset", None)
         drawn, epochs = getattr(dataset, "drawn_counts", None), getattr(dataset, "completed_epochs", None)
-        if not step.logging or not callable(getattr(run.train_loader, "state_dict", None)) or not (drawn or epochs):
+        if not callable(getattr(run.train_loader, "state_dict", None)) or not (drawn or epochs):
             return
         state, values = run.train_loader.state_dict(), {}
         if callable(drawn):

@@ -4,6 +4,7 @@ tests/conftest.py holds the fixtures and the config and training helpers.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -11,7 +12,9 @@ import socket
 import subprocess
 import sys
 import threading
+import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -305,3 +308,23 @@ def alive(pid: int) -> bool:
             return file.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+# --- a user's own package ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def user_package(root: Path, files: dict[str, str], package: str) -> Iterator[Path]:
+    """`files` (relative path -> text, dedented) written under `root`, a folder outside the
+    repository, which this process can import `package` from until the block ends."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text).lstrip())
+    assert Path(__file__).resolve().parents[1] not in root.parents
+    sys.path.insert(0, str(root))
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root))
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]

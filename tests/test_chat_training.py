@@ -31,10 +31,8 @@ from helpers import refused
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-IGNORE = -100
-START, END = "<|im_start|>", "<|im_end|>"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from test_chat_data import CHATML, END, IGNORE, START  # noqa: E402
+
 MAX_LENGTH = 64
 CONVERSATIONS = 200
 

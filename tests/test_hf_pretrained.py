@@ -14,6 +14,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,21 +47,25 @@ def offline(hf_offline):  # conftest.py: no hub, in this process and its subproc
     yield
 
 
-@pytest.fixture(scope="module")
-def user(tmp_path_factory) -> Path:
-    """A user's folder: a text file, a pretrained tiny GPT-2 and a config dir, no Python."""
-    root = tmp_path_factory.mktemp("hf_user")
+def pretrained_user_folder(root: Path, **gpt2: Any) -> Path:
+    """A user's folder: a text file, a pretrained tiny GPT-2 (`gpt2`: its config's sizes) and a
+    config dir naming both, no Python."""
     rng = random.Random(0)
     text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(400))
     (root / "words.txt").write_text(text, encoding="utf-8")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(set(text)), n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(vocab_size=len(set(text)), n_positions=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0, **gpt2)
     transformers.GPT2LMHeadModel(config).save_pretrained(root / "tiny-gpt2")
     (root / "conf" / "model").mkdir(parents=True)
     (root / "conf" / "model" / "pretrained_gpt2.yaml").write_text(
         MODEL_YAML.format(pretrained=root / "tiny-gpt2", text=root / "words.txt"))
     return root
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory) -> Path:
+    return pretrained_user_folder(tmp_path_factory.mktemp("hf_user"), n_embd=32)
 
 
 def _fine_tune(user: Path, name: str, overrides: list[str], launcher=None) -> Path:

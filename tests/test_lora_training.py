@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -41,23 +40,10 @@ import torch
 
 from conftest import QUIET, REPO, run_cli, run_module
 from helpers import Job, assert_same_state, job_ok, ok, refused
+from test_hf_pretrained import pretrained_user_folder
 
 transformers = pytest.importorskip("transformers")
 
-WORDS = "the king queen of a to and my lord is not thy good".split()
-MODEL_YAML = """\
-# @package _global_
-# A causal LM from a local pretrained directory, fine-tuned on a text file.
-defaults:
-  - override /data: text
-model:
-  _target_: transformers.AutoModelForCausalLM.from_pretrained
-  pretrained_model_name_or_path: {pretrained}
-data:
-  path: {text}
-  seq_len: 32
-  cache_dir: ""
-"""
 STEPS = 30
 COMMON = ["model=pretrained_gpt2", "optimizer=adamw", "optimizer.lr=1e-2", "trainer.eval_every_n_steps=10",
           "trainer.log_every_n_steps=5"]
@@ -98,20 +84,8 @@ def offline(hf_offline):  # conftest.py: no hub, in this process and its subproc
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory) -> Path:
-    """A user's folder: a text file, a pretrained tiny GPT-2 and a config dir, no Python."""
-    root = tmp_path_factory.mktemp("lora_user")
-    rng = random.Random(0)
-    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(400))
-    (root / "words.txt").write_text(text, encoding="utf-8")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=len(set(text)), n_positions=32, n_embd=64, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(root / "tiny-gpt2")
-    (root / "conf" / "model").mkdir(parents=True)
-    (root / "conf" / "model" / "pretrained_gpt2.yaml").write_text(
-        MODEL_YAML.format(pretrained=root / "tiny-gpt2", text=root / "words.txt"))
-    return root
+    return pretrained_user_folder(tmp_path_factory.mktemp("lora_user"), n_embd=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
 
 
 @pytest.fixture(scope="module")

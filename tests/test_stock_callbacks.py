@@ -17,14 +17,13 @@ import os
 import re
 import signal
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import QUIET, REPO, run_cli, run_module, train_in_process
-from helpers import STEP_ANNOUNCEMENT, TORCHRUN, Job, job_ok, ok, refused
+from helpers import STEP_ANNOUNCEMENT, TORCHRUN, Job, job_ok, ok, refused, user_package
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
 
@@ -105,15 +104,8 @@ def user_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user")
     files = {"my_callbacks/__init__.py": "", "my_callbacks/counter.py": COUNTER, "my_callbacks/late.py": LATE,
              "my_conf/callbacks/counter.yaml": COUNTER_YAML, "my_conf/callbacks/late.yaml": LATE_YAML}
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text).lstrip())
-    assert REPO not in root.parents
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
-    for name in [m for m in sys.modules if m == "my_callbacks" or m.startswith("my_callbacks.")]:
-        del sys.modules[name]
+    with user_package(root, files, "my_callbacks"):
+        yield root
 
 
 # --- jobs ---------------------------------------------------------------------------------------

@@ -14,14 +14,13 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli, run_module
-from helpers import TORCHRUN, ok, refused
+from helpers import TORCHRUN, ok, refused, user_package
 
 NETS = '''
 """A user's own model: ringtrain knows it only by its import path, my_pkg.nets.SmallCNN."""
@@ -132,15 +131,8 @@ def user_dir(tmp_path_factory) -> Path:
         "my_pkg/__init__.py": "", "my_pkg/nets.py": NETS, "my_pkg/data.py": DATA,
         "my_conf/model/small_cnn.yaml": MODEL_YAML, "my_conf/data/blobs.yaml": DATA_YAML,
     }
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text).lstrip())
-    assert REPO not in root.parents
-    sys.path.insert(0, str(root))
-    yield root
-    sys.path.remove(str(root))
-    for name in [m for m in sys.modules if m == "my_pkg" or m.startswith("my_pkg.")]:
-        del sys.modules[name]
+    with user_package(root, files, "my_pkg"):
+        yield root
 
 
 def _train(user_dir: Path, args: list[str], launcher: list[str] | None = None,

@@ -441,3 +441,24 @@ def test_a_callback_with_a_misspelt_hook_is_refused_in_one_line_before_any_work(
     refused(proc, "callbacks.late: my_callbacks.late.Late defines on_validation_ended, which ringtrain never calls",
             "on_validation_end")
     assert not (tmp_path / "run").exists() and not (user_dir / "outputs").exists()
+
+
+def test_the_readmes_user_callback_runs_as_the_readme_says(tmp_path):
+    """README.md "Callbacks and loggers": its StopAtTarget, saved as my_callbacks/target.py, and
+    its command line stop the default job at the first validation at or below the target, exit
+    0, the reason in metrics.json and the callback's count in the checkpoint."""
+    readme = (REPO / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "class StopAtTarget" in b)
+    (tmp_path / "my_callbacks").mkdir()
+    (tmp_path / "my_callbacks" / "__init__.py").write_text("")
+    (tmp_path / "my_callbacks" / "target.py").write_text(block)
+    command = next(line for line in readme.splitlines() if line.startswith("ringtrain +callbacks.target."))
+    ok(run_cli(command.split()[1:] + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path))
+    summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    validations = [float(v) for v in re.findall(r"step \d+ epoch [\d.]+: val/loss=([\d.]+)",
+                                                       (tmp_path / "run" / "train.log").read_text())]
+    first = next(i for i, loss in enumerate(validations) if loss <= 0.05)
+    assert len(validations) == first + 1 < 10  # stopped at it, before the 10 epochs were done
+    assert summary["stopped"] == f"val/loss reached 0.05 after {first + 1} validations"
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["callbacks"]["target"] == {"validations": first + 1}

@@ -455,8 +455,8 @@ def test_the_readmes_user_callback_runs_as_the_readme_says(tmp_path):
     command = next(line for line in readme.splitlines() if line.startswith("ringtrain +callbacks.target."))
     ok(run_cli(command.split()[1:] + [f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path))
     summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    validations = [float(v) for v in re.findall(r"step \d+ epoch [\d.]+: val/loss=([\d.]+)",
-                                                       (tmp_path / "run" / "train.log").read_text())]
+    log = (tmp_path / "run" / "train.log").read_text()
+    validations = [float(v) for v in re.findall(r"step \d+ epoch [\d.]+: val/loss=([\d.]+)", log)]
     first = next(i for i, loss in enumerate(validations) if loss <= 0.05)
     assert len(validations) == first + 1 < 10  # stopped at it, before the 10 epochs were done
     assert summary["stopped"] == f"val/loss reached 0.05 after {first + 1} validations"

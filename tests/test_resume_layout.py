@@ -265,7 +265,7 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tm
 
     train_in_process(LINE + ["trainer.max_steps=5"], tmp_path / "first")
     last = tmp_path / "first" / "checkpoints" / "last.pt"
-    load = manager_module._read
+    load = manager_module.load_checkpoint
 
     def load_while_signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # StopSignals' watcher thread takes it and logs it
@@ -274,7 +274,7 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tm
             time.sleep(0.01)
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "_read", load_while_signalled)
+    monkeypatch.setattr(manager_module, "load_checkpoint", load_while_signalled)
     with caplog.at_level(logging.INFO, logger="ringtrain"):
         result = train_in_process(LINE + ["trainer.batch_size=32", "trainer.max_steps=12", f"trainer.resume={last}"],
                                   tmp_path / "second")

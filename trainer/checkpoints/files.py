@@ -131,13 +131,16 @@ def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
     return f"cannot save checkpoint {path}: {reason}; {fix}; {kept}"
 
 
-def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
+                    verify: bool = True) -> dict[str, Any]:
     """The checkpoint at `path`, its bytes (and its shards') checked against their checksums;
-    Unusable otherwise. `mmap`: map the tensors rather than read them."""
+    Unusable otherwise. `mmap`: map the tensors rather than read them. `verify=False`: the
+    checksums were checked already (by rank 0, which chose the file for every rank)."""
     path = Path(path)
     if not path.is_file():
         raise Unusable("does not exist", "check the path")
-    check_file_bytes(path)
+    if verify:
+        check_file_bytes(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # a pickle with code in it, a file torch cannot read
@@ -157,7 +160,8 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
         shards = path.parent / str(state["shards"])
         if not (shards / ".metadata").is_file():
             raise Unusable(f"keeps its weights in {shards}, which is missing or incomplete", _OLDER)
-        check_shards(shards, state.get("shard_checksums") or {})
+        if verify:
+            check_shards(shards, state.get("shard_checksums") or {})
         state["shards"] = shards
     return state
 
@@ -165,10 +169,11 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
 _OLDER = "use another checkpoint of that run (an older step-*.pt, or best.pt) or a copy of this one from elsewhere"
 
 
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
+                    verify: bool = True) -> dict[str, Any]:
     """`read_checkpoint`, with what is wrong as one CheckpointError line naming the fix."""
     try:
-        return read_checkpoint(path, map_location, mmap)
+        return read_checkpoint(path, map_location, mmap, verify)
     except Unusable as err:
         raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
 

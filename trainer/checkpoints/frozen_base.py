@@ -18,14 +18,14 @@ from ringtrain.checkpoints.files import CheckpointError
 
 def base_identity(model: nn.Module) -> dict[str, Any]:
     """The frozen parameters' names, count of elements and CRC-32 (of the bare, unsharded model)."""
-    crc, names, elements = 0, [], 0
-    for name, param in model.named_parameters():
+    crc, tensors, elements = 0, 0, 0
+    for param in model.parameters():
         if not param.requires_grad:
             data = param.detach().cpu().contiguous().view(torch.uint8).numpy()
             crc = zlib.crc32(data, crc)
-            names.append(name)
+            tensors += 1
             elements += param.numel()
-    return {"crc32": crc, "tensors": len(names), "elements": elements}
+    return {"crc32": crc, "tensors": tensors, "elements": elements}
 
 
 def trainable_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -34,11 +34,11 @@ def trainable_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dic
     return {name: tensor for name, tensor in weights.items() if name in trainable}
 
 
-def load_over_base(model: nn.Module, state: dict[str, Any], path: str | Path) -> None:
+def load_over_base(model: nn.Module, state: dict[str, Any], path: str | Path, found: dict | None = None) -> None:
     """Load a checkpoint's trainable weights into `model`, whose frozen base was built again
     from the run's config: refused unless that base is, byte for byte, the one stored `state`
-    names."""
-    found, kept = base_identity(model), state["base"]
+    names. `found`: the model's base_identity, where the caller has it already."""
+    found, kept = found or base_identity(model), state["base"]
     if found != kept:
         raise CheckpointError(
             f"checkpoint '{path}' holds adapters trained on other base weights than this model's (CRC-32 "

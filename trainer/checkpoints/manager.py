@@ -30,7 +30,7 @@ from ringtrain.checkpoints.atomic import remove_if_present, temp_name_pattern
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
 from ringtrain.checkpoints.files import (
     BEST_NAME, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,
-    read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, shards_name, step_checkpoint_name,
+    load_checkpoint, read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, shards_name, step_checkpoint_name,
     step_checkpoints,
 )
 from ringtrain.distributed import DistInfo, broadcast_object
@@ -84,9 +84,8 @@ class CheckpointManager:
             raise {"RunDirError": RunDirError, "CheckpointError": CheckpointError, "ConfigError": ConfigError}[kind](value)
         if value is None:
             return None
-        if chosen is None:  # another rank: its own read of the file rank 0 chose (and verified)
-            mine = given is not None and given.state is not None and given.path.resolve() == Path(value).resolve()
-            chosen = Resumed(Path(value), given.state if mine else _read(Path(value)))
+        if chosen is None:  # another rank: its own read of the file rank 0 chose and verified
+            chosen = Resumed(Path(value), _state_of(Path(value), given, verify=False))
         return chosen
 
     def _choose(self, resume: Any, kept: dict, given: Resumed | None) -> Resumed | None:
@@ -103,8 +102,7 @@ class CheckpointManager:
         if path.parent != self.directory.resolve() and self._holds_checkpoints():
             raise RunDirError(f"{self.directory.parent} already holds checkpoints of another run; continue it with "
                               f"trainer.resume={self.last}, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
-        mine = given is not None and given.state is not None and given.path.resolve() == path
-        state = given.state if mine else _read(path)
+        state = _state_of(path, given)
         log.info(f"resuming from {resume} (step {state['progress']['step']})")
         return Resumed(path, state)
 
@@ -272,11 +270,11 @@ def find_resumable(directory: Path) -> Found:
     return Found(None, None, unreadable)
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return read_checkpoint(path, mmap=True)
-    except Unusable as err:
-        raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
+def _state_of(path: Path, given: Resumed | None, verify: bool = True) -> dict[str, Any]:
+    """The checkpoint at `path`: the state the command line's check read already, else read now."""
+    if given is not None and given.state is not None and given.path.resolve() == path.resolve():
+        return given.state
+    return load_checkpoint(path, mmap=True, verify=verify)
 
 
 def _refuse_another_model(run_dir: Path, stored: Any, kept: dict) -> None:

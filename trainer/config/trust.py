@@ -30,16 +30,18 @@ def check_trusted(stored: dict, source: str, own: Any, flag: str) -> None:
     """Refuse `stored` (a checkpoint's config, from `source`) if it names a target, or turns on
     trust_remote_code, that the user's own config `own` (this command's composed config) and
     ringtrain's do not; `flag` is the setting that allows it."""
+    user = _user_config_files()
     own_targets = set(_targets(own)) if own is not None else set()
-    own_targets |= set(_targets(_user_config_files()))
+    own_targets |= set(_targets(user))
     for key, target in _targets_with_keys(stored):
         if target in own_targets or target in shipped_targets() or target.startswith(_LIBRARIES) or _hf_class(target):
             continue
         raise ConfigError(f"{source} names {key}._target_={target}, which neither your config nor ringtrain's names: "
                           f"rebuilding it would run that code; pass --config-dir <your config folder> if it names "
                           f"{target}, or {flag}=true if you trust the file")
+    own_allows_remote_code = any(_remote_code_keys(own)) or any(_remote_code_keys(user))
     for key in _remote_code_keys(stored):
-        if not any(True for _ in _remote_code_keys(own)) and not any(_remote_code_keys(_user_config_files())):
+        if not own_allows_remote_code:
             raise ConfigError(f"{source} sets {key}=true, which would run Python from the model's directory; "
                               f"pass {flag}=true if you trust the file and that directory")
 

@@ -32,8 +32,8 @@ class Evaluator:
         self.epoch_length = order.end if order is not None else 0  # samples of an epoch's global order
         self.since = time.monotonic()
 
-    def due(self, step: int, position_before: int, position: int, epoch_done: bool, requested: bool) -> bool:
-        if requested or step == self.parts.total_steps:
+    def due(self, step: int, position_before: int, position: int, epoch_done: bool) -> bool:
+        if step == self.parts.total_steps:
             return True
         if self.every and step % self.every == 0:
             return True

@@ -60,6 +60,9 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
     def save(best: bool) -> None:
         watchdog.feed(SAVING, progress.step)
         checkpoints.save(progress.step, checkpoint_state, best)
+        report_saved()
+
+    def report_saved() -> None:  # the saves now on disk (a background save is, once written)
         for step, path in checkpoints.written():
             callbacks.call("on_checkpoint_saved", run, step, path)
 
@@ -139,7 +142,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
 
                     # What is due after the step, by the schedules; nothing non-finite is logged,
                     # evaluated or saved (on_nonfinite=stop reads the step's values here, only then).
-                    evaluate = evaluator.due(step, position, position_after, epoch_done, requested=False)
+                    evaluate = evaluator.due(step, position, position_after, epoch_done)
                     saving = checkpoints.due(step, evaluate, last=step == parts.total_steps)
                     position = position_after
                     if (logging_step or evaluate or saving) and found_nonfinite(grad_norm):
@@ -176,8 +179,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                         log.info(f"stopped by {stopped} after step {progress.step}{saved}")
                         break
             checkpoints.flush()  # the final save, or a stop's, is on disk before fit returns
-            for step, path in checkpoints.written():
-                callbacks.call("on_checkpoint_saved", run, step, path)
+            report_saved()
             result = FitResult(
                 metrics=run.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,
                 steps=progress.step, train_seconds=time.perf_counter() - started, stopped=stopped,
@@ -206,10 +208,11 @@ class StepLoss:
         self.task, self.world = task, dist.world_size
         self.detached: list[tuple[torch.Tensor, Any]] = []
         targets = [split_batch(task, batch)[1] for batch in micro_batches]
-        self.samples = sum(samples_in(target) for target in targets)
+        sizes = [samples_in(target) for target in targets]
+        self.samples = sum(sizes)
         self.tokens = sum(target.numel() for target in targets if target.dim() == 2 and not target.is_floating_point())
         self.plain = len(micro_batches) == 1 and not dist.is_distributed
-        self.counts = [samples_in(target) for target in targets] if self.plain else [counted(task, t) for t in targets]
+        self.counts = sizes if self.plain else [counted(task, t) for t in targets]
         self.summed = any(isinstance(count, torch.Tensor) for count in self.counts)
         if self.summed:  # at least 1: a step with nothing to count trains on nothing, not on NaN
             self.total = all_reduce_sum(dist, sum(self.counts).float()).clamp(min=1)

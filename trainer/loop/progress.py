@@ -16,16 +16,15 @@ class Progress:
     best_metric: float | None = None
     skipped_steps: int = 0  # updates skipped for non-finite values
 
-    def finish_step(self, position: int, epoch_done: bool, applied: bool = True) -> bool:
+    def finish_step(self, position: int, epoch_done: bool, applied: bool = True) -> None:
         """Count one optimizer step that brought the epoch to `position` (`applied`: its update
-        was not skipped); returns `epoch_done`."""
+        was not skipped)."""
         self.step += 1
         self.skipped_steps += not applied
         if epoch_done:
             self.finish_epoch()
         else:
             self.samples_into_epoch = position
-        return epoch_done
 
     def finish_epoch(self) -> None:
         self.epoch += 1

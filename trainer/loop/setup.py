@@ -118,7 +118,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
         checkpoint_activations(model)
     base = base_identity(model) if job.adapter is not None else None
     if state is not None and "base" in state:  # adapters over a base rebuilt from the config
-        load_over_base(model, state, resumed.path)
+        load_over_base(model, state, resumed.path, found=base)
     elif state is not None and "shards" not in state:  # full weights go into the bare model
         load_model_weights(model, state, resumed.path)
     module = strategy.setup_module(model, dist, cfg)

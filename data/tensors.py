@@ -58,7 +58,8 @@ class SequenceDataset(Dataset):
         return windows[:, :-1], windows[:, 1:]
 
 
-def windows_of(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Non-overlapping windows of seq_len + 1 tokens over a 1-D stream, each sharing its last
-    token with the next window's first, so every token is a target exactly once. A view."""
-    return stream.unfold(0, seq_len + 1, seq_len)
+def windows_of(stream: torch.Tensor, seq_len: int, stride: int | None = None) -> torch.Tensor:
+    """Windows of seq_len + 1 tokens over a 1-D stream, one every `stride` tokens. A view.
+    The default, stride = seq_len, cuts non-overlapping windows, each sharing its last token
+    with the next window's first, so every token is a target exactly once."""
+    return stream.unfold(0, seq_len + 1, stride or seq_len)

@@ -92,6 +92,21 @@ def test_text_vocabulary_ids_and_windows_round_trip(text_file, tmp_path):
     assert targets.numel() == (split - 1) // 16 * 16
 
 
+def test_a_text_stride_starts_a_training_window_at_every_stride_and_leaves_validation_alone(text_file):
+    config = dict(path=str(text_file), seq_len=16, val_fraction=0.2, cache_dir="")
+    plain, every_3 = made(CharText, **config), made(CharText, **config, stride=3)
+    text = text_file.read_text(encoding="utf-8")
+    vocab, split = plain.vocab["chars"], int(len(text) * 0.8)
+    inputs, targets = every_3.train.get_batch(torch.arange(len(every_3.train)))
+    assert len(every_3.train) == (split - 17) // 3 + 1
+    for i in (0, 1, len(inputs) - 1):
+        assert "".join(vocab[c] for c in inputs[i].tolist()) == text[3 * i: 3 * i + 16]
+        assert "".join(vocab[c] for c in targets[i].tolist()) == text[3 * i + 1: 3 * i + 17]
+    assert torch.equal(every_3.val.windows, plain.val.windows)  # each validation token scored once
+    with pytest.raises(ValueError, match="data.stride=0 must be a positive integer"):
+        CharText(**config, stride=0)
+
+
 def test_text_encoding_is_cached_by_path_size_and_mtime(text_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     config = dict(path=str(text_file), seq_len=16, cache_dir=str(cache))

@@ -330,10 +330,12 @@ def main() -> None:
             seconds = min(run_row(setup))
         except Exception as error:  # one row's failure is a result too; the others still run
             results[row] = f"failed: {type(error).__name__}: {' '.join(str(error).split())[:120]}"
+            print(f"{row}: {results[row]}", flush=True)
             continue
         memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         results[row] = setup.steps * setup.tokens_per_step / seconds
         results[row + " memory"] = memory
+        print(f"{row}: {results[row]:,.0f} tok/s", flush=True)  # the table comes last; a row's figure now
 
     raw = [results[r] for r in RAW_ROWS if isinstance(results.get(r), float)]
     best_raw = max(raw) if raw else None

@@ -8,9 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from hydra import compose, initialize_config_dir
+# The suite is exact on CPUs by design: float32 equivalences to 1e-6 and 2-rank gloo jobs. A
+# visible GPU would change what trainer.accelerator=auto picks (and TF32 the arithmetic; one
+# GPU cannot hold two NCCL ranks), so it is hidden from every test, and from the processes
+# they start, before torch looks for one. RINGTRAIN_TEST_CUDA=1 keeps it for the tests marked
+# `cuda`: `RINGTRAIN_TEST_CUDA=1 pytest -m cuda` (benchmarks/gpu_checks.sh runs them).
+if os.environ.get("RINGTRAIN_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"

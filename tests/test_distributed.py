@@ -119,6 +119,11 @@ def one_rank_group(monkeypatch):
         monkeypatch.setenv(key, value)
 
 
+def syncs_buffers(ddp) -> bool:
+    """DDP's flag under torch 2.13's name, or the older name (torch 2.11 knows only that one)."""
+    return ddp.forward_sync_buffers if hasattr(ddp, "forward_sync_buffers") else ddp.broadcast_buffers
+
+
 def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group):
     import torch.distributed as dist
     from ringtrain.config.schema import validate
@@ -138,9 +143,9 @@ def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group)
             ddp = run.strategy.wrap(torch.nn.Linear(2, 2), info)
         assert ddp.bucket_bytes_cap == int(7.5 * 1024 * 1024)
         assert ddp.find_unused_parameters and not ddp.gradient_as_bucket_view
-        assert ddp.static_graph and not ddp.forward_sync_buffers
+        assert ddp.static_graph and not syncs_buffers(ddp)
         defaults = validate(compose_config(["strategy=ddp"])).strategy.wrap(torch.nn.Linear(2, 2), info)
-        assert defaults.bucket_bytes_cap == 25 * 1024 * 1024 and defaults.forward_sync_buffers
+        assert defaults.bucket_bytes_cap == 25 * 1024 * 1024 and syncs_buffers(defaults)
         assert not defaults.find_unused_parameters and defaults.gradient_as_bucket_view
     finally:
         teardown_distributed()

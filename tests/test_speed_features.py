@@ -238,7 +238,8 @@ class NoSyncBetweenLogSteps(Callback):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (RINGTRAIN_TEST_CUDA=1)")
 def test_cuda_steps_between_log_steps_do_not_sync(tmp_path):
     train_in_process(SYNC_TEST_RUN + ["trainer.accelerator=cuda", "trainer.precision=bf16-mixed",
                                       "trainer.grad_clip_norm=0",

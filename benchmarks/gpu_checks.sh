@@ -38,7 +38,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: under min(MAX, time left - 5)
 quiet=(trainer.progress_bar=false)
 stage env 30 bash -c 'nvidia-smi -L; python -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"'
 
-TAIL=14 stage bench_gpt 250 python benchmarks/bench_gpt.py --warmup 10 --steps 30 --windows 3
+TAIL=14 stage bench_gpt 300 python benchmarks/bench_gpt.py --warmup 10 --steps 30 --windows 2 --rounds 2
 
 stage baby_gpt 170 python train.py experiment=shakespeare_char_gpu "data.path=$text" "data.cache_dir=$runs/cache" \
     trainer.log_every_n_steps=250 "hydra.run.dir=$runs/baby" "${quiet[@]}" \

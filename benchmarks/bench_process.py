@@ -12,7 +12,8 @@ Prints each process's wall time (best and median of N, interleaved), the ratio, 
 process's time goes in one more marked run of each: importing torch, importing ringtrain's
 command, Hydra's composition (and run directory), ringtrain's check of the job, claiming the
 run directory, building the components, callbacks and loggers, the training loop, finishing
-the job, and the interpreter's own start and exit.
+the job, and the interpreter's own start and exit. Last, the floor under any `@hydra.main`
+program: an empty Hydra app's import and start-up, best of N.
 """
 from __future__ import annotations
 
@@ -86,6 +87,33 @@ mark("the script's dataset, model, optimizer and 10 epochs")
 """
 
 
+# The floor under any `@hydra.main` program: an app whose config is one key, as a process,
+# marked at `import hydra` and at its task's first line (Hydra composes the config twice,
+# once to read hydra.mode, and makes the run directory and its logging on the way).
+HYDRA_FLOOR = """
+import sys, time
+T0 = time.perf_counter()
+import hydra
+T1 = time.perf_counter()
+@hydra.main(version_base="1.3", config_path=sys.argv.pop(1), config_name="one_key")
+def task(cfg):
+    print(repr((T1 - T0, time.perf_counter() - T1)), file=sys.stderr)
+task()
+"""
+
+
+def hydra_floor(scratch: Path, repeats: int) -> tuple[float, float]:
+    """Best seconds of (import hydra, @hydra.main up to the task) over `repeats` runs."""
+    (scratch / "one_key.yaml").write_text("key: 1\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = []
+    for i in range(repeats):
+        done = subprocess.run([sys.executable, "-c", HYDRA_FLOOR, str(scratch), f"hydra.run.dir={scratch}/floor{i}"],
+                              cwd=scratch, env=env, check=True, capture_output=True, text=True)
+        runs.append(ast.literal_eval(done.stderr.strip().splitlines()[-1]))
+    return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
 def timed(command: list[str], cwd: str) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
@@ -126,6 +154,7 @@ def main() -> None:
             "tutorial": timeline([sys.executable, "-c", TUTORIAL_MARKS, str(tutorial)], scratch),
             "ringtrain": timeline([sys.executable, "-c", RINGTRAIN_MARKS, f"hydra.run.dir={run_dir}2", "trainer.resume=null"], scratch),
         }
+        floor = hydra_floor(Path(scratch), args.repeats)
     print(f"python {sys.version.split()[0]}, {args.repeats} interleaved runs of each process")
     for name, values in times.items():
         print(f"{name:10s} best {min(values):.2f} s   median {statistics.median(values):.2f} s")
@@ -135,6 +164,11 @@ def main() -> None:
         print(f"{name}, one marked run ({sum(s for _, s in steps):.2f} s):")
         for phase, seconds in steps:
             print(f"  {seconds:6.3f} s  {phase}")
+    start_up = sum(seconds for phase, seconds in phases["ringtrain"]
+                   if not phase.startswith(("import torch", "training loop", "command returned", "interpreter")))
+    print(f"ringtrain's start-up (its import to the loop): {start_up:.3f} s. Hydra's floor, an empty "
+          f"@hydra.main app (best of {args.repeats}): import hydra {floor[0]:.3f} s + up to its task "
+          f"{floor[1]:.3f} s = {sum(floor):.3f} s")
 
 
 if __name__ == "__main__":

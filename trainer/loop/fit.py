@@ -75,16 +75,19 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
         callbacks.call("on_validation_end", run, run.metrics)
         return progress.improves(run.metrics.get(task.monitor), task.mode)
 
-    def found_nonfinite(grad_norm: torch.Tensor | None) -> bool:
-        """on_nonfinite=stop, before anything logs, evaluates or saves a non-finite value."""
+    stopped = stop_kind = None
+
+    def stops_nonfinite(grad_norm: torch.Tensor | None) -> bool:
+        """on_nonfinite=stop: a non-finite value found before it is logged, evaluated or saved stops the run."""
+        nonlocal stopped, stop_kind
         if not nonfinite.check(progress.step, grad_norm, lambda: parts.strategy.weight_norm(parts.params)):
             return False
         if dist.is_main:
             log.error(nonfinite.stop_message(progress.step, checkpoints.last))
         run.metrics = {task.monitor: float("nan")}
+        stopped, stop_kind = "non-finite", "non-finite"
         return True
 
-    stopped = stop_kind = None
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
         try:
             _report_start(parts, dist, job)
@@ -145,8 +148,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                     evaluate = evaluator.due(step, position, position_after, epoch_done)
                     saving = checkpoints.due(step, evaluate, last=step == parts.total_steps)
                     position = position_after
-                    if (logging_step or evaluate or saving) and found_nonfinite(grad_norm):
-                        stopped, stop_kind = "non-finite", "non-finite"
+                    if (logging_step or evaluate or saving) and stops_nonfinite(grad_norm):
                         break
                     callbacks.call("on_step_end", run, StepEnd(
                         step, run.epoch, losses.detached, losses.summed, losses.samples, losses.tokens, lr, grad_norm,
@@ -159,8 +161,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                                                 save=bool(local.get("save")))
                     if (run.control.validate or agreed["validate"]) and not evaluate:
                         evaluate = True
-                        if found_nonfinite(grad_norm):
-                            stopped, stop_kind = "non-finite", "non-finite"
+                        if stops_nonfinite(grad_norm):
                             break
                     improved = validate() if evaluate else False
                     if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
@@ -169,8 +170,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                         stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
                         callbacks.call("on_stop_signal", run, stopped)
                     if cfg.checkpoint and (saving or evaluate or stopped or run.control.save or agreed["save"]):
-                        if not saving and not evaluate and found_nonfinite(grad_norm=None):
-                            stopped, stop_kind = "non-finite", "non-finite"
+                        if not saving and not evaluate and stops_nonfinite(grad_norm=None):
                             break
                         save(best=improved)
                     run.control.validate = run.control.save = False

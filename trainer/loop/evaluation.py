@@ -33,9 +33,7 @@ class Evaluator:
         self.since = time.monotonic()
 
     def due(self, step: int, position_before: int, position: int, epoch_done: bool) -> bool:
-        if step == self.parts.total_steps:
-            return True
-        if self.every and step % self.every == 0:
+        if step == self.parts.total_steps or (self.every and step % self.every == 0):
             return True
         if self.fraction:
             mark = self.fraction * self.epoch_length

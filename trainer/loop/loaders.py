@@ -13,10 +13,9 @@ sampler, so it resumes mid-epoch exactly), worker processes (`trainer.num_worker
 worker seeds from a generator seeded by (seed, epoch), never the global RNG dropout and resume
 depend on.
 
-Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch). The
-training order is DistributedSampler's, index for index: rank r of N sees every N-th sample of
-the single-process order, so DDP with per-rank batch B consumes per step what one process does
-with batch N*B.
+Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch).
+In training, rank r of N sees every N-th sample of the single-process order (ShuffledShards), so
+DDP with per-rank batch B consumes per step what one process does with batch N*B.
 """
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ from ringtrain.data.batches import collate_of, to_device
 
 GATHER_BATCHES = 32  # amortises the indexing call; bounds the extra memory to a few dozen batches
 
-# (inputs, target) tensors on the fast path; a tuple or dict of tensors from a DataLoader.
 Batch = Any
 
 
@@ -69,9 +67,7 @@ class ShuffledShards:
     def indices(self, epoch: int, start: int = 0) -> torch.Tensor:
         """This rank's samples of `epoch` after the epoch's first `start` (see the class)."""
         if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.length, generator=generator)
+            order = torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(self.length)
         epoch_order = order[: self.end]

@@ -33,13 +33,10 @@ class Precision:
         self.name = name
         self.device = device
         self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
-        # Only float16 needs loss scaling; without one, every call below is the plain operation.
         self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return contextlib.nullcontext() if self.dtype is None else torch.autocast(self.device.type, self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()

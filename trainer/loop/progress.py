@@ -49,17 +49,12 @@ class Progress:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run's data is dealt out: ranks, samples per rank and micro-batch, micro-batches
-    per optimizer step. Saved in every checkpoint, so a run continued in another layout
-    says what changed."""
+    """How a run's data is dealt out, saved in every checkpoint so that a run continued in
+    another layout says what changed."""
 
     world_size: int
     batch_size: int  # per rank and micro-batch
     accumulate_grad_batches: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.world_size * self.batch_size * self.accumulate_grad_batches
 
     def state_dict(self) -> dict:
         return asdict(self)

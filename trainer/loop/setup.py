@@ -22,8 +22,7 @@ from ringtrain.distributed import DistInfo, gather_objects
 from ringtrain.errors import ConfigError
 from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
 from ringtrain.loop.streams import StreamLoader, is_stream
-from ringtrain.optim import build_optimizer, build_scheduler
-from ringtrain.optim import WarmupCosine
+from ringtrain.optim import WarmupCosine, build_optimizer, build_scheduler
 from ringtrain.loop.precision import Precision, set_matmul_precision
 from ringtrain.loop.progress import Layout, Progress
 from ringtrain.loop.watchdog import LOADING_TRAINING_BATCHES, Watchdog
@@ -51,9 +50,8 @@ class TrainingParts:
 
     def checkpoint_state(self, dist: DistInfo, shards_path) -> dict[str, Any]:
         """Every rank's part of a checkpoint (checkpoints/files.py); rank 0 gets the whole
-        state, the others what they contributed: the strategy's weights (full, or each rank's
-        shards written to `shards_path`), every rank's RNG state, the schedule, the loss
-        scaler, the layout and where training stands."""
+        state, the others what they contributed (the strategy's weights: full, or each rank's
+        shards written to `shards_path`)."""
         rng = gather_objects(dist, rng_state(dist.device))  # every rank's, for exact resume
         weights = self.strategy.checkpoint_weights(self.model, self.optimizer, lambda: shards_path)
         if self.base is not None and "model" in weights:  # the frozen base is named, not copied

@@ -15,6 +15,7 @@ stop signal; the log names which.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,15 +31,13 @@ import torch.distributed as dist
 from ringtrain.loop.watchdog import flush_within
 
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-# A repeat this soon after the first signal is a launcher forwarding it, not a person insisting.
 REPEAT_GRACE_SECONDS = 2.0
 
 log = logging.getLogger("ringtrain")
 
 
 class StopSignals:
-    """Turn the first stop signal into a flag, the second (after the grace) into an exit.
-    Signals are handled on a watcher thread woken through `signal.set_wakeup_fd`: CPython runs a
+    """Signals are handled on a watcher thread woken through `signal.set_wakeup_fd`: CPython runs a
     Python handler only when the main thread next runs Python code, which a rank stuck in a
     collective or a long C call never does, and "exit at once" must work exactly then. The C
     handler writes the signal number to a pipe (async-signal-safe); no logging or I/O happens in
@@ -113,10 +112,8 @@ class StopSignals:
         except ValueError:
             return  # keep the pipe open: a handler might still write to its fd number
         for fd in (self._read_fd, self._write_fd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._installed = False
 
     def _watch(self) -> None:
@@ -150,13 +147,10 @@ class StopSignals:
                 f"request (launchers forward signals); send it again to exit at once"
             )
         else:
-            _exit_at_once(name, 128 + signum)
-
-
-def _exit_at_once(name: str, status: int) -> None:
-    """Log, flush what can be flushed within a second, and end the process with `status`."""
-    flush_within(1.0, lambda: log.warning(f"received {name} again: exiting at once with status {status}, without saving"))
-    os._exit(status)
+            status = 128 + signum
+            flush_within(1.0, lambda: log.warning(f"received {name} again: exiting at once with status {status}, "
+                                                  f"without saving"))
+            os._exit(status)
 
 
 def _do_nothing(signum: int, frame: FrameType | None) -> None:

@@ -22,7 +22,6 @@ new batch shape recompile, which pays off only for long evaluations.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Iterator
 
@@ -33,7 +32,6 @@ log = logging.getLogger("ringtrain")
 
 
 def compile_for_training(model: nn.Module, enabled: bool, mode: str = "default") -> nn.Module:
-    """The module the loop trains: `model` itself, or a CompiledModel around it."""
     return CompiledModel(model, mode) if enabled else model
 
 
@@ -78,7 +76,9 @@ class CompiledModel(nn.Module):
         saved_buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
         compile_error = None
         try:
-            with _rng_restored(params):
+            # Dropout in the probe must not shift the random stream the run goes on to use.
+            cuda_devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+            with torch.random.fork_rng(devices=cuda_devices):
                 try:
                     outputs = compiled(*args, **kwargs)
                     differentiable = [t for t in _tensors(outputs) if t.requires_grad]
@@ -112,15 +112,6 @@ def _tensors(outputs: Any) -> Iterator[torch.Tensor]:
     """The tensors in a model's outputs: a tensor, or tuples, lists and dicts of them."""
     if isinstance(outputs, torch.Tensor):
         yield outputs
-    elif isinstance(outputs, (list, tuple)):
-        for item in outputs:
+    elif isinstance(outputs, (list, tuple, dict)):
+        for item in outputs.values() if isinstance(outputs, dict) else outputs:
             yield from _tensors(item)
-    elif isinstance(outputs, dict):
-        for item in outputs.values():
-            yield from _tensors(item)
-
-
-def _rng_restored(params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
-    """Dropout in the probe must not shift the random stream the run goes on to use."""
-    cuda_devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
-    return torch.random.fork_rng(devices=cuda_devices)

@@ -38,8 +38,6 @@ class DDP(ProcessGroupStrategy):
     def check(self, trainer: Any) -> None:
         super().check(trainer)
         if trainer.compile and self.bucket_cap_mb < 1:
-            # DDP's first bucket is 1 MiB; torch.compile's DDP optimizer (which splits the graph
-            # at bucket boundaries) refuses any later bucket smaller than that.
             raise ConfigError(
                 f"strategy.bucket_cap_mb={self.bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
                 f"torch.compile's DDP graph splitting refuses; use strategy.bucket_cap_mb >= 1 with trainer.compile=true"

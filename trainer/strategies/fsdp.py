@@ -73,8 +73,6 @@ class FSDP(ProcessGroupStrategy):
         return "32" if precision == "bf16-mixed" else precision
 
     def setup_module(self, model: nn.Module, dist_info: DistInfo, trainer: Any) -> nn.Module:
-        # FSDP2 shards the model in place; trainer.compile then compiles the sharded model
-        # (strategies/compilation.py), and gradient sync is set on the model itself.
         from ringtrain.strategies.compilation import compile_for_training
 
         param_dtype = torch.bfloat16 if trainer.precision == "bf16-mixed" else None
@@ -192,9 +190,7 @@ def shard_model(model: nn.Module, device: torch.device, *, shard_classes: tuple[
         raise ValueError(
             f"the model is already wrapped ({type(model).__name__}); pass the bare model to shard_model once"
         )
-    if shard_classes is None:
-        shard_classes = default_shard_classes(model)
-    units = _unit_modules(model, shard_classes)
+    units = _unit_modules(model, default_shard_classes(model) if shard_classes is None else shard_classes)
     if not distributed():
         raise ValueError(NO_PROCESS_GROUP_MESSAGE)
 
@@ -260,9 +256,7 @@ def sharded_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) ->
     """The global norm of all gradients as a plain tensor, for plain and sharded (DTensor)
     gradients alike; under FSDP every rank must call it (it all-reduces)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return _total_norm(grads, norm_type)
+    return _total_norm(grads, norm_type) if grads else torch.zeros(())
 
 
 def clip_sharded_grad_norm(params: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -292,8 +286,7 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in (sharded, plain) if group]
     if len(norms) == 1:
         return norms[0]
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 
 def _plain(norm: torch.Tensor) -> torch.Tensor:

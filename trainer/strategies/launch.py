@@ -7,6 +7,7 @@ resume from last.pt). ringtrain adds: arguments pickled as bytes, the other stop
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -131,24 +132,17 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(STOPPED_BY_SIGNAL_EXIT)
-    _leave_without_finalising_after_exit()
+    # Once the result is handed over, end before interpreter finalisation (atexit handlers run
+    # before it), which can abort on gloo's threads (distributed.exit_rank says why) and the
+    # launcher would count as a failed rank.
+    atexit.register(os._exit, 0)
     _end_if_the_launcher_dies(launcher)
     return pickle.dumps(outcome)
 
 
-def _leave_without_finalising_after_exit() -> None:
-    """Once this rank's result is handed over, end the process before interpreter finalisation
-    (atexit handlers run before it), which can abort on gloo's threads (distributed.exit_rank
-    says why) and the launcher would count as a failed rank."""
-    import atexit
-
-    atexit.register(os._exit, 0)
-
-
 def _end_if_the_launcher_dies(launcher: int) -> None:
     """A rank waits for the launcher to read its result; if the launcher was killed (SIGKILL,
-    a dying node), the rank already stopped cleanly (SIGINT) but would wait forever. Watches
-    the launcher's pidfd where the platform has one."""
+    a dying node), the rank already stopped cleanly (SIGINT) but would wait forever."""
     if os.getppid() != launcher:
         os._exit(0)
     try:

@@ -61,15 +61,13 @@ def open_atomically(path: str | os.PathLike) -> Iterator[WritableFile]:
 
 
 def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
-    """Replace `path` with `text`, atomically and durably (see `open_atomically`)."""
     with open_atomically(path) as file:
         file.write(text.encode(encoding))
 
 
 def replace_atomically(path: str | os.PathLike, make: Callable[[Path], None]) -> None:
     """Have `make` create the new file at the temporary path it is given (e.g. a hard link to
-    a file already on disk), then rename it over `path` and fsync the directory. `make` makes
-    the file's contents durable itself; on any failure the temporary file is removed."""
+    a file already on disk), then rename it over `path`. `make` makes its contents durable."""
     path = Path(path)
     temp = _fresh_temp_path(path)
     with _removed_on_failure(temp):
@@ -104,8 +102,7 @@ def temp_name_pattern(names: str) -> re.Pattern[str]:
 
 
 def fsync_directory(directory: Path) -> None:
-    """Make the renames and links in `directory` durable; where the file system cannot, a
-    warning at most: the run goes on."""
+    """Make the renames and links in `directory` durable where the file system can (else a warning at most)."""
     consequence = "a power cut may undo the latest rename there"
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -123,7 +120,6 @@ def fsync_directory(directory: Path) -> None:
 
 
 def remove_if_present(path: Path) -> None:
-    """Delete `path`; one that is already gone is fine, one that cannot be deleted a warning."""
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -6,8 +6,7 @@ The copy is needed because on CPU a full state dict's tensors share storage with
 parameters and optimizer moments, which the next step changes in place: a later write would
 save a mix of two steps. What CheckpointManager.save guarantees holds here too (the same call
 in another thread): the step file is fsynced before last.pt names it, and a process dying
-mid-write leaves the previous checkpoint as it was (and a temporary file that
-CheckpointManager.remove_stale_files deletes).
+mid-write leaves the previous checkpoint intact (and a temporary file remove_stale_files deletes).
 """
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def detached_copy(state: Any, reuse: Any = None) -> Any:
     `reuse`: an earlier copy of the same structure whose write has ended; its tensors of the same
     place, shape and dtype are overwritten, not allocated: fresh memory for a whole model costs
     page faults on first touch, 0.1-0.8 s for a 29.5 M-parameter state on a 2-core VM against
-    0.02 s into memory already touched (benchmarks/bench_checkpoint_stop.py).
-    """
+    0.02 s into memory already touched (benchmarks/bench_checkpoint_stop.py)."""
     return _copy(state, reuse, {}, set())
 
 
@@ -66,13 +64,11 @@ class BackgroundWriter:
 
     @property
     def busy(self) -> bool:
-        """Whether a write is still running."""
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, write: Callable[[], Any], name: str = "checkpoint-writer") -> BaseException | None:
-        """Wait for the previous write, then start `write` in the background. Returns the
-        previous write's failure (None: it succeeded or there was none); `write` is not started
-        when there was one, so nothing is written after a failed write."""
+        """Start `write` in the background once the previous write has ended, unless that failed
+        (nothing is written after a failed write); returns that failure, or None."""
         failure = self.wait()
         if failure is None:
             self._thread = threading.Thread(target=self._run, args=(write,), name=name, daemon=True)
@@ -80,8 +76,7 @@ class BackgroundWriter:
         return failure
 
     def wait(self) -> BaseException | None:
-        """Block until the running write (if any) is done; return its exception, or None.
-        A failure is returned once: the next `wait` returns None."""
+        """Block until the running write (if any) ends; its exception (returned once), or None."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

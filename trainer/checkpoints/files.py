@@ -14,8 +14,7 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   format       CHECKPOINT_FORMAT
 Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.checkpoint directory
 beside the file (`step-<N>.shards/`) instead of `model` and `optimizer`, and `shard_checksums`
-holds the CRC-32 of each of its files; the step file is written only once that directory is
-complete.
+holds the CRC-32 of each of its files.
 
 A file is written atomically and durably (checkpoints/atomic.py), read with weights_only (a
 pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
@@ -95,7 +94,6 @@ def shards_name(step: int) -> str:
 
 
 def step_of_name(name: str) -> int | None:
-    """The step of a `step-<N>.pt` name, None for any other name."""
     match = _STEP_NAME.match(name)
     return int(match.group(1)) if match else None
 
@@ -121,12 +119,9 @@ def save_checkpoint(path: str | Path, state: dict[str, Any], intact: Path | None
 
 
 def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
-    """One line: why `path` could not be written, what to do, and whether `intact` survives."""
     reason = err.strerror or str(err) or type(err).__name__
-    if err.errno in _DISK_FULL:
-        fix = f"free space on {path.parent} or keep fewer checkpoints"
-    else:
-        fix = f"check that {path.parent} is writable and its file system healthy"
+    fix = (f"free space on {path.parent} or keep fewer checkpoints" if err.errno in _DISK_FULL
+           else f"check that {path.parent} is writable and its file system healthy")
     kept = f"the previous {intact.name} is intact" if intact.exists() else "no checkpoint was written"
     return f"cannot save checkpoint {path}: {reason}; {fix}; {kept}"
 
@@ -257,7 +252,6 @@ def _first_sentence(err: Exception) -> str:
 
 
 def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path) -> None:
-    """Load the checkpoint's weights into the bare model, with a clear error on a mismatch."""
     try:
         unwrap_model(model).load_state_dict(state["model"])
     except RuntimeError as err:

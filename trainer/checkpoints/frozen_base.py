@@ -29,7 +29,6 @@ def base_identity(model: nn.Module) -> dict[str, Any]:
 
 
 def trainable_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Of a full state dict of `model`, the trainable parameters' entries."""
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     return {name: tensor for name, tensor in weights.items() if name in trainable}
 
@@ -50,7 +49,6 @@ def load_over_base(model: nn.Module, state: dict[str, Any], path: str | Path, fo
     # is listed once by named_parameters() but is a key of the state dict under each name.
     frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
     buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    if unexpected or set(missing) - frozen - buffers:
-        wrong = sorted(unexpected or set(missing) - frozen - buffers)
+    if wrong := sorted(unexpected or set(missing) - frozen - buffers):
         raise CheckpointError(f"checkpoint '{path}' does not fit this model's adapters ({wrong[0]}, and "
                               f"{len(wrong) - 1} more); apply the adapter settings the run trained with")

@@ -10,8 +10,7 @@ resumes (trainer.resume, or auto finding its own checkpoint) ignores init_from, 
 fine-tuning run never goes back to the pretrained weights.
 
 The weights go into the bare model after it is built and before the strategy wraps or shards
-it, so every rank starts from the same file. A mismatch is one line naming the tensor and both
-shapes; a tied tensor (output layer and token embedding) may be stored once, as safetensors does.
+it, so every rank starts from the same file.
 """
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from ringtrain.errors import ConfigError
 
 
 def load_initial_weights(model: nn.Module, path: str | Path) -> int:
-    """Load the weights in `path` into the bare `model`, checked against it first; returns the
-    number of tensors loaded. A mismatch is a ConfigError naming the tensor."""
+    """Load the weights in `path` into the bare `model` after check_shapes_fit; returns how many tensors."""
     path = str(path)
     if path.endswith(".safetensors"):
         weights = _read_safetensors(path)
@@ -46,8 +44,8 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> int:
 
 
 def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], source: str) -> None:
-    """Every tensor named in `shapes` is one of `model`'s with that shape, and every tensor of
-    the model is named, or tied to one that is; else one ConfigError line."""
+    """Every tensor named in `shapes` is one of `model`'s with that shape, and every tensor of the
+    model is named, or tied to one that is (safetensors stores those once); else one ConfigError line."""
     expected = model.state_dict(keep_vars=True)
     fix = "start from weights of the same model, or set the model's sizes to the file's"
     for name, shape in shapes.items():
@@ -59,10 +57,8 @@ def check_shapes_fit(model: nn.Module, shapes: Mapping[str, Sequence[int]], sour
     loaded = {id(expected[name]) for name in shapes}  # a tied tensor is one object under two names
     missing = [name for name, tensor in expected.items() if name not in shapes and id(tensor) not in loaded]
     if missing:
-        raise ConfigError(
-            f"{source} holds no {missing[0]!r} ({len(missing)} of this model's {len(expected)} tensors are "
-            f"missing); {fix}"
-        )
+        raise ConfigError(f"{source} holds no {missing[0]!r} ({len(missing)} of this model's {len(expected)} "
+                          f"tensors are missing); {fix}")
 
 
 def _read_torch_file(path: str) -> dict:
@@ -87,14 +83,11 @@ def _read_torch_file(path: str) -> dict:
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of the safetensors file at `path`; a file that is not one is a ConfigError."""
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
-        raise ConfigError(
-            f"trainer.init_from={path} is a safetensors file but safetensors is not installed; "
-            f"pip install 'ringtrain[hf]' (or safetensors)"
-        ) from None
+        raise ConfigError(f"trainer.init_from={path} is a safetensors file but safetensors is not installed; "
+                          f"pip install 'ringtrain[hf]' (or safetensors)") from None
     try:
         with safe_open(path, "pt", device="cpu") as file:
             return {name: file.get_tensor(name) for name in file.keys()}

@@ -22,6 +22,5 @@ def finite_or_none(value: Any) -> Any:
 
 
 def json_text(value: Any, **dumps_options: Any) -> str:
-    """json.dumps of `value` with non-finite floats as null (strict JSON)."""
     return json.dumps(finite_or_none(value), allow_nan=False, **dumps_options)
 

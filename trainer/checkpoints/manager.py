@@ -82,9 +82,7 @@ class CheckpointManager:
         kind, value = broadcast_object(self.dist, decision)
         if kind != "ok":
             raise {"RunDirError": RunDirError, "CheckpointError": CheckpointError, "ConfigError": ConfigError}[kind](value)
-        if value is None:
-            return None
-        if chosen is None:  # another rank: its own read of the file rank 0 chose and verified
+        if chosen is None and value is not None:  # another rank: its own read of the file rank 0 chose and verified
             chosen = Resumed(Path(value), _state_of(Path(value), given, verify=False))
         return chosen
 
@@ -107,8 +105,7 @@ class CheckpointManager:
         return Resumed(path, state)
 
     def _newest_readable(self, kept: dict) -> Resumed | None:
-        """trainer.resume=auto: the newest checkpoint that reads, after one warning for each
-        newer one that does not, which is set aside; None for a directory without any."""
+        """trainer.resume=auto (see the module docstring); None for a directory without any checkpoint."""
         found = find_resumable(self.directory)
         if found.path is None:
             if found.unreadable:
@@ -163,9 +160,7 @@ class CheckpointManager:
             except CheckpointError as err:
                 return str(err)
             return None
-        # A deep copy: on CPU the state's tensors are the live parameters and optimizer moments,
-        # which the next step changes in place while the thread writes; the previous copy's
-        # memory is reused (its write has ended: save waited for it).
+        # A deep copy (checkpoints/background.py says why) into the previous copy's memory: save waited for its write.
         snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
         self.writer.submit(lambda: self._store(snapshot, step, best))
         return None
@@ -178,8 +173,6 @@ class CheckpointManager:
         return f"cannot save checkpoint in {self.directory}: {type(err).__name__}{': ' + text if text else ''}"
 
     def _store(self, state: dict[str, Any], step: int, best: bool) -> None:
-        """Write step-<step>.pt durably, link last.pt (and best.pt) to it, then delete the step
-        files beyond the newest keep_last_k and the shards directories no file names."""
         step_path = self.directory / step_checkpoint_name(step)
         if "shards" in state and "shard_checksums" not in state:  # DCP's files carry none: record theirs
             state = {**state, "shard_checksums": directory_checksums(self.directory / state["shards"])}
@@ -198,8 +191,6 @@ class CheckpointManager:
             if step <= saved:
                 kept.append(path)
                 continue
-            # Newer than the step just saved: the line of training a resume from an older
-            # checkpoint left behind (one that cannot be read is kept aside instead).
             try:
                 read_checkpoint(path, mmap=True)
             except Unusable as why:
@@ -236,8 +227,7 @@ class CheckpointManager:
 
 
 class Found(NamedTuple):
-    """What `find_resumable` found: the newest checkpoint that reads (None: none) with its
-    state, and each newer file that does not: (its names, why)."""
+    """What `find_resumable` found; `unreadable`: each newer file that does not read, as (its names, why)."""
 
     path: Path | None
     state: dict[str, Any] | None
@@ -245,7 +235,6 @@ class Found(NamedTuple):
 
     @property
     def warnings(self) -> list[str]:
-        """One line per unreadable file, naming what the run falls back to."""
         then = f"falling back to {self.path}" if self.path is not None else "no readable checkpoint is left"
         return [f"checkpoint {_describe(names, why)}; {then}" for names, why in self.unreadable]
 

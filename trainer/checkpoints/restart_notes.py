@@ -13,6 +13,7 @@ running (stopped by Ctrl-C, killed) and an earlier ringtrain's in the temp direc
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -42,8 +43,7 @@ def restart_note() -> Path | None:
     started = process_start(agent)
     if directory is None or started is None:
         return None
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return directory / f"{_PREFIX}{agent}-{started}-{run_id}.dir"
+    return directory / f"{_PREFIX}{agent}-{started}-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}.dir"
 
 
 def leave_restart_note(run_dir: Path) -> None:
@@ -51,26 +51,18 @@ def leave_restart_note(run_dir: Path) -> None:
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return
     sweep_stale_notes()
-    note = restart_note()
-    if note is None:
-        return
-    try:
-        write_text_atomically(note, str(run_dir))
-    except OSError:  # no writable temp dir: a restart then starts a new directory
-        pass
+    if (note := restart_note()) is not None:
+        with contextlib.suppress(OSError):  # no writable temp dir: a restart then starts a new directory
+            write_text_atomically(note, str(run_dir))
 
 
 def forget_restart_note(completed: bool) -> None:
-    """Rank 0 under torchrun, as it ends: remove the note unless torchrun restarts the workers,
-    whose rank 0 reads it then (after a failure or a stop, while the agent has restarts left)."""
+    """Rank 0 under torchrun, as it ends: remove the note unless a restart will read it."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or (not completed and restarts_left() > 0):
         return
-    if (note := restart_note()) is None:
-        return
-    try:
-        note.unlink()
-    except OSError:
-        pass
+    if (note := restart_note()) is not None:
+        with contextlib.suppress(OSError):
+            note.unlink()
 
 
 def directory_before_restart() -> str | None:
@@ -95,10 +87,8 @@ def sweep_stale_notes() -> None:
         if not _agent_runs(note.name[len(_OLD_PREFIX):].split("-", 1)[0], None)
     ]
     for note in stale:
-        try:
+        with contextlib.suppress(OSError):  # removed meanwhile by another job's sweep, or another user's
             note.unlink()
-        except OSError:  # removed meanwhile by another job's sweep, or another user's
-            pass
 
 
 def notes_directory() -> Path | None:

@@ -124,8 +124,7 @@ class RunDirectory:
             write_text_atomically(self.path / RECORD_SUBDIR / name, text)
 
     def release(self, refused: bool = False) -> None:
-        """Let the directory go; `refused`: the job trained nothing, so what it added goes
-        (its log and record included), and the directory with it when nothing else is left."""
+        """Let the directory go; `refused`: the job trained nothing, so take back what it added (log, record)."""
         if refused and self._found is not None:
             self._take_back()
         if self._fd is not None:

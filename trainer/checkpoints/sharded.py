@@ -33,11 +33,10 @@ from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict,
 
 
 def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Write the model and optimizer state as a torch.distributed.checkpoint directory, each
-    rank its own shards; call it on every rank. Atomic: the files go to `.<name>.partial`, which
-    rank 0 renames to `directory` (replacing an older one) once every rank has fsynced its
-    files. A failure on any rank (a full disk) raises the same CheckpointError on every rank and
-    leaves the earlier checkpoints as they were."""
+    """Write the model and optimizer state as a torch.distributed.checkpoint directory; call it on
+    every rank. Atomic: the files go to `.<name>.partial`, which rank 0 renames to `directory`
+    (replacing an older one) once every rank has fsynced its files. A failure on any rank (a
+    full disk) raises the same CheckpointError on every rank, the earlier checkpoints intact."""
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
     failure = _on_rank0(lambda: _fresh_directory(partial), directory)

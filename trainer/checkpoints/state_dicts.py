@@ -73,13 +73,11 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
     """Load a name-keyed optimizer state (any strategy's) into `optimizer`, re-sharding it for
     FSDP. Call it on every rank after the model is set up and the optimizer built; with a
     process group rank 0's `state` is broadcast (the others may pass {})."""
-    settings_only = not state.get("state")
+    settings_only, groups = not state.get("state"), state.get("param_groups")
     if distributed():  # rank 0's state decides: the other ranks may have passed {}
-        holder = [(settings_only, state.get("param_groups"))]
+        holder = [(settings_only, groups)]
         dist.broadcast_object_list(holder, src=0)
         settings_only, groups = holder[0]
-    else:
-        groups = state.get("param_groups")
     if settings_only:
         # Only hyperparameters (SGD without momentum): DCP's loader needs a tensor to learn the
         # device from, and each group's settings are all there is to load.
@@ -123,8 +121,7 @@ def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _gather_to_rank0() -> StateDictOptions:
-    # Full (unsharded) state dicts as plain CPU tensors. With a process group, only rank 0 gets
-    # them (the others get {}), so N ranks never hold N full copies in host memory at once.
+    # With a process group only rank 0 gets the full state (the others {}): N ranks never hold N copies in host memory.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=True)

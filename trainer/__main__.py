@@ -70,14 +70,12 @@ def _config_groups() -> set[str]:
 
 
 def _skip_the_last_collections() -> None:
-    """Leave every object alive now out of the garbage collections Python runs while it exits.
-
-    The job is over (files closed, logs flushed, exit handlers still run), but torch, dynamo,
+    """Leave every object alive now out of the garbage collections Python runs while it exits:
+    the job is over (files closed, logs flushed, exit handlers still run), but torch, dynamo,
     Hydra and TensorBoard leave some 320 000 objects that each exit collection walks again: 0.4 s
     of the default job's 2.6 s (benchmarks/bench_process.py), longer than its 3130 steps. Objects
     still go with their last reference; only cycles left at exit go to the operating system,
-    and Python never promised to finalise those.
-    """
+    and Python never promised to finalise those."""
     gc.freeze()
 
 

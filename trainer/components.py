@@ -79,9 +79,7 @@ def accepts(target: Any, name: str) -> bool:
     if isinstance(target, str):
         target = locate(target, "?")
     parameters = _parameters(target)
-    if parameters is None:
-        return False
-    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    return parameters is not None and (name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
 
 
 def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, provided: Iterable[str] | None = (),
@@ -128,12 +126,12 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
 def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passed: Iterable[str]) -> None:
     """The kind a class target is, or a function target returns where it says so (it is not
     called to find out: calling may do anything), and the arguments ringtrain passes it."""
-    if kind is not None and inspect.isclass(target) and not _is_kind(target, kind):
+    if kind is not None and inspect.isclass(target) and not issubclass(target, kind):
         raise ConfigError(f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
                           f"point {key}._target_ at one")
     if kind is not None and not inspect.isclass(target):
         returns = _type_hints(target).get("return")
-        if inspect.isclass(returns) and not _is_kind(returns, kind):
+        if inspect.isclass(returns) and not issubclass(returns, kind):
             raise ConfigError(
                 f"{key}._target_={node['_target_']!r} returns a {_public_name(returns)}, not {_kind_name(kind)}; "
                 f"point {key}._target_ at one"
@@ -281,11 +279,6 @@ def fits(value: Any, annotation: Any) -> bool:
 
 def _annotation_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", None) if not typing.get_args(annotation) else str(annotation).replace("typing.", "")
-
-
-def _is_kind(cls: type, kind: type | tuple[type, ...]) -> bool:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return any(issubclass(cls, k) for k in kinds)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

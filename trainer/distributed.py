@@ -63,8 +63,7 @@ def env_rank() -> int:
 
 
 def launcher_ranks() -> tuple[int, int]:
-    """(all ranks, ranks on this node) the launcher started: WORLD_SIZE and LOCAL_WORLD_SIZE,
-    (1, 1) when no launcher did."""
+    """(all ranks, ranks on this node) the launcher started: WORLD_SIZE and LOCAL_WORLD_SIZE."""
     if not under_torchrun():
         return 1, 1
     world = int(os.environ["WORLD_SIZE"] or 1)
@@ -101,8 +100,7 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 
 
 def join_process_group(backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
-    """Join the process group a launcher (torchrun, or strategies/launch.py) described in the
-    environment; return this rank's place in it."""
+    """Join the process group the launcher described in the environment; return this rank's place in it."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = resolve_device(accelerator, local_rank)
@@ -135,9 +133,7 @@ def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta)
 
 class PeerLostError(RankEnded):
     """Another rank ended (crashed, killed, its machine lost) while this one was talking to it.
-    That rank's own output says why; this one reports it in one line and exits 1."""
-
-    exit_code = 1
+    That rank's own output says why; this one reports it in one line and exits 1 (RankEnded's)."""
 
 
 # What gloo and NCCL say when the other end of a collective went away.

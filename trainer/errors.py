@@ -110,17 +110,13 @@ def first_to_report(status: int) -> bool:
     peer that then finds it gone learns it was reported."""
     global _first_to_report
     if _first_to_report is None:
-        store = _job_store()
-        if store is None:
-            _first_to_report = True
-        else:
-            try:
+        _first_to_report = True  # alone, or the job's store is gone (the launcher ended): say it rather than lose it
+        if (store := _job_store()) is not None:
+            with contextlib.suppress(Exception):
                 key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
                 _first_to_report = store.add(key, 1) == 1
                 if _first_to_report:
                     store.set(key + "/status", str(status))
-            except Exception:  # the job's store is gone (the launcher ended): say it rather than lose it
-                _first_to_report = True
     return _first_to_report
 
 

@@ -66,13 +66,14 @@ class Trainer:
         """Train `model` in place on `train_set`, validate on `val_set`; return the final metrics.
         `task` (data/tasks.py: RegressionTask(), LossTask(loss=...), ...) gives the loss and
         metrics; `vocab` (data/vocab.py's plain form) is kept in checkpoints for sampling."""
+        from ringtrain.loggers.tensorboard import TensorBoardLogger
         from ringtrain.run import Built, launch
 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit() needs an nn.Module as the model, got {type(model).__name__}")
         check_task(task)
         # ringtrain's own callbacks and logger are made for each run: their state is the run's.
-        loggers = self.loggers if self.loggers is not None else {"tensorboard": _tensorboard()}
+        loggers = self.loggers if self.loggers is not None else {"tensorboard": TensorBoardLogger()}
         job = Job(self.trainer, self.strategy, task, None, None, self.optimizer, self.scheduler,
                   {**_default_callbacks(), **self.callbacks}, loggers, resolved=self._resolved(model, task))
         run_dir = self.run_dir or Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}_api{next(_runs)}"
@@ -138,9 +139,3 @@ def _default_callbacks() -> dict[str, Callback]:
     names = [entry for entry in OmegaConf.load(CONF_DIR / "callbacks" / "default.yaml").defaults if entry != "_self_"]
     nodes = {name: OmegaConf.to_container(OmegaConf.load(CONF_DIR / "callbacks" / f"{name}.yaml"))[name] for name in names}
     return {name: build(node, f"callbacks.{name}") for name, node in nodes.items()}
-
-
-def _tensorboard() -> Any:
-    from ringtrain.loggers.tensorboard import TensorBoardLogger
-
-    return TensorBoardLogger()

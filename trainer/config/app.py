@@ -140,9 +140,6 @@ def scratch_directory() -> str:
     return path
 
 
-# --- composition mistakes as one line ---------------------------------------------------------
-
-
 def composition_message(err: Exception, primary: PrimaryConfig) -> str:
     """Hydra's exception as one line naming the fix, read from its fields."""
     from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException

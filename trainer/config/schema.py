@@ -25,6 +25,7 @@ from ringtrain.config.builders import check_data, check_model, check_task
 from ringtrain.config.data_lengths import check_validation_limit
 from ringtrain.config.sizes import resolve
 from ringtrain.errors import ConfigError
+from ringtrain.loggers.base import Logger
 from ringtrain.strategies.base import Strategy
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -126,7 +127,7 @@ def validate(cfg: Any) -> Job:
     for name, node in callbacks.items():
         check_callback(node, f"callbacks.{name}")
     for name, node in loggers.items():
-        check_logger(node, f"logger.{name}")
+        check(node, f"logger.{name}", kind=Logger)
     adapter = resolved.get("adapter")
     if adapter is not None:
         check(adapter, "adapter")
@@ -171,12 +172,6 @@ def check_callback(node: Any, key: str) -> None:
     if inspect.isclass(target) and (unknown := unknown_hooks(target)):
         raise ConfigError(f"{key}: {node['_target_']} defines {', '.join(unknown)}, which ringtrain never calls; its "
                           f"hooks are {', '.join(HOOKS)} (Lightning's on_train_batch_end is on_step_end)")
-
-
-def check_logger(node: Any, key: str) -> None:
-    from ringtrain.loggers.base import Logger
-
-    check(node, key, kind=Logger)
 
 
 def named_nodes(resolved: dict, section: str) -> dict[str, Any]:
@@ -224,8 +219,7 @@ def typed_section(node: DictConfig | dict, schema: type, section: str):
     """Merge `node` onto the dataclass `schema`: unknown keys and wrong types fail here."""
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), values)
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
     except OmegaConfBaseException as err:
         raise ConfigError(f"{section}.{_omegaconf_message(err)}") from None
     except (ValueError, TypeError) as err:  # the dataclass's own __post_init__ checks

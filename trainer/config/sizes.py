@@ -35,9 +35,8 @@ POSITION_NAMES = ("n_positions", "max_position_embeddings", "block_size")
 
 
 def resolve(cfg: Any) -> dict:
-    """The composed config resolved to plain data; a `${data.dims.<name>}` of the model node that
-    the config cannot give yet (the data's sizes are known once it is built) stays that text,
-    for `fill_data_sizes` to replace when the model is built."""
+    """The composed config resolved to plain data, a `${data.dims.<name>}` the config cannot give
+    yet left as text (see the module docstring)."""
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=False)

@@ -62,8 +62,7 @@ def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) 
         if value is None:
             continue
         current = best.get(job["monitor"])
-        better = current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"])
-        if better:
+        if current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"]):
             best[job["monitor"]] = job
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "best": best}
 

@@ -15,6 +15,7 @@ refused in one line naming it and the flag that lets a user who trusts the file 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,6 @@ def shipped_targets() -> frozenset[str]:
 
 def _user_config_files() -> list[Any]:
     """The YAML files of --config-dir, which are the user's own config."""
-    import sys
-
     args = sys.argv[1:]
     dirs = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg in ("--config-dir", "-cd")]
     dirs += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config-dir=")]

@@ -17,14 +17,13 @@ ranks. Rank 0 prints one `name=value` line per metric and writes the output file
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-import functools
 
 from omegaconf import OmegaConf
 
@@ -160,7 +159,6 @@ def register_evaluation_options(args: Sequence[str]) -> dict[str, dict]:
     checkpoint the command line names (tools/stored_sections.py)."""
     from hydra.core.config_store import ConfigStore
 
-    # strategy=auto: conf/strategy/ddp.yaml's strategy under torchrun, else single.yaml's.
     auto = OmegaConf.load(CONF_DIR / "strategy" / f"{'ddp' if under_torchrun() else 'single'}.yaml")
     ConfigStore.instance().store(group="strategy", name="auto", node=OmegaConf.to_container(auto))
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -179,8 +177,7 @@ class EvalResult:
 
 
 def evaluate_worker(job: EvalJob) -> EvalResult:
-    """One rank's part: build the data, task and model, evaluate, all-reduce. The process group
-    is torn down on every exit path."""
+    """One rank's part: build the data, task and model, evaluate, all-reduce."""
     dist = job.strategy.setup_process(job.trainer.accelerator)
     clean_exit = False
     try:

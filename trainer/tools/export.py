@@ -50,8 +50,6 @@ from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuil
 EXPORT = PrimaryConfig(
     "export", "ringtrain export", usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors",
 )
-
-
 MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported file's metadata
 
 
@@ -100,8 +98,7 @@ def write_safetensors(model: nn.Module, target: Path) -> None:
 
 
 def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, target: Path) -> None:
-    """`model.save_pretrained` (config and weights) and the vocabulary's tokenizer, if it has
-    one, into a directory that replaces `target` once complete."""
+    """`model.save_pretrained` (config and weights) and the vocabulary's tokenizer, if it has one, at `target`."""
     write_directory(target, lambda directory: (model.save_pretrained(str(directory)), _save_tokenizer(vocab, directory)))
 
 
@@ -124,8 +121,7 @@ def write_directory(target: Path, fill: Callable[[Path], Any]) -> None:
 
 def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
     """A `bpe` vocabulary is a `tokenizers` tokenizer: saved as transformers' fast tokenizer,
-    so AutoTokenizer.from_pretrained(directory) encodes as the run did. A character or byte
-    vocabulary has no Hugging Face counterpart: a note says so."""
+    so AutoTokenizer.from_pretrained(directory) encodes as the run did."""
     kind = (vocab or {}).get("kind")
     if kind == "bpe":
         from tokenizers import Tokenizer

@@ -48,11 +48,9 @@ def prepare_tokens(output: str, input: str | None = None,  # noqa: A002 - the se
         if vocab_size is not None:
             raise ConfigError(f"vocab_size is a setting of vocab=bpe or random_tokens, not of vocab={vocab}; "
                               f"add vocab=bpe or drop it")
-        notice_replaced_files(output, writes_tokenizer=False)
-        return {**prepare_text(input, output, vocab, val_fraction), "output": output}
-    chosen = bpe_tokenizer(input, tokenizer, vocab_size)
-    notice_replaced_files(output, writes_tokenizer=True)
-    return {**prepare_text(input, output, "bpe", val_fraction, tokenizer=chosen), "output": output}
+    chosen = bpe_tokenizer(input, tokenizer, vocab_size) if vocab == "bpe" else None
+    notice_replaced_files(output, writes_tokenizer=vocab == "bpe")
+    return {**prepare_text(input, output, vocab, val_fraction, tokenizer=chosen), "output": output}
 
 
 def notice_replaced_files(output: str, writes_tokenizer: bool) -> None:

@@ -9,8 +9,7 @@ dashes), all else to stderr. The forward passes run under the run's `trainer.pre
 (float32 on the CPU for a 16-mixed run).
 
 `generate()` works for any model mapping (B, T) token ids to (B, T, vocab) logits, as a tensor
-or the output the run's task reads (a Hugging Face model's `logits`, data/batches.py); the
-context is cropped to the model's positions (config/sizes.py).
+or the output the run's task reads (a Hugging Face model's `logits`, data/batches.py).
 """
 from __future__ import annotations
 
@@ -163,13 +162,11 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
         text = vocab.chat_prompt(text)
     ids = encode_prompt(vocab, text)
     target = choose_device(device)
-    model = rebuild_model(state, checkpoint, weights=weights)
-    model.to(target)
+    model = rebuild_model(state, checkpoint, weights=weights).to(target)
     precision = inference_precision((state["config"].get("trainer") or {}).get("precision"), target)
     task = stored_task(state["config"].get("task"))
 
-    generator = torch.Generator(device=target)
-    generator.manual_seed(seed)
+    generator = torch.Generator(device=target).manual_seed(seed)
     texts = []
     for _ in range(num_samples):
         with precision.autocast():

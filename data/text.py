@@ -10,9 +10,11 @@ tokens: non-overlapping by default; `stride` starts a training window every `str
 instead. Many epochs over a small file memorise its few fixed windows (Tiny Shakespeare's
 3,900 at 256 characters: the baby-GPT preset's val loss turned up after 1,500 of its 5,000
 steps on an H200, benchmarks/RESULTS.md); stride 1 trains on every offset, as nanoGPT's
-random windows do. Validation windows never overlap, so each token is scored once. The encoded file is cached under `cache_dir` (keyed by the
-file's path, size and modification time, and the tokenizer), so later runs and the other
-ranks of a DDP job skip the encoding; set `cache_dir` to "" to turn the cache off.
+random windows do. Validation windows never overlap, so each token is scored once.
+
+The encoded file is cached under `cache_dir` (keyed by the file's path, size and
+modification time, and the tokenizer), so later runs and the other ranks of a DDP job skip
+the encoding; set `cache_dir` to "" to turn the cache off.
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ def compose_config(overrides: list[str]):
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=QUIET + list(overrides))
+        # With Hydra's settings: the job records its groups' choices and overrides (config/recipe.py).
+        return compose(config_name="train", overrides=QUIET + list(overrides), return_hydra_config=True)
 
 
 def train_in_process(overrides: list[str], run_dir: Path):

@@ -78,5 +78,7 @@ def exit_rank(code=0):
 train.exit_rank = distributed.exit_rank = exit_rank
 
 if __name__ == "__main__":
+    from ringtrain.__main__ import main
+
     sys.argv[0] = TRAIN
-    train.main()
+    main("train")

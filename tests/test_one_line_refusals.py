@@ -229,7 +229,7 @@ def test_a_hugging_face_model_without_transformers_names_the_extra(tmp_path):
         import sys
         sys.modules["transformers"] = None
         sys.argv = {argv!r}
-        from ringtrain.tools.train import main
+        from ringtrain.__main__ import main
         main()
     """)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -148,7 +148,7 @@ CIFAR = ["model=cnn", "data=cifar10", "data.root=cifar", "trainer.batch_size=16"
 def _refused_here(user_dir: Path, monkeypatch, capsys, args: list[str]) -> str:
     """`ringtrain ARGS` run from user_dir by its entry point in this process: exit 2, one
     line on stderr, and no run directory; returns the line."""
-    from ringtrain.tools.train import main
+    from ringtrain.__main__ import main
 
     monkeypatch.chdir(user_dir)
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory first

@@ -161,7 +161,7 @@ def test_evaluate_applies_overrides_to_the_stored_config(char_run, tmp_path):
 def test_evaluate_config_is_the_checkpoints_own_changed_with_hydras_grammar(char_run, tmp_path):
     """The stored sections are the config's: key=value changes, ~key removes, +key adds."""
     checkpoint = char_run / "checkpoints" / "last.pt"
-    proc = ok(run_module("evaluate", ["--cfg", "job", f"checkpoint={checkpoint}", "data.path=other.txt",
+    proc = ok(run_module("evaluate", ["--cfg", "job", "--resolve", f"checkpoint={checkpoint}", "data.path=other.txt",
                                       "~data.cache_dir", "+data.extra=1", "trainer.val_batch_size=7"], cwd=tmp_path))
     cfg, stored = yaml.safe_load(proc.stdout), torch.load(checkpoint, weights_only=True)["config"]
     assert cfg["model"] == stored["model"] and cfg["task"] == stored["task"]

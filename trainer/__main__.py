@@ -8,7 +8,10 @@
     ringtrain prepare_tokens input=...    a text file as token files for data=token_file
 
 Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
-`--config-dir` and `-m` work the same in each.
+`--config-dir` and `-m` work the same in each. This module is the only one that reads the
+command line (sys.argv): a command that rebuilds a run from a checkpoint reads the checkpoint
+first and puts the choices and overrides it records before the user's (config/recipe.py), so
+that Hydra composes the job once, from configs alone.
 """
 import difflib
 import gc
@@ -32,18 +35,28 @@ def _interrupted_outside_training(signum, frame):
     os._exit(128 + signal.SIGINT)
 
 
-def main() -> None:
+def main(tool: str | None = None) -> None:
+    """Run `tool` (None: the command's first word names it, else train) on this command line;
+    `python -m ringtrain.tools.<tool>` names its tool."""
     # Before the heavy imports (torch takes seconds); not where SIGINT is ignored (a shell's
     # background job): that stays so.
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_outside_training)
-    tool = "train"
-    if len(sys.argv) > 1 and sys.argv[1].replace("-", "_") in TOOLS:
-        tool = sys.argv.pop(1).replace("-", "_")
-    elif len(sys.argv) > 1:
-        _refuse_a_mistyped_command(sys.argv[1])
+    program, args = sys.argv[0], sys.argv[1:]
+    if tool is None and args and args[0].replace("-", "_") in TOOLS:
+        tool = args.pop(0).replace("-", "_")
+    elif tool is None and args:
+        _refuse_a_mistyped_command(args[0])
     try:
-        importlib.import_module(f"ringtrain.tools.{tool}").main()
+        from ringtrain.config.app import CommandLine
+        from ringtrain.errors import exit_on_user_error
+
+        module = importlib.import_module(f"ringtrain.tools.{tool or 'train'}")
+        with exit_on_user_error():
+            commands = module.prepare(CommandLine(program, args))
+        for command in commands:  # one, or a multirun's per checkpoint recipe (tools/app.py)
+            sys.argv[:] = [program, *command.hydra_args()]  # what Hydra's own parser reads
+            module.main(command)
     finally:
         _skip_the_last_collections()
 

@@ -182,7 +182,7 @@ def _build(job: Job, built: Built | None, dist: DistInfo, resumed: Resumed | Non
     check_model_sizes(model, data.dims, data.train, job.data)
     # A resumed run's weights are its checkpoint's, except a frozen base the checkpoint only names.
     if cfg.init_from is not None and (resumed is None or "base" in resumed.state):
-        count = load_initial_weights(model, cfg.init_from)
+        count = load_initial_weights(model, cfg.init_from, cfg.trust_checkpoint)
         log.info(f"starting from the weights in {cfg.init_from} ({count} tensors)")
     elif cfg.init_from is not None:
         log.info(f"trainer.init_from={cfg.init_from} ignored: this run resumes from {resumed.path}")

@@ -9,12 +9,14 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   progress     {"step", "epoch", "samples_into_epoch", "best_metric", "skipped_steps"}
   rng          one torch RNG state per rank (CPU, and CUDA when used), in rank order
   callbacks    each callback's state_dict, by its name (callbacks/base.py)
-  config       the resolved run config as plain data
+  job          what rebuilds the run: the option chosen in each config group and the overrides
+               given (config/recipe.py), never a node that is built; None from the Python API
+  config       the resolved run config as plain data, for the record only: nothing builds from it
   data_dims, vocab   the sizes the data gave the model, and its vocabulary (sampling)
   format       CHECKPOINT_FORMAT
 Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.checkpoint directory
-beside the file (`step-<N>.shards/`) instead of `model` and `optimizer`, and `shard_checksums`
-holds the CRC-32 of each of its files.
+beside the file (`step-<N>.shards/`, that name and no other) instead of `model` and `optimizer`,
+and `shard_checksums` holds the CRC-32 of each of its files.
 
 A file is written atomically and durably (checkpoints/atomic.py), read with weights_only (a
 pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
@@ -41,9 +43,9 @@ from torch import nn
 from ringtrain.checkpoints.atomic import fsync_directory, open_atomically, replace_atomically
 from ringtrain.errors import UserError
 
-CHECKPOINT_FORMAT = 2
-_REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "config", "format")
-_REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "config", "format")
+CHECKPOINT_FORMAT = 3  # 2 kept the config as nodes that were built again (before config/recipe.py)
+_REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "job", "config", "format")
+_REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "job", "config", "format")
 
 _STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
 _SHARDS_NAME = re.compile(r"^step-\d+\.shards$")
@@ -143,6 +145,10 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
         if "would run" in detail or _starts_as_zip(path):
             raise Unusable(f"cannot be read ({detail})") from None
         raise Unusable("is not a torch checkpoint file (torch.save writes a zip archive)") from None
+    if isinstance(state, dict) and state.get("format") == 2:
+        raise Unusable("was written by an older ringtrain, whose checkpoints kept their config as nodes to build "
+                       "(code a file could choose)", f"if you trust the file, rewrite it as data with `ringtrain "
+                       f"upgrade checkpoint={path} trust_checkpoint=true`")
     required = _REQUIRED_KEYS_SHARDED if isinstance(state, dict) and "shards" in state else _REQUIRED_KEYS
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
@@ -151,8 +157,11 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
         raise Unusable(f"has format {state['format']}, this ringtrain reads {CHECKPOINT_FORMAT}",
                        "read it with the ringtrain version that wrote it")
     if "shards" in state:
+        if not isinstance(state["shards"], str) or not _SHARDS_NAME.match(state["shards"]):
+            raise Unusable(f"names its shards {state['shards']!r}, not a step-<N>.shards directory beside it",
+                           "pass a checkpoint ringtrain wrote")
         # DCP writes .metadata last, and save_sharded renames the directory only when complete.
-        shards = path.parent / str(state["shards"])
+        shards = path.parent / state["shards"]
         if not (shards / ".metadata").is_file():
             raise Unusable(f"keeps its weights in {shards}, which is missing or incomplete", _OLDER)
         if verify:

@@ -24,8 +24,9 @@ from ringtrain.checkpoints.files import Unusable, read_checkpoint
 from ringtrain.errors import ConfigError
 
 
-def load_initial_weights(model: nn.Module, path: str | Path) -> int:
-    """Load the weights in `path` into the bare `model` after check_shapes_fit; returns how many tensors."""
+def load_initial_weights(model: nn.Module, path: str | Path, trusted: bool = False) -> int:
+    """Load the weights in `path` into the bare `model` after check_shapes_fit; returns how many
+    tensors. `trusted`: a sharded checkpoint's index is unpickled whole (checkpoints/sharded.py)."""
     path = str(path)
     if path.endswith(".safetensors"):
         weights = _read_safetensors(path)
@@ -34,8 +35,8 @@ def load_initial_weights(model: nn.Module, path: str | Path) -> int:
         if "shards" in state:  # a sharded fsdp checkpoint: DCP reads its shards into the model
             from ringtrain.checkpoints.sharded import load_sharded, sharded_model_shapes
 
-            check_shapes_fit(model, sharded_model_shapes(state["shards"]), f"trainer.init_from={path}")
-            load_sharded(state["shards"], model)
+            check_shapes_fit(model, sharded_model_shapes(state["shards"], trusted), f"trainer.init_from={path}")
+            load_sharded(state["shards"], model, trusted=trusted)
             return len(model.state_dict())
         weights = state["model"]
     check_shapes_fit(model, {name: tensor.shape for name, tensor in weights.items()}, f"trainer.init_from={path}")

@@ -70,7 +70,7 @@ class CheckpointManager:
     def resume(self, resume: Any, kept: dict, given: Resumed | None = None) -> Resumed | None:
         """The checkpoint this run continues from, read on every rank (rank 0 decides which),
         or None. `kept`: the model section it must have been trained with. `given`: the one
-        trainer.resume=<path> names, already read by this process (config/continuation.py)."""
+        trainer.resume=<path> names, already read by this process (tools/train.py)."""
         decision: tuple[str, str | None] = ("ok", None)
         chosen = None
         if self.dist.is_main:
@@ -101,6 +101,11 @@ class CheckpointManager:
             raise RunDirError(f"{self.directory.parent} already holds checkpoints of another run; continue it with "
                               f"trainer.resume={self.last}, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
         state = _state_of(path, given)
+        if (state["config"] or {}).get("model") != kept:
+            changed = first_difference((state["config"] or {}).get("model") or {}, kept or {}, "model")
+            raise ConfigError(f"{changed} differs from the checkpoint's; a continued run keeps its model (its weights and "
+                              f"optimizer state belong to it): drop that override, or start a new run with "
+                              f"trainer.resume=null (trainer.init_from={resume} starts from its weights)")
         log.info(f"resuming from {resume} (step {state['progress']['step']})")
         return Resumed(path, state)
 

@@ -8,10 +8,17 @@ async_save: the directory becomes a checkpoint only once every rank's shards are
 rank 0 renamed it, which needs every rank's outcome at one collective point; in the background
 that would wait for the next save, each rank holding a staged CPU copy meanwhile, with a failure
 carried to the others later. Each rank writes only its 1/N slice anyway.
+
+DCP keeps a directory's index (`.metadata`) as a pickle, and its own reader unpickles it whole,
+which would run whatever a crafted file names. `_DataOnlyReader` unpickles only the classes that
+index is made of (ALLOWED_GLOBALS) and refuses anything else in one line naming the flag for a
+file the user trusts; the tensors themselves DCP reads with weights_only.
 """
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -30,6 +37,52 @@ from torch.distributed.checkpoint.state_dict import (
 from ringtrain.checkpoints.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
+
+# What DCP's index of a directory is made of (torch 2.4-2.13): its dataclasses, torch's sizes,
+# dtypes and layouts, and the paths of its files. Nothing here runs code beyond building them.
+_METADATA = "torch.distributed.checkpoint.metadata"
+ALLOWED_GLOBALS = frozenset({
+    *((_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                     "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                     "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+})
+TRUST_FLAG = "trust_checkpoint=true (trainer.trust_checkpoint=true when training)"
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"its index names {module}.{name}, which is not data of a DCP index")
+
+
+class _DataOnlyReader(dcp.FileSystemReader):
+    """DCP's file reader, its index unpickled as data only (see the module docstring)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        raw = (Path(self.path) / ".metadata").read_bytes()
+        try:
+            metadata = _DataOnlyUnpickler(io.BytesIO(raw)).load()
+        except Exception as err:  # a crafted index, or one of classes this list lacks
+            raise CheckpointError(f"sharded checkpoint {self.path} cannot be read as data ({str(err)[:200]}); "
+                                  f"if you trust it, pass {TRUST_FLAG}") from None
+        files = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+        if any(Path(name).name != name or name in ("", ".", "..") for name in files):
+            raise CheckpointError(f"sharded checkpoint {self.path} names files outside its directory; pass a "
+                                  f"checkpoint ringtrain wrote")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _reader(directory: str | Path, trusted: bool) -> dcp.FileSystemReader:
+    return dcp.FileSystemReader(directory) if trusted else _DataOnlyReader(directory)
 
 
 def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -55,11 +108,12 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
         raise CheckpointError(failure)
 
 
-def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 trusted: bool = False) -> None:
     """Load a `save_sharded` directory into `model` (and `optimizer`), set up as for training;
     call it on every rank (or without a process group). Each rank reads what its shards need, so
     the ranks and strategy may differ from the saving run's (fsdp on 2 -> ddp, 4 ranks, or one).
-    DCP unpickles the plain values: load only checkpoints you trust, as with any DCP directory."""
+    `trusted`: unpickle the directory's index whole, as DCP's own reader does."""
     model = without_data_parallel(model)
     # Templates with this run's shapes and placement, which DCP fills in place.
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -68,7 +122,7 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     try:
         with _single_process_is_intended():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+            dcp.load(state, storage_reader=_reader(directory, trusted))
     except dcp.CheckpointException as err:
         raise CheckpointError(
             f"sharded checkpoint {directory} cannot be read ({_first_failure(err)}); resume from an older "
@@ -81,10 +135,10 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def sharded_model_shapes(directory: str | Path) -> dict[str, list[int]]:
+def sharded_model_shapes(directory: str | Path, trusted: bool = False) -> dict[str, list[int]]:
     """The full shape of each model tensor a `save_sharded` directory holds, from its
     metadata alone (no tensor is read): what a model must have to load it."""
-    metadata = dcp.FileSystemReader(directory).read_metadata()
+    metadata = _reader(directory, trusted).read_metadata()
     return {
         key.removeprefix("model."): list(item.size)
         for key, item in metadata.state_dict_metadata.items()

@@ -15,7 +15,6 @@ import difflib
 import functools
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 from ringtrain.checkpoints.rundir import log_file, rank_tag, run_directory, run_name
 from ringtrain.conf import options_defining
+from ringtrain.config.recipe import Replay
 from ringtrain.errors import ConfigError, exit_on_user_error
 
 # Settings Lightning users reach for, and what they are called here.
@@ -68,13 +68,46 @@ class PrimaryConfig:
     presets: tuple[str, ...] = ()  # train's top level has preset groups; a tool's is its settings
 
 
+@dataclass
+class CommandLine:
+    """This process's command line, as the entry module (ringtrain/__main__.py) read it: the
+    only place that reads sys.argv. `replay`: the overrides a checkpoint records, which go
+    before the user's (config/recipe.py); `checkpoint`: that checkpoint, read once."""
+
+    program: str
+    args: list[str]
+    replay: Replay | None = None
+    checkpoint: Any = None  # checkpoints/manager.py Resumed
+
+    @property
+    def overrides(self) -> list[str]:
+        """The user's overrides (key=value, group=option, +key, ~key), as typed."""
+        return [arg for arg in self.args if ("=" in arg or arg.startswith("~")) and not arg.startswith("-")]
+
+    @property
+    def multirun(self) -> bool:
+        return any(arg in ("-m", "--multirun") for arg in self.args)
+
+    @property
+    def gives_config_dir(self) -> bool:
+        return any(arg in ("--config-dir", "-cd") or arg.startswith("--config-dir=") for arg in self.args)
+
+    def hydra_args(self) -> list[str]:
+        """What Hydra reads: the user's arguments with the replayed overrides before their first
+        override (Hydra's parser takes the overrides as one run of words)."""
+        replayed = self.replay.overrides if self.replay else []
+        first = next((i for i, arg in enumerate(self.args) if arg in self.overrides), len(self.args))
+        return [*self.args[:first], *replayed, *self.args[first:]]
+
+
 TRAIN = PrimaryConfig("train", "ringtrain", usage="ringtrain [group=option ...] [key=value ...]",
                       hints={key: f"use {fix}" for key, fix in LIGHTNING_HABITS.items()}, presets=PRESET_GROUPS)
 
 
-def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], config_name: str | None = None) -> Any:
-    """Run `task` as the Hydra app of conf/<primary.name>.yaml (or the primary config
-    `config_name` registered in Hydra's ConfigStore); a composition mistake is one line."""
+def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: CommandLine) -> Any:
+    """Run `task` as the Hydra app of conf/<primary.name>.yaml on `command` (the entry module put
+    its arguments, the replayed ones among them, where Hydra reads them); a composition mistake
+    is one line."""
     import hydra
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
     from yaml import YAMLError
@@ -91,17 +124,17 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], config_name: str
         jobs_started.append(True)
         return task(cfg)
 
-    app = hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name=config_name or primary.name)(job)
+    app = hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name=primary.name)(job)
     with exit_on_user_error():
         try:
             return app()
         except (ConfigCompositionException, MissingConfigException, OverrideParseException,
                 SearchPathException, YAMLError) as err:
-            raise ConfigError(composition_message(err, primary)) from None
+            raise ConfigError(composition_message(err, primary, command)) from None
         except OSError as err:
             if jobs_started or not err.filename:
                 raise
-            raise ConfigError(output_directory_message(err)) from None  # Hydra making the run (or sweep) directory
+            raise ConfigError(output_directory_message(err, command)) from None  # Hydra making the run (or sweep) directory
 
 
 def register_resolvers() -> None:
@@ -140,22 +173,24 @@ def scratch_directory() -> str:
     return path
 
 
-def composition_message(err: Exception, primary: PrimaryConfig) -> str:
+def composition_message(err: Exception, primary: PrimaryConfig, command: CommandLine) -> str:
     """Hydra's exception as one line naming the fix, read from its fields."""
     from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options:
-        return _missing_option_message(err.missing_cfg_file, err.options)
+        return _missing_option_message(err.missing_cfg_file, err.options, command)
     if isinstance(err, SearchPathException):
         return f"{_lines(err)[0]}; pass --config-dir the folder that holds your <group>/<option>.yaml files"
-    if sweep := _sweep_outside_a_multirun():
+    if replayed := _replayed_override_refused(err, command):
+        return replayed
+    if sweep := _sweep_outside_a_multirun(command):
         key, value = sweep.split("=", 1)
         return (f"'{sweep}' lists several values: add -m to sweep them, or, for one text with a comma, quote it "
                 f"for Hydra inside the shell's quotes: \"{key}='{value}'\"")
     cause = err.__cause__
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
-        return _unknown_key_message(str(cause.full_key), getattr(cause, "parent_node", None), primary)
+        return _unknown_key_message(str(cause.full_key), getattr(cause, "parent_node", None), primary, command)
     if isinstance(err, OverrideParseException):
         lines = _lines(err)  # the parser's reason, between Hydra's heading and its link to the grammar
         reason = next((line for line in lines[1:] if line != "^" and not line.startswith("See ")), lines[0])
@@ -168,8 +203,8 @@ def composition_message(err: Exception, primary: PrimaryConfig) -> str:
     return "; ".join(_lines(err)) + f"; see `{primary.program} --help`"
 
 
-def output_directory_message(err: OSError) -> str:
-    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(sys.argv) else "hydra.run.dir"
+def output_directory_message(err: OSError, command: CommandLine) -> str:
+    key = "hydra.sweep.dir" if command.multirun else "hydra.run.dir"
     path = Path(err.filename)
     existing = next(parent for parent in path.parents if parent.exists())
     why = (f"{existing} is a file, not a directory" if existing.is_file()
@@ -178,16 +213,27 @@ def output_directory_message(err: OSError) -> str:
             f"you can write to")
 
 
-def _sweep_outside_a_multirun() -> str | None:
+def _replayed_override_refused(err: Exception, command: CommandLine) -> str | None:
+    """Hydra refusing an override the checkpoint recorded (a key the config composed here lacks),
+    named as the checkpoint's."""
+    replay = command.replay
+    for line in replay.overrides if replay else ():
+        key = line.split("=", 1)[0].lstrip("~")
+        if f"'{key}'" in str(err) and not any(o.split("=", 1)[0].lstrip("+~") == key for o in command.overrides):
+            return (f"checkpoint {replay.source} stores the override {line!r}, which your config here does not take "
+                    f"({_lines(err)[0]}); give the --config-dir it was trained with, or set that key yourself")
+    return None
+
+
+def _sweep_outside_a_multirun(command: CommandLine) -> str | None:
     """The command line's first sweep override (a=1,2) when it is not a multirun, as typed."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    args = sys.argv[1:]
-    if {"-m", "--multirun"} & set(args):
+    if command.multirun:
         return None
     try:
-        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+        overrides = OverridesParser.create().parse_overrides([a for a in command.overrides if not a.startswith("~")])
     except OverrideParseException:
         return None
     return next((o.input_line for o in overrides if o.is_sweep_override()), None)
@@ -197,25 +243,27 @@ def _lines(err: Exception) -> list[str]:
     return [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
 
 
-def _missing_option_message(missing: str, options: list[str]) -> str:
+def _missing_option_message(missing: str, options: list[str], command: CommandLine) -> str:
     group, _, option = missing.rpartition("/")
+    if command.replay and (hint := command.replay.config_dir_hint(group, option)):
+        return hint
     close = difflib.get_close_matches(option, options, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     if group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
         hint = " (Optuna and joblib come with pip install 'ringtrain[sweep]', submitit with 'ringtrain[slurm]')"
-    elif not close and "--config-dir" not in " ".join(sys.argv):  # most likely the user's own, folder not given
+    elif not close and not command.gives_config_dir:  # most likely the user's own, folder not given
         hint = f"; your own? put {group}/{option}.yaml in a config folder and pass --config-dir <folder>"
     return f"{group}={option} is not an option of {group}; choose one of {', '.join(sorted(options))}{hint}"
 
 
-def _typed_key(full_key: str) -> str:
+def _typed_key(full_key: str, command: CommandLine) -> str:
     """The key the command line typed that `full_key` (the part Hydra found missing) begins."""
-    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in sys.argv[1:] if "=" in arg and not arg.startswith("-")]
+    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in command.overrides]
     return next((key for key in reversed(keys) if key == full_key or key.startswith(full_key + ".")), full_key)
 
 
-def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig) -> str:
-    key = _typed_key(full_key)
+def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, command: CommandLine) -> str:
+    key = _typed_key(full_key, command)
     section, _, rest = key.partition(".")
     if hint := primary.hints.get(key) or primary.hints.get(section):
         return f"{key} is not a setting here; {hint}"

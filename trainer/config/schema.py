@@ -23,6 +23,7 @@ from ringtrain.components import build, check, check_built, is_node
 from ringtrain.conf import CONF_DIR
 from ringtrain.config.builders import check_data, check_model, check_task
 from ringtrain.config.data_lengths import check_validation_limit
+from ringtrain.config.recipe import record
 from ringtrain.config.sizes import resolve
 from ringtrain.errors import ConfigError
 from ringtrain.loggers.base import Logger
@@ -62,7 +63,7 @@ class TrainerConfig:
     keep_last_k: int
     async_checkpoint: bool
     resume: Any  # "auto", a checkpoint path, or None
-    trust_checkpoint: bool  # resume=<path>: let its stored config run code your own does not name (config/trust.py)
+    trust_checkpoint: bool  # a sharded checkpoint's index unpickled whole (checkpoints/sharded.py)
     init_from: Optional[str]  # starting weights (checkpoints/initial_weights.py), or None
     on_nonfinite: str
     stop_signals: list[str]
@@ -102,12 +103,19 @@ class Job:
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> node, or a Callback (Python API)
     loggers: dict[str, Any] = field(default_factory=dict)  # name -> node, or a Logger (Python API)
     adapter: dict | None = None  # e.g. LoRA (models/lora.py), applied to the built model
-    resolved: dict = field(default_factory=dict)  # the resolved config: checkpoints and loggers keep it
+    resolved: dict = field(default_factory=dict)  # the resolved config: checkpoints and loggers record it
+    recipe: dict | None = None  # the groups' choices and the overrides (config/recipe.py); None from Python
     group: str | None = None  # the sweep's name, for a multirun's job (loggers group its runs)
 
 
 def validate(cfg: Any) -> Job:
-    """Check the composed config; return the Job, or raise ConfigError on the first mistake."""
+    """Check the composed config; return the Job, or raise ConfigError on the first mistake.
+    A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
+    gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
+    recipe = None
+    if isinstance(cfg, DictConfig) and "hydra" in cfg:
+        recipe = record(cfg.hydra)
+        cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         resolved = resolve(cfg)
     except OmegaConfBaseException as err:
@@ -132,7 +140,7 @@ def validate(cfg: Any) -> Job:
     if adapter is not None:
         check(adapter, "adapter")
     return Job(trainer, strategy, task, resolved["model"], resolved["data"], resolved["optimizer"],
-               resolved["scheduler"], callbacks, loggers, adapter, resolved)
+               resolved["scheduler"], callbacks, loggers, adapter, resolved, recipe)
 
 
 def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:

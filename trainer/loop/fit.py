@@ -48,9 +48,10 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
               total_steps=parts.total_steps, train_loader=parts.train_loader, group=job.group)
     run.step, run.skipped_steps = progress.step, progress.skipped_steps
-    # What rebuilds and decodes the model from a checkpoint alone (ringtrain sample, evaluate).
-    description = {"config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims), "vocab": data.vocab,
-                   "architecture": architecture(parts.model)}
+    # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
+    # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
+    description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
+                   "vocab": data.vocab, "architecture": architecture(parts.model)}
 
     def checkpoint_state(shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
         state = {**parts.checkpoint_state(dist, shards_path), "callbacks": callbacks.state_dict(), **description}

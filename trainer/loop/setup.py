@@ -137,7 +137,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
         if "shards" in state:  # into the set-up model: each rank reads what its shards need
             from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
 
-            load_sharded(state["shards"], model, optimizer)
+            load_sharded(state["shards"], model, optimizer, trusted=cfg.trust_checkpoint)
         else:
             strategy.load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

@@ -1,8 +1,11 @@
-"""What the tools' Hydra apps share: the composed config as the keyword arguments of the tool's
-function, each checked against its parameter. Each tool's primary config conf/<tool>.yaml (its
-settings, defaults and --help) starts from conf/hydra/tool.yaml (nothing written into the
-current directory). The function's signature is the schema: a key it does not take, a required
-setting left `???`, a value not of its parameter's type are each one line.
+"""What the tools' Hydra apps share: the checkpoint a command names, read once before Hydra
+composes (its recorded choices and overrides replayed, config/recipe.py), and the composed config
+as the keyword arguments of the tool's function, each checked against its parameter. Each tool's
+primary config conf/<tool>.yaml (its settings, defaults and --help) composes the job
+(conf/job.yaml) and starts from conf/hydra/tool.yaml (nothing written into the current
+directory). The function's signature is the schema: a key it does not take, a required setting
+left `???`, a value not of its parameter's type are each one line; the job's sections reach its
+`job` parameter, resolved.
 """
 from __future__ import annotations
 
@@ -10,51 +13,133 @@ import inspect
 import os
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from ringtrain.components import fits
-from ringtrain.config.app import PrimaryConfig, run_app
+from ringtrain.config.app import CommandLine, PrimaryConfig, run_app
+from ringtrain.config.recipe import replay
+from ringtrain.config.schema import OPTIONAL_SECTIONS, SECTIONS
+from ringtrain.config.sizes import resolve
 from ringtrain.errors import ConfigError, exit_on_user_error
 
+JOB_SECTIONS = SECTIONS + OPTIONAL_SECTIONS  # what conf/job.yaml composes; the rest is the tool's
 
-def run_tool(primary: PrimaryConfig, tool: Callable[..., Any], show: Callable[[Any], None] = print) -> None:
+
+def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) -> list[CommandLine]:
+    """`command` with the checkpoint its `key=<file>` names read once, and its recipe to replay.
+    A multirun over several (-m key=a,b) is one command per recipe: checkpoints trained with the
+    same choices and overrides share one sweep, each other recipe gets a sweep of its own."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from ringtrain.checkpoints.files import load_checkpoint
+    from ringtrain.checkpoints.manager import Resumed
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(command.overrides)
+    except OverrideParseException:
+        return [command]  # Hydra says what is wrong with it, in one line
+    paths: list[str] = []
+    for override in parsed:
+        if override.key_or_group != key or override.is_delete():
+            continue
+        if override.is_discrete_sweep() and command.multirun:
+            paths.extend(str(value) for value in override.sweep_string_iterator())
+        elif not override.is_sweep_override() and override.value() is not None:
+            paths.append(str(override.value()))
+    read = {path: Resumed(Path(path), load_checkpoint(path, mmap=True)) for path in dict.fromkeys(paths)
+            if path not in ("auto", "null") and Path(path).is_file()}
+    by_recipe: dict[tuple[str, ...], list[str]] = {}
+    replays = {}
+    for path, given in read.items():
+        replays[path] = replay(given.state.get("job"), given.path, command.overrides, skip)
+        by_recipe.setdefault(tuple(replays[path].overrides), []).append(path)
+    if len(by_recipe) <= 1:
+        command.replay, command.checkpoint = (next(iter(replays.values()), None)), read
+        return [command]
+    commands = []
+    for group in by_recipe.values():
+        args = [arg for arg in command.args if arg.split("=", 1)[0].lstrip("+") != key] + [f"{key}={','.join(group)}"]
+        commands.append(CommandLine(command.program, args, replays[group[0]], {p: read[p] for p in group}))
+    return commands
+
+
+def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | None = None) -> dict:
+    """The job of a checkpoint as a tool composes it, for a caller in Python (`sample(...)`,
+    `export(...)` without `job`): Hydra's compose API over conf/job.yaml (and `config_dir`, your
+    own options), the checkpoint's recipe replayed before `overrides`; resolved."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ringtrain.config.app import register_resolvers
+
+    register_resolvers()
+    overrides = list(overrides)
+    replayed = replay(state.get("job"), Path(path), overrides, skip=("strategy", "trainer.resume", "hparams_search"))
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path (--config-dir) is the user's
+        cfg = compose("job", overrides=replayed.overrides + overrides)
+    else:
+        with (initialize_config_dir(config_dir=str(Path(config_dir).absolute()), version_base="1.3") if config_dir
+              else initialize_config_module("ringtrain.conf", version_base="1.3")):
+            cfg = compose("job", overrides=replayed.overrides + overrides)
+    return resolve(cfg)
+
+
+def prepare(command: CommandLine) -> list[CommandLine]:
+    """A tool's command: the checkpoint `checkpoint=` names, its recipe replayed except where
+    the run ran (its strategy: the tool's own), how it searched, and the file it resumed."""
+    return with_checkpoint(command, "checkpoint", skip=("strategy", "trainer.resume",
+                                                        "trainer.trust_checkpoint", "hparams_search"))
+
+
+def run_tool(primary: PrimaryConfig, tool: Callable[..., Any], command: CommandLine,
+             show: Callable[[Any], None] = print) -> None:
     """`ringtrain <tool>`: every job the command line asks for (a multirun has several) is
-    `tool(**settings)`, its result `show`n."""
-    # `_target_: my_pkg.MyNet` in a checkpoint imports from where you run, as for training.
+    `tool(**settings)`, its result `show`n; a `command` parameter gets the command line (and
+    the checkpoints it read)."""
+    # `_target_: my_pkg.MyNet` in your own config imports from where you run, as for training.
     sys.path.insert(1, os.getcwd())
 
     def job(cfg: Any) -> None:
         with exit_on_user_error():
-            result = tool(**settings_for(tool, cfg, primary))
+            settings = settings_for(tool, cfg, primary)
+            if "command" in inspect.signature(tool).parameters:
+                settings["command"] = command
+            result = tool(**settings)
         show(result)
 
-    run_app(primary, job)
+    run_app(primary, job, command)
 
 
 def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig) -> dict[str, Any]:
     """The composed config as `function`'s keyword arguments (see the module docstring)."""
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     parameters = inspect.signature(function).parameters
     hints = typing.get_type_hints(getattr(function, "func", function))  # through a functools.partial
     try:
-        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        values = resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{str(err).strip().splitlines()[0]}; see `{primary.program} --help`") from None
     values.pop("hydra", None)
+    job = {name: values.pop(name) for name in JOB_SECTIONS if name in values}
     for name in values:
         if name not in parameters:
             fix = primary.hints.get(name) or f"the settings are {', '.join(parameters)}"
             raise ConfigError(f"{name} is not a setting of {primary.program}; {fix}")
     settings = {}
     for name, parameter in parameters.items():
+        if name in ("job", "command"):
+            continue
         if name not in values and parameter.default is not inspect.Parameter.empty:
             continue  # removed with ~name, or not a setting: the function's own default
         if values.get(name, "???") == "???":
             raise ConfigError(f"{name} is required: {primary.usage}")
         settings[name] = _typed(name, values[name], hints.get(name, Any), parameter.default)
+    if "job" in parameters:
+        settings["job"] = job
     return settings
 
 

@@ -4,8 +4,8 @@
 
 A `strategy.state_dict_type=sharded` run keeps its weights and optimizer state in
 `step-<N>.shards/`, one file per rank. This reads them whole into one process (CPU memory must
-hold the full state), model and optimizer rebuilt from the checkpoint's config
-(tools/checkpoint_model.py), and writes the file `state_dict_type=full` would have: loadable
+hold the full state), model and optimizer rebuilt from the job composed from the checkpoint's
+recorded choices and overrides (tools/checkpoint_model.py, config/recipe.py), and writes the file `state_dict_type=full` would have: loadable
 into a bare model, resumable under any strategy. Without `output` it is
 `consolidated-step-<N>.pt` beside `checkpoints/`, where rotation and auto-resume never touch it.
 Settings: conf/consolidate.yaml (`ringtrain consolidate --help`).
@@ -13,6 +13,7 @@ Settings: conf/consolidate.yaml (`ringtrain consolidate --help`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimi
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.errors import ConfigError
 from ringtrain.optim import build_optimizer
-from ringtrain.tools.app import run_tool
+from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import build_checked_model, read_checkpoint
 
 CONSOLIDATE = PrimaryConfig(
@@ -30,27 +31,24 @@ CONSOLIDATE = PrimaryConfig(
 )
 
 
-def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bool = False) -> Path:
-    """Write the sharded `checkpoint` as one plain checkpoint file; returns its path."""
-    state = read_checkpoint(checkpoint, trust=trust_checkpoint)
+def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bool = False,
+                job: dict | None = None, command: Any = None) -> Path:
+    """Write the sharded `checkpoint` as one plain checkpoint file (`job`: the composed job's
+    sections); returns its path."""
+    state = read_checkpoint(checkpoint, command.checkpoint if command else None)
+    job = job if job is not None else composed_job(state, checkpoint)
     if "shards" not in state:
         raise ConfigError(
             f"checkpoint {checkpoint!r} is already one plain file (strategy.state_dict_type=full); "
             f"use it as it is"
         )
-    optimizer_node = (state["config"] or {}).get("optimizer")
-    if not isinstance(optimizer_node, dict) or "_target_" not in optimizer_node:
-        raise ConfigError(
-            f"checkpoint {checkpoint!r} holds no optimizer config (built in Python?), so its optimizer "
-            f"state cannot be rebuilt; load the shards in Python with ringtrain.checkpoints.sharded.load_sharded"
-        )
-    model = build_checked_model(state, checkpoint)
-    optimizer = build_optimizer(optimizer_node, model, torch.device("cpu"))
+    model = build_checked_model(state, checkpoint, job, trust_checkpoint)
+    optimizer = build_optimizer(job["optimizer"], model, torch.device("cpu"))
     for group in optimizer.param_groups:
         # The run's lr schedule added this key to every group, and DCP fills only the keys the
         # template has: with it, the shards' value comes back as the run saved it.
         group.setdefault("initial_lr", group["lr"])
-    load_sharded(state["shards"], model, optimizer)
+    load_sharded(state["shards"], model, optimizer, trusted=trust_checkpoint)
 
     target = Path(output) if output else Path(checkpoint).absolute().parent.parent / (
         f"consolidated-step-{state['progress']['step']:08d}.pt")
@@ -60,9 +58,11 @@ def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bo
     return target
 
 
-def main() -> None:
-    run_tool(CONSOLIDATE, consolidate)
+def main(command: Any) -> None:
+    run_tool(CONSOLIDATE, consolidate, command)
 
 
 if __name__ == "__main__":
-    main()
+    from ringtrain.__main__ import main as entry
+
+    entry("consolidate")

@@ -1,12 +1,12 @@
 """A trained model's metrics on a split: `ringtrain evaluate checkpoint=...`; README.md "Using
 what you trained" and conf/evaluate.yaml (`ringtrain evaluate --help`) hold examples and settings.
 
-lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model and
-task are rebuilt from the config the checkpoint keeps (resolved `_target_` nodes and the data's
-sizes: the run's command line is not needed), its stored sections changed on the command line
-as training's are (tools/stored_sections.py), then checked like training's (config/builders.py):
-a mistake is one `error:` line, exit 2, before any data is built. A relative data.path is read
-from the current directory, as the run read it. The run's own strategy is not reused.
+lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The job is composed
+from the checkpoint's recorded choices and overrides (config/recipe.py: the run's command line is
+not needed, and a file never chooses code) and the command line's, which change it as they would
+training's; the data, model and task are then checked like training's (config/builders.py): a
+mistake is one `error:` line, exit 2, before any data is built. A relative data.path is read from
+the current directory, as the run read it. The run's own strategy is not reused (strategy=auto).
 
 The metrics are computed exactly as the loop's validation: the split sharded over the ranks
 without padding, per-batch sums and counts all-reduced (data/tasks.py), autocast per
@@ -17,7 +17,6 @@ ranks. Rank 0 prints one `name=value` line per metric and writes the output file
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -25,32 +24,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from omegaconf import OmegaConf
-
 from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.checkpoints.json_text import json_text
 from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
-from ringtrain.conf import CONF_DIR, option_nodes
-from ringtrain.config.app import PrimaryConfig
+from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
-from ringtrain.config.schema import TrainerConfig, build_strategy, check_options, trainer_config
+from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, trainer_config
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
-from ringtrain.errors import ConfigError, exit_on_user_error
+from ringtrain.errors import ConfigError
 from ringtrain.loop.evaluation import evaluate_model
 from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.precision import Precision
 from ringtrain.strategies.base import Strategy
-from ringtrain.tools.app import run_tool
-from ringtrain.tools.checkpoint_model import check_stored_config, model_node, read_checkpoint, rebuild_model
-from ringtrain.tools.stored_sections import SECTIONS, checkpoints_named, overlay, register_stored_sections, stored_section
+from ringtrain.tools.app import prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
 _UNUSED = "evaluation trains nothing, so the {} is not used: drop the override"
 EVALUATE = PrimaryConfig(
     "evaluate", "ringtrain evaluate", usage="ringtrain evaluate checkpoint=<run>/checkpoints/last.pt",
-    hints={"optimizer": _UNUSED.format("optimizer"), "scheduler": _UNUSED.format("scheduler")},
 )
 
 
@@ -60,66 +54,59 @@ class EvalJob:
 
     checkpoint: Resumed  # the file, read once per process (a spawned rank reads its own)
     split: str
-    model: dict
-    data: dict
-    task: dict
+    job: dict  # the composed job's sections
     data_dims: dict
     vocab: dict | None
     trainer: TrainerConfig
     strategy: Strategy
     weights: str  # model, or a callback's (ema)
+    trusted: bool
 
 
-def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None, strategy: dict, model: dict,
-             data: dict, task: dict, trainer: dict, weights: str = "model", trust_checkpoint: bool = False,
-             loaded: dict | None = None) -> tuple[dict, EvalResult | None]:
-    """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
-    records and rank 0's result (None on the other ranks). model, data, task and trainer are the
-    checkpoint's stored sections as the command line changed them (tools/stored_sections.py);
-    `loaded`: the checkpoints main() read already, by path."""
+def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None, job: dict, command: CommandLine,
+             weights: str = "model", trust_checkpoint: bool = False) -> tuple[dict, EvalResult | None]:
+    """Evaluate `checkpoint` as conf/evaluate.yaml composed says (`job`: the job's sections, its
+    recipe replayed); return what the metrics file records and rank 0's result (None on the
+    other ranks)."""
     from hydra.core.hydra_config import HydraConfig
 
-    state = (loaded or {}).get(checkpoint)
-    if state is None:
-        state = read_checkpoint(checkpoint, trust=trust_checkpoint)
-    elif not trust_checkpoint:
-        check_stored_config(state, checkpoint)
-    job, record = plan(checkpoint, state, split, output, strategy, model, data, task, trainer, weights)
-    record["overrides"] = section_overrides(list(HydraConfig.get().overrides.task))
-    result = launch(job)
+    for override in command.overrides:
+        if (section := override.lstrip("+~").split("=", 1)[0].split(".")[0]) in ("optimizer", "scheduler"):
+            raise ConfigError(_UNUSED.format(section))
+    state = read_checkpoint(checkpoint, command.checkpoint)
+    strategy_name = str(HydraConfig.get().runtime.choices.get("strategy"))
+    if strategy_name == "auto":  # the option it stands for
+        strategy_name = "ddp" if under_torchrun() else "single"
+    eval_job, record = plan(checkpoint, state, split, output, job, strategy_name, weights, trust_checkpoint)
+    record["overrides"] = section_overrides(command.overrides)
+    result = launch(eval_job)
     if result is not None:
         write_metrics(Path(record["output"]), {**record, "world_size": result.world_size, "metrics": result.metrics})
     return record, result
 
 
-def plan(checkpoint: str, state: dict, split: str, output: str | None, strategy: dict, model: dict, data: dict,
-         task: dict, trainer: dict, weights: str = "model") -> tuple[EvalJob, dict[str, Any]]:
+def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict, strategy_name: str,
+         weights: str = "model", trusted: bool = False) -> tuple[EvalJob, dict[str, Any]]:
     """Check the settings; return the job and what the metrics file records of it."""
-    stored = state["config"]
-    model_node(state, checkpoint)  # refuses a model built in Python: its config cannot rebuild it
-    components = {"model": model, "data": data, "task": task}
-    config = {name: overlay(stored_section(stored, name, checkpoint), given) for name, given in components.items()}
     # The run's trainer settings (precision, val_batch_size, ...), but never its resume file
     # nor its starting weights: the checkpoint's own weights are evaluated.
-    config["trainer"] = {**overlay(stored.get("trainer") or {}, trainer), "resume": None, "init_from": None}
-    trainer_settings = trainer_config(**config["trainer"])
-    strategy_config = evaluation_strategy(strategy)
-    check_options(trainer_settings, strategy_config)
-    check_model(config["model"], check_data(config["data"]), "the data")
-    check_task(build(config["task"], "task"))
+    trainer_settings = trainer_config(**{**job["trainer"], "resume": None, "init_from": None})
+    strategy = evaluation_strategy(job["strategy"], strategy_name)
+    check_options(trainer_settings, strategy)
+    check_model(job["model"], check_data(job["data"]), "the data")
+    check_task(build(job["task"], "task"))
 
-    job = EvalJob(
-        checkpoint=Resumed(Path(checkpoint).absolute(), state), split=split,
-        model=config["model"], data=config["data"], task=config["task"],
+    eval_job = EvalJob(
+        checkpoint=Resumed(Path(checkpoint).absolute(), state), split=split, job=job,
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
-        trainer=trainer_settings, strategy=strategy_config, weights=weights,
+        trainer=trainer_settings, strategy=strategy, weights=weights, trusted=trusted,
     )
     metrics_file = Path(output) if output else default_output(checkpoint, split)
     record = {
-        "checkpoint": str(job.checkpoint.path), "step": (state.get("progress") or {}).get("step"),
-        "split": split, "strategy": _strategy_option(strategy), "overrides": [], "output": str(metrics_file),
+        "checkpoint": str(eval_job.checkpoint.path), "step": (state.get("progress") or {}).get("step"),
+        "split": split, "strategy": strategy_name, "overrides": [], "output": str(metrics_file),
     }
-    return job, record
+    return eval_job, record
 
 
 def default_output(checkpoint: str, split: str) -> Path:
@@ -129,45 +116,27 @@ def default_output(checkpoint: str, split: str) -> Path:
     return path.parent.parent / "eval" / f"{path.stem}-{split}.json"
 
 
-def evaluation_strategy(section: dict) -> Strategy:
+def evaluation_strategy(section: dict, name: str) -> Strategy:
     """The strategy of strategy=auto|single|dp|ddp|fsdp with its keys (strategy.nproc_per_node=2)."""
     strategy = build_strategy(section)
     if under_torchrun() and not strategy.spans_processes:
-        raise ConfigError(
-            f"strategy={_strategy_option(section)} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)"
-        )
+        raise ConfigError(f"strategy={name} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)")
     return strategy
 
 
-def _strategy_option(section: dict) -> str:
-    """The conf/strategy option whose class `section` builds (auto: the one it stands for),
-    for messages and metrics.json."""
-    target = section.get("_target_")
-    return next((name for name, node in option_nodes("strategy") if node.get("_target_") == target), str(target))
-
-
 def section_overrides(overrides: Sequence[str]) -> list[str]:
-    """The command line's changes of the stored config (data.path=..., +data.x=1, ~data.x,
+    """The command line's changes of the job (data.path=..., +data.x=1, ~data.x,
     strategy.nproc_per_node=2), for metrics.json."""
     keys = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
-    return [o for o, key in zip(overrides, keys) if "." in key and key.split(".")[0] in (*SECTIONS, "strategy")]
+    return [o for o, key in zip(overrides, keys) if "." in key and key.split(".")[0] in (*SECTIONS, "adapter")]
 
 
-def register_evaluation_options(args: Sequence[str]) -> dict[str, dict]:
-    """What conf/evaluate.yaml composes from besides its files, registered before Hydra (and
-    the check ahead) compose it: the strategy option `auto`, and the sections of every
-    checkpoint the command line names (tools/stored_sections.py)."""
+def register_auto_strategy() -> None:
+    """strategy=auto, evaluate's default: the option ddp under torchrun, else single."""
     from hydra.core.config_store import ConfigStore
 
-    auto = OmegaConf.load(CONF_DIR / "strategy" / f"{'ddp' if under_torchrun() else 'single'}.yaml")
-    ConfigStore.instance().store(group="strategy", name="auto", node=OmegaConf.to_container(auto))
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    lines = [arg for arg in args if "=" in arg and not arg.startswith("-")]
-    paths = checkpoints_named(OverridesParser.create().parse_overrides(lines), multirun="-m" in args or "--multirun" in args)
-    loaded = {path: load_checkpoint(path, mmap=True) for path in paths if Path(path).is_file()}
-    register_stored_sections([state.get("config") or {} for state in loaded.values()])
-    return loaded
+    ConfigStore.instance().store(group="strategy", name="auto",
+                                 node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
 
 
 @dataclass
@@ -181,7 +150,7 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
     dist = job.strategy.setup_process(job.trainer.accelerator)
     clean_exit = False
     try:
-        data = build_data(job.data, dist)
+        data = build_data(job.job["data"], dist)
         check_data_fits(data, job)
         dataset = data.val if job.split == "val" else data.train
         if len(dataset) < dist.world_size:
@@ -189,9 +158,9 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
                 f"the {job.split} split has {len(dataset)} samples but {dist.world_size} processes need at "
                 f"least one each; use fewer processes"
             )
-        task = check_task(build(job.task, "task"))
+        task = check_task(build(job.job["task"], "task"))
         state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
-        model = rebuild_model(state, str(job.checkpoint.path), job.model, job.weights).to(dist.device)
+        model = rebuild_model(state, str(job.checkpoint.path), job.job, job.weights, job.trusted).to(dist.device)
         del state
         cfg = job.trainer
         loader = build_val_loader(
@@ -243,13 +212,14 @@ def show(evaluated: tuple[dict, EvalResult | None]) -> None:
         print(f"evaluated {record['checkpoint']} (step {record['step']}); metrics in {record['output']}", file=sys.stderr)
 
 
-def main() -> None:
-    with exit_on_user_error():
-        loaded = register_evaluation_options(sys.argv[1:])
-    run_tool(EVALUATE, functools.partial(evaluate, loaded=loaded), show)
+def main(command: CommandLine) -> None:
+    register_auto_strategy()
+    run_tool(EVALUATE, evaluate, command, show)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 
 
 if __name__ == "__main__":
-    main()
+    from ringtrain.__main__ import main as entry
+
+    entry("evaluate")

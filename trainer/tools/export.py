@@ -21,7 +21,8 @@ An export replaces only what an earlier export wrote (a safetensors file with ri
 in its metadata, a directory with a .ringtrain-export file); anything else at `output` is
 left alone unless `overwrite=true`.
 
-The model is rebuilt from the checkpoint alone (tools/checkpoint_model.py), so a sharded fsdp
+The model is rebuilt from the job composed from the checkpoint's recorded choices and overrides
+(tools/checkpoint_model.py, config/recipe.py), so a sharded fsdp
 checkpoint exports too (its shards are read whole into this process's CPU memory). Without
 `output` the result goes to `<run dir>/export/step-<N>.safetensors` or `<run dir>/export/step-<N>/`,
 beside checkpoints/, where rotation never touches it. The file or directory appears complete
@@ -44,8 +45,8 @@ from ringtrain.components import build
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
-from ringtrain.tools.app import run_tool
-from ringtrain.tools.checkpoint_model import model_node, read_checkpoint, rebuild_model
+from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
 EXPORT = PrimaryConfig(
     "export", "ringtrain export", usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors",
@@ -54,19 +55,22 @@ MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported
 
 
 def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safetensors", output: str | None = None,  # noqa: A002
-           overwrite: bool = False, weights: str = "model", trust_checkpoint: bool = False) -> Path:
-    """Write the weights of `checkpoint` as `format`; returns the file or directory written."""
-    state = read_checkpoint(checkpoint, trust=trust_checkpoint)
-    node = model_node(state, checkpoint)
+           overwrite: bool = False, weights: str = "model", trust_checkpoint: bool = False,
+           job: dict | None = None, command: Any = None) -> Path:
+    """Write the weights of `checkpoint` as `format` (`job`: the composed job's sections);
+    returns the file or directory written."""
+    state = read_checkpoint(checkpoint, command.checkpoint if command else None)
+    job = job if job is not None else composed_job(state, checkpoint)
+    node = job.get("model") or {}
     step = (state.get("progress") or {}).get("step", 0)
     default = Path(checkpoint).absolute().parent.parent / "export" / f"step-{step:08d}"
     target = Path(output) if output else default.with_suffix(".safetensors") if format == "safetensors" else default
     _refuse_to_replace(target, format, overwrite)
-    adapter = (state.get("config") or {}).get("adapter")
+    adapter = job.get("adapter")
     if format == "peft" and not adapter:
         raise ConfigError(f"format=peft writes a run's adapters, but {checkpoint} was trained without any "
                           f"(adapter=lora); use format=safetensors or format=hf")
-    model = rebuild_model(state, checkpoint, weights=weights)
+    model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint)
     if format == "peft":
         lora = build(adapter, "adapter")
         write_directory(target, lambda d: save_peft_adapter(model, lora, d, node.get("pretrained_model_name_or_path")))
@@ -181,9 +185,11 @@ def _safetensors():
     return safetensors.torch
 
 
-def main() -> None:
-    run_tool(EXPORT, export)
+def main(command: Any) -> None:
+    run_tool(EXPORT, export, command)
 
 
 if __name__ == "__main__":
-    main()
+    from ringtrain.__main__ import main as entry
+
+    entry("export")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from ringtrain.config.app import PrimaryConfig
+from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError
@@ -80,13 +80,19 @@ def bpe_tokenizer(input: str, tokenizer: str | None, vocab_size: int | None):  #
         raise ConfigError(str(err)) from None
 
 
-def main() -> None:
+def prepare(command: CommandLine) -> list[CommandLine]:
+    return [command]  # no checkpoint to read
+
+
+def main(command: CommandLine) -> None:
     def show(meta: dict) -> None:
         print(f"wrote {meta['output']}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
               f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
 
-    run_tool(PREPARE_TOKENS, prepare_tokens, show)
+    run_tool(PREPARE_TOKENS, prepare_tokens, command, show)
 
 
 if __name__ == "__main__":
-    main()
+    from ringtrain.__main__ import main as entry
+
+    entry("prepare_tokens")

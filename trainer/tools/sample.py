@@ -1,8 +1,9 @@
 """Text from a trained language model: `ringtrain sample checkpoint=... prompt=...`; the
 settings are conf/sample.yaml (`ringtrain sample --help`), examples in README.md.
 
-nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the checkpoint alone
-(tools/checkpoint_model.py) and the text encoded and decoded with the vocabulary it keeps
+nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the job composed from
+the checkpoint's recorded choices and overrides (tools/checkpoint_model.py, config/recipe.py),
+and the text encoded and decoded with the vocabulary it keeps
 (characters, bytes, or a BPE tokenizer.json; data/vocab.py), so neither the run's command line
 nor its data file is needed. The prompt and generated text go to stdout (samples separated by
 dashes), all else to stderr. The forward passes run under the run's `trainer.precision`
@@ -28,8 +29,8 @@ from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import run_tool
-from ringtrain.tools.checkpoint_model import choose_device, inference_precision, read_checkpoint, rebuild_model
+from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.checkpoint_model import read_checkpoint, choose_device, inference_precision, rebuild_model
 
 SAMPLE = PrimaryConfig(
     "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
@@ -103,12 +104,12 @@ def read_prompt(prompt: str) -> str:
         raise ConfigError(f"prompt=FILE:{path} cannot be read ({err}); pass a UTF-8 text file") from None
 
 
-def refuse_a_model_that_is_not_a_language_model(state: dict, checkpoint: str) -> None:
+def refuse_a_model_that_is_not_a_language_model(state: dict, job: dict, checkpoint: str) -> None:
     """Only a run trained with a language-model task (data/tasks.py LanguageModelTask, or a
     subclass: data=text, token_file, hf_text, hf_gpt2 with shift_labels) predicts next tokens. A
     classifier's data may still keep a vocabulary (hf_rows with a tokenizer), so the task
     decides; only a checkpoint whose task cannot be read is judged by its data's vocabulary."""
-    config = state.get("config") or {}
+    config = job
     verdict = _trained_as_a_language_model(config.get("task"))
     if verdict or (verdict is None and (state.get("vocab") or "vocab_size" in (state.get("data_dims") or {}))):
         return
@@ -136,7 +137,7 @@ def _trained_as_a_language_model(node: Any) -> bool | None:
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8,
            top_k: int | None = 200, seed: int = 0, num_samples: int = 1,
            device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model", chat: bool = False,
-           trust_checkpoint: bool = False) -> list[str]:
+           trust_checkpoint: bool = False, job: dict | None = None, command: Any = None) -> list[str]:
     """`num_samples` texts, each the prompt and `max_new_tokens` generated tokens; a user's
     mistakes raise ConfigError / CheckpointError."""
     if temperature < 0:
@@ -145,8 +146,9 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
         raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=null for all tokens")
     if max_new_tokens < 0 or num_samples < 1:
         raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
-    state = read_checkpoint(checkpoint, trust=trust_checkpoint)
-    refuse_a_model_that_is_not_a_language_model(state, checkpoint)
+    state = read_checkpoint(checkpoint, command.checkpoint if command else None)
+    job = job if job is not None else composed_job(state, checkpoint)
+    refuse_a_model_that_is_not_a_language_model(state, job, checkpoint)
     if not state.get("vocab"):
         raise ConfigError(f"this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
                           f"{LANGUAGE_MODEL_DATA}")
@@ -162,9 +164,9 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
         text = vocab.chat_prompt(text)
     ids = encode_prompt(vocab, text)
     target = choose_device(device)
-    model = rebuild_model(state, checkpoint, weights=weights).to(target)
-    precision = inference_precision((state["config"].get("trainer") or {}).get("precision"), target)
-    task = stored_task(state["config"].get("task"))
+    model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint).to(target)
+    precision = inference_precision((job.get("trainer") or {}).get("precision"), target)
+    task = job_task(job.get("task"))
 
     generator = torch.Generator(device=target).manual_seed(seed)
     texts = []
@@ -175,10 +177,10 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
     return texts
 
 
-def stored_task(node: Any) -> Any:
-    """The run's task, for which output of the model it reads; None (the defaults) when it
-    was built in Python or by a function, which is not called here."""
-    if not is_node(node) or node.get("built_in_python") or not inspect.isclass(locate(node["_target_"], "task")):
+def job_task(node: Any) -> Any:
+    """The job's task, for which output of the model it reads; None (the defaults) when a
+    function builds it, which is not called here."""
+    if not is_node(node) or not inspect.isclass(locate(node["_target_"], "task")):
         return None
     return build(node, "task")
 
@@ -190,9 +192,11 @@ def show(texts: list[str]) -> None:
     print(SEPARATOR.join(texts))
 
 
-def main() -> None:
-    run_tool(SAMPLE, sample, show)
+def main(command: Any) -> None:
+    run_tool(SAMPLE, sample, command, show)
 
 
 if __name__ == "__main__":
-    main()
+    from ringtrain.__main__ import main as entry
+
+    entry("sample")

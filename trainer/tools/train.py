@@ -1,5 +1,11 @@
 """`ringtrain` / `python -m ringtrain` / `python train.py`: compose the config with Hydra, check
-it, train, return the metric (README.md "Usage" has the command lines)."""
+it, train, return the metric (README.md "Usage" has the command lines).
+
+`trainer.resume=<file>` continues that run in its own directory: the checkpoint is read once,
+before Hydra composes, and the choices and overrides it records are replayed before the command
+line's (config/recipe.py), so the run keeps its config, changed only where the command line says.
+A different model is refused (checkpoints/manager.py): the weights and optimizer state belong to it.
+"""
 from __future__ import annotations
 
 import os
@@ -7,36 +13,44 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoints.manager import Resumed
 from ringtrain.checkpoints.rundir import remove_if_empty
-from ringtrain.config.app import TRAIN, run_app
-from ringtrain.config.continuation import CONTINUED, continued_config, read_continued_run
+from ringtrain.config.app import TRAIN, CommandLine, run_app
+from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate
 from ringtrain.distributed import exit_rank, under_torchrun
 from ringtrain.errors import ConfigError, UserError, exit_on_user_error
 from ringtrain.run import launch, stopped_error, sweep_value
+from ringtrain.tools.app import with_checkpoint
 from ringtrain.tools.continue_command import told_how_to_continue
 
+# What a continued run decides anew rather than replays: which file it resumes from, how a
+# sweep searched, and, under torchrun, its ranks (torchrun's, not the ones the run started).
+_NOT_REPLAYED = ("trainer.resume", "trainer.trust_checkpoint", "hparams_search")
 
-def main() -> None:
+
+def prepare(command: CommandLine) -> list[CommandLine]:
+    """The command line as Hydra will read it: torch.distributed.launch's `--local-rank N` taken
+    out, and the checkpoint trainer.resume=<file> names read with its recipe to replay."""
+    command.args = _without_legacy_local_rank(command.args)
+    if under_torchrun() and command.multirun:
+        raise ConfigError(
+            "a multirun (-m) under torchrun would run the whole sweep on every rank; run it without torchrun, "
+            "each job starting its own ranks: `ringtrain -m strategy=ddp strategy.nproc_per_node=N ...`")
+    skip = _NOT_REPLAYED + (("strategy.nproc_per_node",) if under_torchrun() else ())
+    return with_checkpoint(command, "trainer.resume", skip)
+
+
+def main(command: CommandLine) -> None:
     """Hand the command line to Hydra; on a torchrun rank, exit as a rank does."""
     # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
     # script or `python train.py` puts only its own folder on the path).
     sys.path.insert(1, os.getcwd())
-    with exit_on_user_error():
-        _strip_legacy_local_rank_arg()
-        if under_torchrun() and any(arg in ("-m", "--multirun") for arg in sys.argv):
-            raise ConfigError(
-                "a multirun (-m) under torchrun would run the whole sweep on every rank; run it without torchrun, "
-                "each job starting its own ranks: `ringtrain -m strategy=ddp strategy.nproc_per_node=N ...`")
-        given = read_continued_run(sys.argv[1:])
-    command = list(sys.argv)
 
     def train(cfg: Any) -> float:
-        return train_job(cfg, given, command)
+        return train_job(cfg, command)
 
     try:
-        run_app(TRAIN, train, config_name=CONTINUED if given else None)
+        run_app(TRAIN, train, command)
     except SystemExit as exit:  # a mistake (2), a stop signal (143), non-finite values (3)
         if not under_torchrun():
             raise
@@ -45,22 +59,23 @@ def main() -> None:
         exit_rank(0)
 
 
-def train_job(cfg: Any, given: Resumed | None, command: list[str]) -> float:
+def train_job(cfg: Any, command: CommandLine) -> float:
     """One job of the command (a multirun has several): check it, train it on its ranks."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hydra = HydraConfig.get()
     run_dir, in_sweep = hydra.runtime.output_dir, hydra.mode == RunMode.MULTIRUN
-    with exit_on_user_error(), told_how_to_continue(command, run_dir, cfg.trainer.resume, cfg.trainer.checkpoint):
+    given = (command.checkpoint or {}).get(str(cfg.trainer.resume))
+    argv = [command.program, *command.args]
+    with exit_on_user_error(), told_how_to_continue(argv, run_dir, cfg.trainer.resume, cfg.trainer.checkpoint):
         try:
-            if given is not None:
-                cfg = continued_config(cfg, given, list(hydra.overrides.task))
             job = validate(cfg)
         except UserError:
             remove_if_empty(Path(run_dir))  # Hydra made it for the job; it holds nothing yet
             raise
         job.group = Path(hydra.sweep.dir).name if in_sweep else None
+        job.recipe = record(hydra)
         result = launch(job, run_dir, given=given, record=_record(cfg))
         if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:
             raise stopped
@@ -78,14 +93,14 @@ def _record(cfg: Any) -> dict[str, str]:
             "overrides.yaml": OmegaConf.to_yaml(hydra["hydra"]["overrides"]["task"])}
 
 
-def _strip_legacy_local_rank_arg() -> None:
+def _without_legacy_local_rank(args: list[str]) -> list[str]:
     """torch.distributed.launch passes `--local-rank N` (the seed tutorial's launcher), which is
     not Hydra's; its value belongs in LOCAL_RANK, where torchrun puts it."""
     kept, i = [], 0
-    while i < len(sys.argv):
-        arg = sys.argv[i]
-        if arg in ("--local-rank", "--local_rank") and i + 1 < len(sys.argv):
-            os.environ.setdefault("LOCAL_RANK", sys.argv[i + 1])
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--local-rank", "--local_rank") and i + 1 < len(args):
+            os.environ.setdefault("LOCAL_RANK", args[i + 1])
             i += 2
             continue
         if arg.startswith(("--local-rank=", "--local_rank=")):
@@ -93,8 +108,10 @@ def _strip_legacy_local_rank_arg() -> None:
         else:
             kept.append(arg)
         i += 1
-    sys.argv[:] = kept
+    return kept
 
 
 if __name__ == "__main__":
-    main()
+    from ringtrain.__main__ import main as entry
+
+    entry("train")

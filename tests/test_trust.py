@@ -1,32 +1,28 @@
-"""A checkpoint is data: the config it keeps runs no code the user did not name.
+"""A checkpoint is data: nothing in a file chooses what code runs.
 
-A real checkpoint of a tiny run is edited (torch.load, change `state["config"]`, torch.save)
-so that rebuilding its run would run code, and every command a user points at a checkpoint
-runs on it, as a user runs it (`python -m ringtrain <tool> checkpoint=...`, and training with
-`trainer.resume=<file>`), from a directory where the planted code is importable:
+The attacker controls the whole file (torch.save recomputes the CRC-32s ringtrain checks). A real
+checkpoint of a tiny run is edited as each case below says, put in a downloaded run directory,
+and every way a user points ringtrain at a checkpoint runs on it, as a user runs it, from a
+directory where a planted package (`planted_code`, whose import leaves a marker file) is
+importable:
 
-  hf_remote_code  model: transformers.AutoModelForCausalLM.from_pretrained over a directory of a
-                  custom-code model (config.json's auto_map names a module of that directory),
-                  trust_remote_code: true
-  model_package   model._target_: a class of a package in the current directory
-  data_target     data._target_: likewise
-  data_split      data.train._target_ / data.val._target_: likewise (a data node of two Datasets)
+  evaluate, sample, export, consolidate   `python -m ringtrain <tool> checkpoint=<file>`
+  resume                                  training with trainer.resume=<file>
+  init_from                               a new run with trainer.init_from=<file>
+  same_command                            the plain command on the downloaded run directory
+                                          (hydra.run.dir=<it>: auto-resume finds the file)
 
-The planted code writes a marker file when it is imported. Refused: the marker is never
-written, the refusal is exactly one `error:` line, exit 2, naming the flag that lets a user
-who trusts the file go on; nothing is written next to the checkpoint (its run directory is
-compared byte for byte) nor in the current directory. With that flag (`trust_checkpoint=true`,
-`trainer.trust_checkpoint=true`), or with the user's own --config-dir naming the target, the
-code does run.
-
-The default run takes one command per case (every command at least once); `-m slow` runs the
-whole matrix.
+The planted code never runs: the marker is never written, and no file outside the run directory
+changes. Each command either works (the plant is inert: the stored config is a record nothing
+builds from, an architecture's class is never the file's) or is refused in exactly one `error:`
+line, exit 2, leaving the run directory as it was. `-m slow` runs the whole matrix; the default
+run takes each case and each command at least once.
 """
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,13 +31,33 @@ import torch
 from conftest import QUIET, run_module, train_in_process
 from helpers import refused
 
-PACKAGE = "planted_code"  # the package in the user's current directory
-TOOLS = ("evaluate", "sample", "export", "consolidate")
-COMMANDS = (*TOOLS, "resume")
-CASES = ("hf_remote_code", "model_package", "data_target", "data_split")
-# Each command and each case once by default; the rest of the matrix with -m slow.
-DEFAULT = {("evaluate", "data_split"), ("sample", "hf_remote_code"), ("export", "model_package"),
-           ("consolidate", "data_target"), ("resume", "hf_remote_code")}
+PACKAGE = "planted_code"
+COMMANDS = ("evaluate", "sample", "export", "consolidate", "resume", "init_from", "same_command")
+# The stored config and architecture are records: planting in them changes nothing that runs.
+RECORD_CASES = ("model", "data", "task", "optimizer", "scheduler", "strategy", "callbacks", "logger", "architecture")
+# The recipe, replayed through Hydra: each of these is refused before anything is composed.
+RECIPE_CASES = {
+    "target_override": "model._target_=planted_code.Net",
+    "attribute_walk": "optimizer._target_=torch.nn.functional.torch.load",
+    "added_node": "+callbacks.evil={_target_: planted_code.Net}",
+    "nested_target": "data={_target_: planted_code.LineData}",
+    "interpolation": "data.noise_std=${oc.create:x}",
+    "remote_code": "model.trust_remote_code=true",
+    "weights_only": "+model.weights_only=false",
+    "hydra_setting": "hydra.searchpath=[file://planted]",
+    "package": "model@callbacks.evil=linear",
+}
+CHOICE_CASES = {"choice_path": "../../planted", "choice_user_option": "my_net"}
+SHARD_CASES = ("shards_absolute", "shards_relative", "dcp_metadata")
+CASES = (*(f"config_{name}" for name in RECORD_CASES), *RECIPE_CASES, *CHOICE_CASES, *SHARD_CASES)
+# Every case once and every command at least once by default; the rest with -m slow.
+DEFAULT = {("evaluate", "target_override"), ("sample", "interpolation"), ("export", "config_model"),
+           ("consolidate", "dcp_metadata"), ("resume", "added_node"), ("init_from", "shards_absolute"),
+           ("same_command", "config_callbacks"), ("evaluate", "attribute_walk"), ("export", "remote_code"),
+           ("resume", "choice_path"), ("evaluate", "shards_relative"), ("same_command", "dcp_metadata"),
+           ("export", "weights_only"), ("evaluate", "hydra_setting"), ("sample", "nested_target"),
+           ("evaluate", "package"), ("resume", "config_architecture"), ("evaluate", "choice_user_option"),
+           ("evaluate", "config_data")}
 
 PLANTED = '''
 """Code a checkpoint names; importing it leaves a marker, what hostile code would do worse."""
@@ -49,277 +65,184 @@ from pathlib import Path
 
 Path({marker!r}).write_text("the planted code ran")
 
-import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 
 class Net(nn.Module):
-    """The default run's LinearRegression, under another name (its weights fit)."""
-
-    def __init__(self, in_features: int = 1, out_features: int = 1):
+    def __init__(self, *args, **kwargs):
         super().__init__()
-        self.linear = nn.Linear(in_features, out_features)
-
-    def forward(self, x):
-        return self.linear(x)
-
-
-class Line(Dataset):
-    """y = 2x + 3 at n points."""
-
-    def __init__(self, n: int = 64):
-        self.x = torch.linspace(-1, 1, n).unsqueeze(1)
-        self.y = 2 * self.x + 3
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
-
-
-class LineData:
-    """A data component: train and val splits and the model's sizes."""
-
-    def __init__(self, n: int = 64):
-        self.train, self.val = Line(n), Line(16)
-        self.dims = {{"in_features": 1, "out_features": 1}}
-'''
-
-REMOTE_CODE = '''
-"""A custom-code model's module, as a Hub repository ships it: from_pretrained with
-trust_remote_code imports it."""
-from pathlib import Path
-
-Path({marker!r}).write_text("the model directory's code ran")
-
-from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
-
-
-class PlantedConfig(PretrainedConfig):
-    model_type = "ringtrain_planted"
-
-
-class PlantedModel(PreTrainedModel):
-    config_class = PlantedConfig
-
-    def __init__(self, config):
-        super().__init__(config)
         self.linear = nn.Linear(1, 1)
 
     def forward(self, x):
         return self.linear(x)
+
+
+class LineData:
+    pass
+
+
+def mark(*args, **kwargs):
+    return {{}}
 '''
 
 
-# --- the checkpoints ------------------------------------------------------------------------------
+class _Planted:
+    """Pickles as a call of planted_code.mark: unpickling it imports the planted package."""
+
+    def __reduce__(self):
+        import importlib
+
+        return (importlib.import_module, (PACKAGE,))
 
 
 @pytest.fixture(scope="module")
-def real_state(tmp_path_factory) -> dict:
-    """The last.pt of a real two-step run of the default job (linear regression)."""
+def real_run(tmp_path_factory) -> Path:
+    """A real four-step run of the default job (linear regression)."""
     run_dir = tmp_path_factory.mktemp("real") / "run"
-    train_in_process(["trainer.max_steps=2"], run_dir)
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    train_in_process(["trainer.max_steps=4"], run_dir)
+    return run_dir
 
 
 class World:
-    """A user's machine: the current directory `cwd` holding the planted package, a model
-    directory of custom code, and a downloaded checkpoint in a run directory of its own."""
+    """A user's machine: the current directory `cwd` holding the planted package, and a
+    downloaded run directory holding the crafted checkpoint."""
 
-    def __init__(self, root: Path, state: dict):
-        self.root, self.state = root, state
+    def __init__(self, root: Path, real_run: Path):
+        self.root = root
         self.marker = root / "the-planted-code-ran"
         self.cwd = root / "work"
         (self.cwd / PACKAGE).mkdir(parents=True)
         (self.cwd / PACKAGE / "__init__.py").write_text(PLANTED.format(marker=str(self.marker)))
-        self.model_dir = root / "hub-model"
-        self.model_dir.mkdir()
-        (self.model_dir / "planted_modeling.py").write_text(REMOTE_CODE.format(marker=str(self.marker)))
-        (self.model_dir / "config.json").write_text(json.dumps({
-            "model_type": "ringtrain_planted", "architectures": ["PlantedModel"],
-            "auto_map": {"AutoConfig": "planted_modeling.PlantedConfig",
-                         "AutoModelForCausalLM": "planted_modeling.PlantedModel"},
-        }))
         self.run_dir = root / "downloaded"
+        shutil.copytree(real_run, self.run_dir)
         self.checkpoint = self.run_dir / "checkpoints" / "last.pt"
 
     def craft(self, case: str) -> Path:
-        """The downloaded checkpoint: the real one with its config changed as `case` says."""
-        state = dict(self.state)
-        state.pop("architecture", None)  # so the model node is what would be rebuilt
-        config = state["config"] = json.loads(json.dumps(state["config"]))  # a deep copy
-        if case == "hf_remote_code":
-            config["model"] = {"_target_": "transformers.AutoModelForCausalLM.from_pretrained",
-                               "pretrained_model_name_or_path": str(self.model_dir), "trust_remote_code": True}
-        elif case == "model_package":
-            config["model"] = {"_target_": f"{PACKAGE}.Net"}
-        elif case == "data_target":
-            config["data"] = {"_target_": f"{PACKAGE}.LineData", "n": 64}
-        elif case == "data_split":
-            config["data"] = {"train": {"_target_": f"{PACKAGE}.Line", "n": 64},
-                              "val": {"_target_": f"{PACKAGE}.Line", "n": 16},
-                              "dims": {"in_features": 1, "out_features": 1}}
+        """The downloaded run's last.pt (and the step file it links) changed as `case` says."""
+        state = torch.load(self.checkpoint, weights_only=True)
+        job, config = state["job"], state["config"]
+        if case.startswith("config_") and case != "config_architecture":
+            section = case.removeprefix("config_")
+            node = {"_target_": f"{PACKAGE}.Net", "trust_remote_code": True}
+            config[section] = {"evil": node} if section in ("callbacks", "logger") else node
+        elif case == "config_architecture":
+            state["architecture"] = {"class": f"{PACKAGE}.Net", "config": {"model_type": "gpt2"}}
+        elif case in RECIPE_CASES:
+            job["overrides"].append(RECIPE_CASES[case])
+        elif case in CHOICE_CASES:
+            job["choices"]["model"] = CHOICE_CASES[case]
+        elif case in SHARD_CASES:
+            shards = self._planted_shards(case, state["progress"]["step"])
+            state = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+            state["shards"] = shards
         else:
             raise ValueError(case)
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, self.checkpoint)
+        for path in (self.checkpoint, *self.checkpoint.parent.glob("step-*.pt")):
+            path.unlink()
+            torch.save(state, path)
         return self.checkpoint
 
-    def files(self) -> dict[str, bytes | None]:
-        """Every file (its bytes) and folder (None) of this machine, dot files included."""
+    def _planted_shards(self, case: str, step: int) -> str:
+        """A DCP directory whose index (.metadata) unpickles the planted package."""
+        name = f"step-{step:08d}.shards"
+        folder = {"shards_absolute": self.root / "elsewhere" / name, "shards_relative": self.root / "up" / name,
+                  "dcp_metadata": self.checkpoint.parent / name}[case]
+        folder.mkdir(parents=True)
+        (folder / ".metadata").write_bytes(pickle.dumps(_Planted()))
+        return {"shards_absolute": str(folder), "shards_relative": f"../../up/{name}", "dcp_metadata": name}[case]
+
+    def files(self, under: Path) -> dict[str, bytes | None]:
+        """Every file (its bytes) and folder (None) under `under`, dot files included."""
         return {str(path.relative_to(self.root)): path.read_bytes() if path.is_file() else None
-                for path in sorted(self.root.rglob("*"))}
+                for path in sorted(under.rglob("*"))}
+
+    def outside_the_run(self) -> dict[str, bytes | None]:
+        return {k: v for k, v in self.files(self.root).items() if not k.startswith("downloaded")}
 
     def run(self, command: str, *args: str):
-        """`python -m ringtrain <tool> checkpoint=<file> ARGS` or, for `resume`, training with
-        trainer.resume=<file>, from the user's current directory."""
+        """The command as a user types it, from the user's current directory."""
         if command == "resume":
-            return run_module("ringtrain", [f"trainer.resume={self.checkpoint}", *args, *QUIET], cwd=self.cwd)
-        return run_module("ringtrain", [command, f"checkpoint={self.checkpoint}", *args], cwd=self.cwd)
+            args = (f"trainer.resume={self.checkpoint}", *args, *QUIET)
+        elif command == "init_from":
+            args = (f"trainer.init_from={self.checkpoint}", f"hydra.run.dir={self.root / 'work' / 'new'}", *args, *QUIET)
+        elif command == "same_command":
+            args = ("trainer.max_steps=4", f"hydra.run.dir={self.run_dir}", *args, *QUIET)
+        else:
+            args = (command, f"checkpoint={self.checkpoint}", f"output={self.root / 'work' / 'out'}", *args)
+        return run_module("ringtrain", list(args), cwd=self.cwd)
 
 
 @pytest.fixture
-def world(tmp_path, real_state, monkeypatch) -> World:
-    # Where transformers would copy a model directory's code to before importing it.
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
-    return World(tmp_path, real_state)
-
-
-def flag(command: str) -> str:
-    return "trainer.trust_checkpoint=true" if command == "resume" else "trust_checkpoint=true"
-
-
-NAMED = {"hf_remote_code": "sets model.trust_remote_code=true, which would run Python from the model's directory",
-         "model_package": f"model._target_={PACKAGE}.Net",
-         "data_target": f"data._target_={PACKAGE}.LineData",
-         "data_split": f"data.train._target_={PACKAGE}.Line"}
-
-
-# --- 1. refused: nothing runs, one line, nothing written -----------------------------------------
+def world(tmp_path, real_run) -> World:
+    return World(tmp_path, real_run)
 
 
 @pytest.mark.parametrize("command, case", [
     pytest.param(command, case, marks=() if (command, case) in DEFAULT else pytest.mark.slow)
     for command in COMMANDS for case in CASES
 ])
-def test_a_checkpoint_whose_config_would_run_code_is_refused_in_one_line(world, command, case):
+def test_no_crafted_checkpoint_runs_code(world, command, case):
     world.craft(case)
-    before = world.files()
-    line = refused(world.run(command), str(world.checkpoint), NAMED[case], flag(command))
-    if command != "resume":
-        assert "trainer.trust_checkpoint" not in line, line  # the tool's own flag
-    assert not world.marker.exists(), f"`{command}` ran the code the checkpoint names"
-    assert world.files() == before, "the refused command wrote something"
-
-
-# --- 2. the flag: a user who trusts the file goes on --------------------------------------------
-
-
-@pytest.mark.parametrize("command", ["export", "resume", pytest.param("evaluate", marks=pytest.mark.slow)])
-def test_the_trust_flag_lets_the_named_code_run(world, command):
-    world.craft("model_package")
-    args = ["trainer.trust_checkpoint=true", "trainer.max_steps=3"] if command == "resume" else ["trust_checkpoint=true"]
-    proc = world.run(command, *args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert world.marker.read_text() == "the planted code ran"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("command, reason", [("sample", "not a language model"),
-                                             ("consolidate", "already one plain file")])
-def test_the_trust_flag_gets_the_other_tools_past_the_check(world, command, reason):
-    """sample and consolidate refuse this checkpoint for what it is (a regression model, a
-    plain file) before they build its model: with the flag, that is their only objection."""
-    world.craft("model_package")
-    line = refused(world.run(command, "trust_checkpoint=true"), reason)
-    assert "trust_checkpoint" not in line
-
-
-# --- 3. the user's own config names the target: trusted without the flag ------------------------
-
-
-def _user_config(world: World, node: dict) -> str:
-    """conf/model/mine.yaml in the user's directory, naming `node`; returns the --config-dir."""
-    folder = world.cwd / "conf" / "model"
-    folder.mkdir(parents=True)
-    lines = "\n".join(f"  {key}: {value}" for key, value in node.items())
-    (folder / "mine.yaml").write_text(f"# @package _global_\nmodel:\n{lines}\n")
-    return str(world.cwd / "conf")
-
-
-@pytest.mark.parametrize("command", ["export", pytest.param("resume", marks=pytest.mark.slow)])
-def test_a_target_the_users_own_config_dir_names_is_trusted_without_the_flag(world, command):
-    world.craft("model_package")
-    config_dir = _user_config(world, {"_target_": f"{PACKAGE}.Net"})
-    args = ["trainer.max_steps=3"] if command == "resume" else []
-    tool = [] if command == "resume" else [command]
-    target = (["trainer.resume=" + str(world.checkpoint), *QUIET] if command == "resume"
-              else [f"checkpoint={world.checkpoint}"])
-    proc = run_module("ringtrain", [*tool, "--config-dir", config_dir, *target, *args], cwd=world.cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert world.marker.exists()
-
-
-def test_trust_remote_code_is_refused_even_where_the_users_config_names_the_loader(world):
-    """The user's config loads Hugging Face models with AutoModelForCausalLM.from_pretrained
-    (without remote code): a checkpoint that turns trust_remote_code on is still refused."""
-    world.craft("hf_remote_code")
-    config_dir = _user_config(world, {"_target_": "transformers.AutoModelForCausalLM.from_pretrained",
-                                      "pretrained_model_name_or_path": "gpt2"})
-    before = world.files()
-    proc = run_module("ringtrain", ["export", "--config-dir", config_dir, f"checkpoint={world.checkpoint}"],
-                      cwd=world.cwd)
-    refused(proc, "model.trust_remote_code=true", "trust_checkpoint=true")
-    assert not world.marker.exists()
-    assert world.files() == before
-
-
-# --- ways around the check, closed -------------------------------------------
-
-
-@pytest.mark.parametrize("value", [1, pytest.param("True", marks=pytest.mark.slow)])
-def test_a_truthy_trust_remote_code_other_than_true_is_refused_too(world, value):
-    world.craft("hf_remote_code")
-    state = torch.load(world.checkpoint, weights_only=True)
-    state["config"]["model"]["trust_remote_code"] = value
-    torch.save(state, world.checkpoint)
-    config_dir = _user_config(world, {"_target_": "transformers.AutoModelForCausalLM.from_pretrained",
-                                      "pretrained_model_name_or_path": "gpt2"})
-    proc = run_module("ringtrain", ["export", "--config-dir", config_dir, f"checkpoint={world.checkpoint}"],
-                      cwd=world.cwd)
-    assert not world.marker.exists(), "the model directory's code ran"
-    refused(proc, "trust_remote_code", "trust_checkpoint=true")
-
-
-def _with_architecture(world: World, base: bool) -> None:
-    """The model_package checkpoint that also keeps a transformers architecture (what a run of
-    a Hugging Face model keeps), and a frozen base's record when `base` (a run with adapters)."""
-    world.craft("model_package")
-    state = torch.load(world.checkpoint, weights_only=True)
-    state["architecture"] = {"class": "transformers.GPT2LMHeadModel",
-                             "config": {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16, "n_positions": 8}}
-    if base:
-        state["base"] = {}
-    torch.save(state, world.checkpoint)
-
-
-@pytest.mark.parametrize("command, base", [pytest.param("evaluate", False, marks=pytest.mark.slow), ("export", True)])
-def test_a_checkpoint_keeping_an_architecture_does_not_let_its_model_node_past_the_check(world, command, base):
-    _with_architecture(world, base)
+    run_before, outside_before = world.files(world.run_dir), world.outside_the_run()
     proc = world.run(command)
-    assert not world.marker.exists(), f"`{command}` ran the code the checkpoint's model node names"
-    refused(proc, NAMED["model_package"], "trust_checkpoint=true")
+    assert not world.marker.exists(), f"{command} ran the planted code of {case}:\n{proc.stderr[-2000:]}"
+    outside_after = world.outside_the_run()
+    new = {k: v for k, v in outside_after.items() if k.startswith("work/out") or k.startswith("work/new")}
+    assert {k: v for k, v in outside_after.items() if k not in new} == outside_before
+    replays = command not in ("init_from", "same_command")  # those two compose from the command line alone
+    if case in SHARD_CASES or case not in RECORD_CASES and replays and not case.startswith("config_"):
+        refused(proc)
+        assert world.files(world.run_dir) == run_before and not new
+    elif case.startswith("config_") and command in ("evaluate", "export"):  # a record: the tool works
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    elif proc.returncode != 0:  # what the command refuses anyway (sample: not a language model)
+        refused(proc)
 
 
-@pytest.mark.slow
-def test_the_planted_model_directory_really_runs_its_code_under_trust_remote_code(world):
-    """The attack is real: transformers itself, told to trust the directory, runs its code
-    (so a marker that stays absent above means the check held, not a broken fixture)."""
-    script = (f"from transformers import AutoConfig; "
-              f"AutoConfig.from_pretrained({str(world.model_dir)!r}, trust_remote_code=True)")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert world.marker.read_text() == "the model directory's code ran"
+@pytest.mark.parametrize("case, phrase", [
+    ("target_override", "sets an instantiation key, which chooses code"),
+    ("attribute_walk", "sets an instantiation key"),
+    ("added_node", "adds a key to the config"),
+    ("interpolation", "holds an interpolation ${...}"),
+    ("remote_code", "sets trust_remote_code, which turns on code loading"),
+    ("hydra_setting", "is not a setting of the job"),
+    ("choice_path", "is not a choice of one of ringtrain's config groups"),
+    ("choice_user_option", "was trained with model=my_net, which neither ringtrain's configs nor yours here have; "
+                           "pass --config-dir"),
+    ("shards_absolute", "not a step-<N>.shards directory beside it"),
+    ("dcp_metadata", "cannot be read as data"),
+])
+def test_each_kind_of_refusal_says_what_the_file_holds_and_why(world, case, phrase):
+    world.craft(case)
+    line = refused(world.run("evaluate"), phrase)
+    assert "trust_checkpoint=true" in line if case == "dcp_metadata" else True
+    assert not world.marker.exists()
+
+
+def test_the_planted_code_really_runs_where_a_file_is_trusted(world):
+    """The controls: the package leaves its marker when imported, and DCP's own reader (what
+    trust_checkpoint=true asks for) unpickles the crafted index, running it."""
+    world.craft("dcp_metadata")
+    proc = world.run("evaluate", "trust_checkpoint=true")
+    assert world.marker.exists(), proc.stderr[-2000:]
+
+
+def test_a_stored_choice_of_the_users_own_option_composes_with_their_config_dir(world, tmp_path):
+    """The recipe names options, so a user's own model rebuilds from their own --config-dir."""
+    conf = tmp_path / "my_conf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "my_net.yaml").write_text("_target_: ringtrain.models.linear.LinearRegression\n")
+    world.craft("choice_user_option")
+    proc = run_module("ringtrain", ["evaluate", "--config-dir", str(tmp_path / "my_conf"),
+                                    f"checkpoint={world.checkpoint}", f"output={tmp_path / 'm.json'}"], cwd=world.cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logged = json.loads((world.run_dir / "metrics.json").read_text())["final"]["val/loss"]
+    assert json.loads((tmp_path / "m.json").read_text())["metrics"]["val/loss"] == pytest.approx(logged, rel=1e-5)
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_naming_the_rewrite(world):
+    state = torch.load(world.checkpoint, weights_only=True)
+    state["format"] = 2
+    del state["job"]
+    torch.save(state, world.checkpoint)
+    refused(world.run("evaluate"), "was written by an older ringtrain", "ringtrain upgrade", "trust_checkpoint=true")

@@ -82,7 +82,13 @@ class _DataOnlyReader(dcp.FileSystemReader):
 
 
 def _reader(directory: str | Path, trusted: bool) -> dcp.FileSystemReader:
-    return dcp.FileSystemReader(directory) if trusted else _DataOnlyReader(directory)
+    """DCP's reader, or the data-only one with the index checked now: a refusal is then one line
+    here, not a failure DCP reports from inside its collectives."""
+    if trusted:
+        return dcp.FileSystemReader(directory)
+    reader = _DataOnlyReader(directory)
+    reader.read_metadata()
+    return reader
 
 
 def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -120,9 +126,10 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     fresh = optimizer is not None and not optimizer.state
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    reader = _reader(directory, trusted)
     try:
         with _single_process_is_intended():
-            dcp.load(state, storage_reader=_reader(directory, trusted))
+            dcp.load(state, storage_reader=reader)
     except dcp.CheckpointException as err:
         raise CheckpointError(
             f"sharded checkpoint {directory} cannot be read ({_first_failure(err)}); resume from an older "

@@ -240,9 +240,24 @@ def test_a_stored_choice_of_the_users_own_option_composes_with_their_config_dir(
     assert json.loads((tmp_path / "m.json").read_text())["metrics"]["val/loss"] == pytest.approx(logged, rel=1e-5)
 
 
-def test_a_checkpoint_of_the_previous_format_is_refused_naming_the_rewrite(world):
-    state = torch.load(world.checkpoint, weights_only=True)
-    state["format"] = 2
-    del state["job"]
-    torch.save(state, world.checkpoint)
-    refused(world.run("evaluate"), "was written by an older ringtrain", "ringtrain upgrade", "trust_checkpoint=true")
+def test_a_checkpoint_of_the_previous_format_is_refused_then_rewritten_by_the_command_it_names(tmp_path):
+    """A format-2 file (its config kept as nodes) is refused by every tool in one line naming
+    `ringtrain upgrade`; upgrade asks for trust_checkpoint=true, reads the run's own record
+    (.hydra/hydra.yaml) and rewrites the file in place, the old bytes kept beside it."""
+    run_dir = tmp_path / "run"
+    assert run_module("ringtrain", ["trainer.max_steps=4", f"hydra.run.dir={run_dir}", *QUIET], cwd=tmp_path).returncode == 0
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    state = torch.load(checkpoint, weights_only=True)
+    old = {k: v for k, v in state.items() if k != "job"} | {"format": 2}
+    checkpoint.unlink()
+    torch.save(old, checkpoint)
+    evaluate = ["evaluate", f"checkpoint={checkpoint}", f"output={tmp_path / 'm.json'}"]
+    refused(run_module("ringtrain", evaluate, cwd=tmp_path), "was written by an older ringtrain", "ringtrain upgrade",
+            "trust_checkpoint=true")
+    refused(run_module("ringtrain", ["upgrade", f"checkpoint={checkpoint}"], cwd=tmp_path), "trust_checkpoint=true")
+    assert run_module("ringtrain", ["upgrade", f"checkpoint={checkpoint}", "trust_checkpoint=true"],
+                      cwd=tmp_path).returncode == 0
+    upgraded = torch.load(checkpoint, weights_only=True)
+    assert upgraded["format"] == 3 and upgraded["job"] == state["job"]
+    assert torch.load(checkpoint.with_name("last.pt.format2"), weights_only=True)["format"] == 2
+    assert run_module("ringtrain", evaluate, cwd=tmp_path).returncode == 0

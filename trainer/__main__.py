@@ -6,6 +6,7 @@
     ringtrain consolidate checkpoint=...  a sharded fsdp checkpoint as one plain file
     ringtrain export checkpoint=...       the trained weights as safetensors or a Hugging Face directory
     ringtrain prepare_tokens input=...    a text file as token files for data=token_file
+    ringtrain upgrade checkpoint=...      a checkpoint of an older ringtrain rewritten as data
 
 Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
 `--config-dir` and `-m` work the same in each. This module is the only one that reads the
@@ -23,7 +24,7 @@ import signal
 import sys
 from pathlib import Path
 
-TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens")
+TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens", "upgrade")
 
 
 def _interrupted_outside_training(signum, frame):

@@ -1,28 +1,36 @@
 """ringtrain's configs, installed with the package as `ringtrain.conf` so that the commands find
-them after a plain `pip install` (Hydra's `pkg://ringtrain.conf`), and what reads a group's
-shipped options (for the messages that name the option a key belongs to)."""
+them after a plain `pip install` (Hydra's `pkg://ringtrain.conf`), and what composes them outside
+a command (the Python API's defaults, the messages that name the option a key belongs to):
+Hydra's compose API, never a YAML file read by hand."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 CONF_DIR = Path(__file__).parent
 
 
-def option_nodes(group: str) -> Iterator[tuple[str, Any]]:
-    """(option name, the node its conf/<group>/<option>.yaml gives `group`) for every option."""
-    from omegaconf import OmegaConf
+def composed(overrides: Iterable[str] = (), config_name: str = "job") -> Any:
+    """conf/<config_name>.yaml composed by Hydra with `overrides` (inside a Hydra app: with its
+    search path, the user's --config-dir among it)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
 
-    for path in sorted((CONF_DIR / group).glob("*.yaml")):
-        node = OmegaConf.load(path)
-        if "@package _global_" in path.read_text().split("\n", 1)[0]:
-            node = node.get(group) or OmegaConf.create()  # the file spells out `group:` itself
-        yield path.stem, node
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name, overrides=list(overrides))
+    with initialize_config_module("ringtrain.conf", version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def option_names(group: str) -> list[str]:
+    """The options of conf/<group>/ (their file names)."""
+    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
 
 
 def options_defining(group: str, dotted_key: str) -> list[str]:
-    """The options of conf/<group>/ whose file sets `dotted_key`."""
+    """The options of conf/<group>/ whose node, as Hydra composes it, sets `dotted_key`."""
     from omegaconf import OmegaConf
 
-    return [name for name, node in option_nodes(group) if OmegaConf.select(node, dotted_key, default=None) is not None]
+    return [name for name in option_names(group)
+            if OmegaConf.select(composed([f"{group}={name}"])[group], dotted_key, default=None) is not None]

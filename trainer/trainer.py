@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
 from ringtrain.components import build
-from ringtrain.conf import CONF_DIR
+from ringtrain.conf import composed
 from ringtrain.config.builders import check_task
 from ringtrain.config.schema import Job, TrainerConfig, check_optimization, check_options, strategy_option, trainer_config
 from ringtrain.data.bundle import DataBundle
@@ -133,9 +133,8 @@ def _named(objects: Any, what: str) -> dict[str, Any]:
 
 
 def _default_callbacks() -> dict[str, Callback]:
-    """ringtrain's default callbacks, as conf/callbacks/default.yaml lists them."""
+    """ringtrain's default callbacks, as conf/callbacks/default.yaml lists them (composed by Hydra)."""
     from omegaconf import OmegaConf
 
-    names = [entry for entry in OmegaConf.load(CONF_DIR / "callbacks" / "default.yaml").defaults if entry != "_self_"]
-    nodes = {name: OmegaConf.to_container(OmegaConf.load(CONF_DIR / "callbacks" / f"{name}.yaml"))[name] for name in names}
+    nodes = OmegaConf.to_container(composed()["callbacks"])
     return {name: build(node, f"callbacks.{name}") for name, node in nodes.items()}

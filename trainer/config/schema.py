@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ringtrain.components import build, check, check_built, is_node
-from ringtrain.conf import CONF_DIR
+from ringtrain.conf import composed, option_names
 from ringtrain.config.builders import check_data, check_model, check_task
 from ringtrain.config.data_lengths import check_validation_limit
 from ringtrain.config.recipe import record
@@ -40,7 +40,7 @@ OPTIONAL_SECTIONS = ("callbacks", "logger", "adapter")
 @dataclass
 class TrainerConfig:
     """The trainer section's types; their defaults and meanings are written only in
-    conf/trainer/default.yaml (`trainer_config()` reads them for the Python API)."""
+    conf/trainer/default.yaml (`trainer_config()` composes them for the Python API)."""
 
     max_epochs: int
     max_steps: int
@@ -82,8 +82,8 @@ class TrainerConfig:
 
 
 def trainer_config(**settings: Any) -> TrainerConfig:
-    """conf/trainer/default.yaml's settings with `settings` changed, checked and typed."""
-    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "trainer" / "default.yaml"))
+    """conf/trainer/default.yaml's settings (composed by Hydra) with `settings` changed, checked and typed."""
+    defaults = OmegaConf.to_container(composed()["trainer"])
     return typed_section({**defaults, **settings}, TrainerConfig, "trainer")
 
 
@@ -199,13 +199,12 @@ def build_strategy(node: Any) -> Strategy:
 
 
 def strategy_option(name: str, **options: Any) -> Strategy:
-    """conf/strategy/<name>.yaml's strategy with `options` changed (the Python API's
-    `strategy="ddp"` or `{"name": "ddp", "nproc_per_node": 2}`)."""
-    path = CONF_DIR / "strategy" / f"{name}.yaml"
-    if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
-        raise ConfigError(f"strategy {name!r} is not an option of conf/strategy/; use one of {names}")
-    node = OmegaConf.to_container(OmegaConf.load(path))
+    """conf/strategy/<name>.yaml's strategy (composed by Hydra) with `options` changed (the
+    Python API's `strategy="ddp"` or `{"name": "ddp", "nproc_per_node": 2}`)."""
+    if name not in option_names("strategy"):
+        raise ConfigError(f"strategy {name!r} is not an option of conf/strategy/; use one of "
+                          f"{', '.join(option_names('strategy'))}")
+    node = OmegaConf.to_container(composed([f"strategy={name}"])["strategy"])
     unknown = sorted(set(options) - set(node))
     if unknown:
         raise ConfigError(

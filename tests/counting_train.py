@@ -1,4 +1,4 @@
-"""train.py that counts, per process, how often the job's config is composed (Hydra composing
+"""train.py (or `ringtrain <tool>`, its first word the tool) that counts, per process, how often the job's config is composed (Hydra composing
 it to run it; @hydra.main also composes once with run_mode=MULTIRUN to read `hydra.mode`
 before that, its own design, counted apart as `mode_probes`), validated (ringtrain's validate)
 and a checkpoint read from disk (torch.load of a .pt file), and prints them as its last line:
@@ -81,4 +81,4 @@ if __name__ == "__main__":
     from ringtrain.__main__ import main
 
     sys.argv[0] = TRAIN
-    main("train")
+    main()  # train, or the tool the first word names (evaluate ...)

@@ -42,9 +42,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every ringtrain module `path` imports, at the top or inside a function."""
+    """Every ringtrain module `path` imports, at the top or inside a function; not what its
+    `if __name__ == "__main__":` block imports to run as a program (`python -m ringtrain.tools.x`
+    goes through the entry, ringtrain/__main__.py, as `ringtrain x` does)."""
+    tree = ast.parse(path.read_text())
+    tree.body = [node for node in tree.body if not (isinstance(node, ast.If) and "__main__" in ast.unparse(node.test))]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ringtrain"):
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
@@ -111,3 +115,11 @@ def test_the_only_top_level_import_name_is_ringtrain():
     assert {package.split(".")[0] for package in setuptools["packages"]} == {"ringtrain"}
     assert setuptools["package-dir"] == {"ringtrain": "trainer", "ringtrain.models": "models",
                                          "ringtrain.data": "data", "ringtrain.conf": "conf"}
+
+
+def test_only_the_entry_module_reads_the_command_line():
+    """Hydra alone parses the command line: ringtrain/__main__.py reads sys.argv once and hands
+    Hydra what it reads; no other module looks at it."""
+    readers = sorted(str(path.relative_to(REPO)) for path in (REPO / "trainer").rglob("*.py")
+                     if "sys.argv" in path.read_text())
+    assert readers == ["trainer/__main__.py"]

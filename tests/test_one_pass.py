@@ -49,3 +49,11 @@ def test_each_torchrun_rank_composes_validates_and_reads_once(tmp_path):
     assert _counts(ddp + ["trainer.max_steps=4"], tmp_path, TORCHRUN) == {"0": (1, 1, []), "1": (1, 1, [])}
     assert _counts(ddp + ["trainer.max_steps=8"], tmp_path, TORCHRUN) == {
         "0": (1, 1, ["last.pt"]), "1": (1, 1, ["last.pt"])}
+
+
+def test_evaluate_composes_its_job_once_and_reads_the_checkpoint_once(tmp_path):
+    """The checkpoint's recipe replayed and the tool's settings: one composition, one read."""
+    run_dir = tmp_path / "run"
+    assert _counts(JOB + ["trainer.max_steps=4", f"hydra.run.dir={run_dir}"], tmp_path) == {"0": (1, 1, [])}
+    path = run_dir / "checkpoints" / "last.pt"
+    assert _counts(["evaluate", f"checkpoint={path}"], tmp_path) == {"0": (1, 0, ["last.pt"])}

@@ -71,7 +71,7 @@ class PrimaryConfig:
 @dataclass
 class CommandLine:
     """This process's command line, as the entry module (ringtrain/__main__.py) read it: the
-    only place that reads sys.argv. `replay`: the overrides a checkpoint records, which go
+    only module that reads the process's arguments. `replay`: the overrides a checkpoint records, which go
     before the user's (config/recipe.py); `checkpoint`: that checkpoint, read once."""
 
     program: str

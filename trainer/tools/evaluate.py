@@ -31,7 +31,7 @@ from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
 from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
-from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, trainer_config
+from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_section
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError
@@ -90,7 +90,7 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     """Check the settings; return the job and what the metrics file records of it."""
     # The run's trainer settings (precision, val_batch_size, ...), but never its resume file
     # nor its starting weights: the checkpoint's own weights are evaluated.
-    trainer_settings = trainer_config(**{**job["trainer"], "resume": None, "init_from": None})
+    trainer_settings = typed_section({**job["trainer"], "resume": None, "init_from": None}, TrainerConfig, "trainer")
     strategy = evaluation_strategy(job["strategy"], strategy_name)
     check_options(trainer_settings, strategy)
     check_model(job["model"], check_data(job["data"]), "the data")

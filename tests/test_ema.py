@@ -30,9 +30,6 @@ MLP = [
 ]
 STEPS = 20
 RECORD = ["+callbacks.zz_record._target_=test_ema.Recorder"]  # listed after ema: sees what it averaged
-# The tools refuse a checkpoint whose config names code neither ringtrain's config nor the user's
-# does (config/trust.py): this file's Recorder. Trusting it is beside the point of these tests.
-TRUST = ["trust_checkpoint=true"]
 
 
 class Recorder(Callback):
@@ -141,7 +138,7 @@ def test_evaluate_weights_ema_reproduces_the_runs_last_validation_and_weights_mo
         tmp_path, ema_run, plain_run):
     # Both in one command: a multirun over weights, each job's metrics in a file of its own.
     ok(run_module("ringtrain", ["evaluate", "-m", f"checkpoint={ema_run / 'checkpoints' / 'last.pt'}",
-                                "weights=ema,model", f"output={tmp_path}/${{weights}}.json", *TRUST]))
+                                "weights=ema,model", f"output={tmp_path}/${{weights}}.json"]))
     on_ema, on_model = (json.loads((tmp_path / f"{w}.json").read_text())["metrics"] for w in ("ema", "model"))
     logged = json.loads((ema_run / "metrics.json").read_text())["final"]  # validated on the average
     assert set(on_ema) == set(logged) == {"val/loss", "val/acc"}
@@ -158,7 +155,7 @@ def test_export_weights_ema_writes_the_average(tmp_path, ema_run):
 
     output = tmp_path / "ema.safetensors"
     ok(run_module("ringtrain", ["export", f"checkpoint={ema_run / 'checkpoints' / 'last.pt'}", "weights=ema",
-                                f"output={output}", *TRUST]))
+                                f"output={output}"]))
     exported, kept = load_file(output), _checkpoint(ema_run)["callbacks"]["ema"]["weights"]
     assert exported.keys() == kept.keys()
     for key in kept:
@@ -172,7 +169,7 @@ def test_export_weights_ema_writes_the_average(tmp_path, ema_run):
 def test_weights_the_checkpoint_does_not_keep_are_refused_in_one_line_naming_what_it_keeps(
         request, tmp_path, tool, run, weights, keeps):
     checkpoint = request.getfixturevalue(run) / "checkpoints" / "last.pt"
-    args = [tool, f"checkpoint={checkpoint}", f"weights={weights}", *TRUST]
+    args = [tool, f"checkpoint={checkpoint}", f"weights={weights}"]
     output = tmp_path / ("out.json" if tool == "evaluate" else "out.safetensors")
     refused(run_module("ringtrain", args + [f"output={output}"]), f"weights={weights}", keeps)
     assert not output.exists()

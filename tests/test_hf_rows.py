@@ -193,14 +193,14 @@ def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exa
     # `ringtrain evaluate`'s plan and rank (in process: its Hydra app only composes their
     # arguments) rebuild the data from the checkpoint's config and pad its batches of 5 through
     # the same collate, without workers: the metrics are per-sample sums, so the run's.
+    from ringtrain.tools.app import composed_job
     from ringtrain.tools.checkpoint_model import read_checkpoint
     from ringtrain.tools.evaluate import evaluate_worker, plan
 
-    stored = a["config"]  # the sections as the command line gives them: the stored ones, changed
     path = str(tmp_path / "straight" / "checkpoints" / "last.pt")
-    job, _ = plan(path, read_checkpoint(path, trust=True), "val", None,
-                  {"_target_": "ringtrain.strategies.single.Single"}, stored["model"], stored["data"], stored["task"],
-                  {**stored["trainer"], "val_batch_size": 5, "num_workers": 0})
+    state = read_checkpoint(path)  # the job as the command line gives it: the recorded one, changed
+    job_config = composed_job(state, path, ["trainer.val_batch_size=5", "trainer.num_workers=0"])
+    job, _ = plan(path, state, "val", None, job_config, "single")
     evaluated = evaluate_worker(job).metrics
     assert set(evaluated) == {"val/loss", "val/acc"}
     assert evaluated == pytest.approx({k: result.metrics[k] for k in evaluated}, abs=1e-5)

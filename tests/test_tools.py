@@ -73,7 +73,7 @@ def test_ringtrain_help_is_ringtrains_and_names_every_other_command(tmp_path):
 def test_a_mistyped_command_is_one_line_naming_the_command_meant(typed, meant, tmp_path):
     proc = run_module("ringtrain", [typed, "checkpoint=x"], cwd=tmp_path)
     assert refused(proc) == (f"error: {typed} is not a ringtrain command; did you mean {meant}? "
-                             f"(commands: train, evaluate, sample, consolidate, export, prepare_tokens)")
+                             f"(commands: train, evaluate, sample, consolidate, export, prepare_tokens, upgrade)")
     assert not list(tmp_path.iterdir())
 
 

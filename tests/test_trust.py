@@ -39,7 +39,8 @@ RECORD_CASES = ("model", "data", "task", "optimizer", "scheduler", "strategy", "
 RECIPE_CASES = {
     "target_override": "model._target_=planted_code.Net",
     "attribute_walk": "optimizer._target_=torch.nn.functional.torch.load",
-    "added_node": "+callbacks.evil={_target_: planted_code.Net}",
+    "added_node": "+model.head={_target_: planted_code.Net}",
+    "callbacks_node": "+callbacks.evil={_target_: planted_code.Net}",  # a tool replays no callbacks: inert there
     "nested_target": "data={_target_: planted_code.LineData}",
     "interpolation": "data.noise_std=${oc.create:x}",
     "remote_code": "model.trust_remote_code=true",
@@ -57,7 +58,7 @@ DEFAULT = {("evaluate", "target_override"), ("sample", "interpolation"), ("expor
            ("resume", "choice_path"), ("evaluate", "shards_relative"), ("same_command", "dcp_metadata"),
            ("export", "weights_only"), ("evaluate", "hydra_setting"), ("sample", "nested_target"),
            ("evaluate", "package"), ("resume", "config_architecture"), ("evaluate", "choice_user_option"),
-           ("evaluate", "config_data")}
+           ("evaluate", "config_data"), ("resume", "callbacks_node"), ("export", "callbacks_node")}
 
 PLANTED = '''
 """Code a checkpoint names; importing it leaves a marker, what hostile code would do worse."""
@@ -190,7 +191,8 @@ def test_no_crafted_checkpoint_runs_code(world, command, case):
     new = {k: v for k, v in outside_after.items() if k.startswith("work/out") or k.startswith("work/new")}
     assert {k: v for k, v in outside_after.items() if k not in new} == outside_before
     replays = command not in ("init_from", "same_command")  # those two compose from the command line alone
-    if case in SHARD_CASES or case not in RECORD_CASES and replays and not case.startswith("config_"):
+    inert_here = case.startswith("config_") or not replays or case == "callbacks_node" and command != "resume"
+    if case in SHARD_CASES or not inert_here:
         refused(proc)
         assert world.files(world.run_dir) == run_before and not new
     elif case.startswith("config_") and command in ("evaluate", "export"):  # a record: the tool works

@@ -168,7 +168,7 @@ def test_the_users_cnn_learns_and_its_checkpoint_loads_into_the_users_class(sing
 
 def test_evaluate_rebuilds_the_users_model_from_its_checkpoint(single_run, user_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    # --config-dir: the user's own config names the model and data the checkpoint keeps (config/trust.py)
+    # --config-dir: the user's own options, which the checkpoint's recipe names (config/recipe.py)
     proc = subprocess.run([sys.executable, "-m", "ringtrain.tools.evaluate", "--config-dir", "my_conf",
                            f"checkpoint={single_run / 'checkpoints/last.pt'}", f"output={tmp_path / 'eval.json'}"],
                           cwd=user_dir, env=env, capture_output=True, text=True, timeout=120)
@@ -198,7 +198,7 @@ def test_fsdp_with_sharded_checkpoints_trains_the_users_cnn_and_consolidates_int
     _train(user_dir, ["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded",
                       "trainer.batch_size=16", f"hydra.run.dir={run_dir}"])
     assert (run_dir / "checkpoints" / "step-00000048.shards" / ".metadata").is_file()
-    # --config-dir: the user's own config names the model and data the checkpoint keeps (config/trust.py)
+    # --config-dir: the user's own options, which the checkpoint's recipe names (config/recipe.py)
     proc = run_module("ringtrain.tools.consolidate", ["--config-dir", "my_conf", f"checkpoint={run_dir / 'checkpoints/last.pt'}",
                                               f"output={tmp_path / 'cnn.pt'}"], cwd=user_dir)
     assert proc.returncode == 0, proc.stderr[-2000:]

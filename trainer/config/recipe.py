@@ -75,8 +75,9 @@ def record(hydra: Any) -> dict[str, Any]:
 
 def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Iterable[str] = ()) -> Replay:
     """The overrides that compose `recipe` again (see the module docstring), less the keys the
-    user sets now (theirs win) and the keys or sections in `skip` (what this command decides
-    itself: evaluate's strategy, the resume file). Refuses a recipe that is not plain data."""
+    user sets now (theirs win, the keys under them too) and the keys or sections in `skip` (what
+    this command decides itself: evaluate's strategy, the resume file; what it does not use: a
+    tool's callbacks and loggers). Refuses a recipe that is not plain data."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -90,7 +91,7 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
     skipped = tuple(skip)
 
     def wanted(key: str) -> bool:
-        return key not in user_keys and not any(key == s or key.startswith(s + ".") for s in skipped)
+        return not any(key == k or key.startswith(k + ".") for k in (*user_keys, *skipped))
 
     overrides = []
     for group, option in recipe["choices"].items():
@@ -103,8 +104,8 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
             parsed = parser.parse_overrides([str(line)])[0]
         except OverrideParseException:
             raise _refusal(source, line, "is not an override Hydra reads") from None
-        _check_stored(parsed, source)
-        if wanted(parsed.key_or_group):
+        if wanted(parsed.key_or_group):  # what is not replayed needs no check
+            _check_stored(parsed, source)
             overrides.append(parsed.input_line)
     dirs = [str(d) for d in recipe.get("config_dirs") or [] if isinstance(d, str)]
     return Replay(source, overrides, {g: o for g, o in recipe["choices"].items() if wanted(g)}, dirs)

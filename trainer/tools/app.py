@@ -25,6 +25,7 @@ from ringtrain.config.sizes import resolve
 from ringtrain.errors import ConfigError, exit_on_user_error
 
 JOB_SECTIONS = SECTIONS + OPTIONAL_SECTIONS  # what conf/job.yaml composes; the rest is the tool's
+TOOLS_DO_NOT_REPLAY = ("strategy", "trainer.resume", "trainer.trust_checkpoint", "hparams_search", "callbacks", "logger")
 
 
 def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) -> list[CommandLine]:
@@ -77,7 +78,7 @@ def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), c
 
     register_resolvers()
     overrides = list(overrides)
-    replayed = replay(state.get("job"), Path(path), overrides, skip=("strategy", "trainer.resume", "hparams_search"))
+    replayed = replay(state.get("job"), Path(path), overrides, skip=TOOLS_DO_NOT_REPLAY)
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path (--config-dir) is the user's
         cfg = compose("job", overrides=replayed.overrides + overrides)
     else:
@@ -89,9 +90,9 @@ def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), c
 
 def prepare(command: CommandLine) -> list[CommandLine]:
     """A tool's command: the checkpoint `checkpoint=` names, its recipe replayed except where
-    the run ran (its strategy: the tool's own), how it searched, and the file it resumed."""
-    return with_checkpoint(command, "checkpoint", skip=("strategy", "trainer.resume",
-                                                        "trainer.trust_checkpoint", "hparams_search"))
+    the run ran (its strategy: the tool's own), how it searched, the file it resumed, and what a
+    tool does not use (callbacks, loggers)."""
+    return with_checkpoint(command, "checkpoint", skip=TOOLS_DO_NOT_REPLAY)
 
 
 def run_tool(primary: PrimaryConfig, tool: Callable[..., Any], command: CommandLine,

@@ -384,6 +384,61 @@ def test_best_k_keeps_the_three_best_validations_each_loads_and_evaluates_to_its
         assert record["metrics"]["val/loss"] == pytest.approx(logged[step], rel=1e-6, abs=1e-9), path.name
 
 
+BEST_TWO = ["data.num_samples=256", "data.num_val_samples=32", "optimizer.lr=0.1", "trainer.batch_size=16",
+            "trainer.eval_every_n_steps=4", "callbacks=[default,best_checkpoints]", "callbacks.best_checkpoints.k=2",
+            "logger=csv"]
+
+
+def _best_files(run_dir: Path) -> list[str]:
+    return sorted(f.name for f in (run_dir / "checkpoints").glob("best-*.pt"))
+
+
+def test_best_k_leaves_the_k_best_when_a_finished_run_is_continued_by_the_same_command(tmp_path):
+    """The checkpoint of a validation is written before its own best link: the same command
+    on the finished run ranks that validation again, one entry per step, and k files stay."""
+    run_dir = tmp_path / "run"
+    train_in_process(BEST_TWO + ["trainer.max_steps=16"], run_dir)
+    train_in_process(BEST_TWO + ["trainer.max_steps=16"], run_dir)  # nothing to train: validates again
+    logged = dict(validations(run_dir))
+    best_two = sorted(sorted(logged, key=logged.get)[:2])
+    assert _best_files(run_dir) == [f"best-val_loss-{step:08d}.pt" for step in best_two]
+
+
+def test_best_k_removes_what_a_stop_between_saves_left_when_the_run_resumes(tmp_path):
+    """Best links of a line of training the resumed checkpoint never recorded (a kill -9 after
+    a link, before the next save: here planted) go; the disk holds the best k of the record."""
+    run_dir = tmp_path / "run"
+    train_in_process(BEST_TWO + ["trainer.max_steps=8"], run_dir)
+    directory = run_dir / "checkpoints"
+    for step in (90, 91, 92):  # better-looking names than any real one, none in the record
+        os.link(directory / "last.pt", directory / f"best-val_loss-{step:08d}.pt")
+    train_in_process(BEST_TWO + ["trainer.max_steps=16"], run_dir)
+    logged = dict(validations(run_dir))
+    best_two = sorted(sorted(logged, key=logged.get)[:2])
+    assert _best_files(run_dir) == [f"best-val_loss-{step:08d}.pt" for step in best_two]
+
+
+def test_a_callback_whose_state_is_not_data_is_refused_at_the_first_save_and_nothing_unreadable_is_written(tmp_path):
+    module = """
+        from ringtrain.callbacks.base import Callback
+
+
+        class Opaque:
+            pass
+
+
+        class KeepsAnObject(Callback):
+            def state_dict(self):
+                return {"thing": Opaque()}
+    """
+    with user_package(tmp_path / "pkg", {"opaque_cb/__init__.py": module}, "opaque_cb"):
+        proc = run_cli(["+callbacks.opaque._target_=opaque_cb.KeepsAnObject", "trainer.max_steps=4",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path / "pkg")
+    refused(proc, "callbacks.opaque.thing is a opaque_cb.Opaque", "make callbacks.opaque's state_dict() return tensors")
+    for path in (tmp_path / "run").rglob("*.pt"):
+        torch.load(path, weights_only=True)  # every file on disk reads as data
+
+
 # --- 4. validation at every quarter of an epoch ----------------------------------------------------
 
 

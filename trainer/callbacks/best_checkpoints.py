@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ringtrain.callbacks.base import Callback, Run, monitored
 from ringtrain.checkpoints.atomic import remove_if_present
-from ringtrain.checkpoints.files import link_checkpoint
+from ringtrain.checkpoints.files import link_checkpoint, step_checkpoint_name
 
 log = logging.getLogger("ringtrain")
 
@@ -17,7 +17,10 @@ class BestCheckpoints(Callback):
     """After each validation's checkpoint is on disk, a hard link to it named by the metric and
     the step joins the best `k` (by `monitor`, default the task's, in `mode`); the one that drops
     out is removed. A link keeps its checkpoint when rotation (trainer.keep_last_k) deletes the
-    step file, and costs no space of its own. Rank 0; the ranking is kept in checkpoints."""
+    step file, and costs no space of its own. Rank 0; the ranking is kept in checkpoints, with
+    the validation whose checkpoint it is (saved before its own link exists): a resumed run
+    ranks that one too and makes the disk hold exactly the best `k`, whatever a stop between a
+    save and its link, or a line of training the run left, put there."""
 
     rank_zero_only = True
 
@@ -36,19 +39,37 @@ class BestCheckpoints(Callback):
             self._pending[run.step] = value
 
     def on_checkpoint_saved(self, run: Run, step: int, path: Path) -> None:
-        if (value := self._pending.pop(step, None)) is None:
-            return
-        monitor, mode = self.monitor or run.task.monitor, self.mode or run.task.mode
-        name = f"best-{monitor.replace('/', '_')}-{step:08d}.pt"
-        ranked = sorted(self.best + [(value, step, name)], key=lambda item: item[0] if mode == "min" else -item[0])
-        if (value, step, name) in ranked[: self.k]:
-            link_checkpoint(path, path.parent / name)
+        if (value := self._pending.pop(step, None)) is not None:
+            self._rank(run, [(value, step, self._name(run, step))], path)
+
+    def on_fit_start(self, run: Run) -> None:
+        """A resumed run: the validation its checkpoint was saved for ranked, the disk made the best k."""
+        directory = run.run_dir / "checkpoints"
+        resumed, self._pending = [(v, s, self._name(run, s)) for s, v in self._pending.items()], {}
+        self._rank(run, resumed, directory / step_checkpoint_name(resumed[0][1]) if resumed else None)
+        kept = {name for _, _, name in self.best}
+        prefix = self._name(run, 0).rsplit("-", 1)[0] + "-"
+        for stray in directory.glob(f"{prefix}*.pt") if directory.is_dir() else ():
+            if stray.name not in kept:
+                remove_if_present(stray)
+
+    def _rank(self, run: Run, new: list[tuple[float, int, str]], path: Path | None) -> None:
+        mode = self.mode or run.task.mode
+        entries = {name: (value, step, name) for value, step, name in self.best + new}  # one per step
+        ranked = sorted(entries.values(), key=lambda item: item[0] if mode == "min" else -item[0])
+        for value, step, name in new:
+            if (value, step, name) in ranked[: self.k] and path is not None and path.is_file():
+                link_checkpoint(path, path.parent / name)
         for _, _, dropped in ranked[self.k:]:
-            remove_if_present(path.parent / dropped)
+            remove_if_present(run.run_dir / "checkpoints" / dropped)
         self.best = ranked[: self.k]
 
+    def _name(self, run: Run, step: int) -> str:
+        return f"best-{(self.monitor or run.task.monitor).replace('/', '_')}-{step:08d}.pt"
+
     def state_dict(self) -> dict:
-        return {"best": [list(item) for item in self.best]}
+        return {"best": [list(item) for item in self.best], "pending": [[s, v] for s, v in self._pending.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.best = [tuple(item) for item in state.get("best", [])]
+        self._pending = {int(s): float(v) for s, v in state.get("pending", [])}

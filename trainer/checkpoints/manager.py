@@ -142,6 +142,8 @@ class CheckpointManager:
         # copy of the state waits in memory, and its rotation cannot delete this save's shards.
         self.flush()
         state = gather(self.directory / shards_name(step))
+        if self.dist.is_main:
+            refuse_state_that_is_not_data(state)  # before a file weights_only could not read exists
         failure = self._write(state, step, best) if self.dist.is_main else None
         # Also the barrier: nobody resumes from a file before it is complete (or copied).
         if failure := broadcast_object(self.dist, failure):
@@ -276,6 +278,30 @@ def _refuse_another_model(run_dir: Path, stored: Any, kept: dict) -> None:
         changed = first_difference(stored or {}, kept or {}, "model")
         raise RunDirError(f"{run_dir} holds a run whose {changed} differs from this one's; continue it with the "
                           f"same model, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
+
+
+# What torch.load(weights_only=True) reads back: a checkpoint holds these and nothing else.
+_DATA = (str, bytes, int, float, complex, bool, type(None))
+
+
+def refuse_state_that_is_not_data(value: Any, key: str = "checkpoint") -> None:
+    """One line naming the first value in a checkpoint's state that is not plain data (a
+    callback's state_dict holding an object of its own, say), which would make the file one
+    that weights_only refuses: the first save refuses the run instead of writing it."""
+    import torch
+
+    if isinstance(value, dict):
+        for name, item in value.items():
+            refuse_state_that_is_not_data(item, f"{key}.{name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            refuse_state_that_is_not_data(item, f"{key}[{i}]")
+    elif not isinstance(value, (*_DATA, torch.Tensor, torch.Size, torch.dtype, torch.device)):
+        owner = key.removeprefix("checkpoint.").split(".")[:2]
+        raise ConfigError(f"{key.removeprefix('checkpoint.')} is a {type(value).__module__}.{type(value).__qualname__}, "
+                          f"which a checkpoint cannot keep as data (torch.load(weights_only=True) would refuse every "
+                          f"file); make {'.'.join(owner)}'s state_dict() return tensors, numbers, strings, lists and "
+                          f"dicts")
 
 
 def first_difference(old: Any, new: Any, prefix: str) -> str:

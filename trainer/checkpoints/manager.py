@@ -101,11 +101,10 @@ class CheckpointManager:
             raise RunDirError(f"{self.directory.parent} already holds checkpoints of another run; continue it with "
                               f"trainer.resume={self.last}, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
         state = _state_of(path, given)
-        if (state["config"] or {}).get("model") != kept:
-            changed = first_difference((state["config"] or {}).get("model") or {}, kept or {}, "model")
-            raise ConfigError(f"{changed} differs from the checkpoint's; a continued run keeps its model (its weights and "
-                              f"optimizer state belong to it): drop that override, or start a new run with "
-                              f"trainer.resume=null (trainer.init_from={resume} starts from its weights)")
+        _refuse_another_model(state, kept, lambda changed: ConfigError(
+            f"{changed} differs from the checkpoint's; a continued run keeps its model (its weights and optimizer state "
+            f"belong to it): drop that override, or start a new run with trainer.resume=null (trainer.init_from="
+            f"{resume} starts from its weights)"))
         log.info(f"resuming from {resume} (step {state['progress']['step']})")
         return Resumed(path, state)
 
@@ -120,7 +119,9 @@ class CheckpointManager:
                     f"trainer.resume=null and a new hydra.run.dir (hydra.sweep.dir in a sweep), or continue from a good "
                     f"copy with trainer.resume=<its path>")
             return None
-        _refuse_another_model(self.directory.parent, found.state["config"].get("model"), kept)
+        _refuse_another_model(found.state, kept, lambda changed: RunDirError(
+            f"{self.directory.parent} holds a run whose {changed} differs from this one's; continue it with the same "
+            f"model, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)"))
         for warning, (names, _) in zip(found.warnings, found.unreadable):
             log.warning(f"{warning}; it is kept in {self.directory / UNREADABLE_DIR}")
             set_aside(names)  # newer than the one resumed: rotation would count them, a save replace them
@@ -273,11 +274,10 @@ def _state_of(path: Path, given: Resumed | None, verify: bool = True) -> dict[st
     return load_checkpoint(path, mmap=True, verify=verify)
 
 
-def _refuse_another_model(run_dir: Path, stored: Any, kept: dict) -> None:
-    if stored != kept:
-        changed = first_difference(stored or {}, kept or {}, "model")
-        raise RunDirError(f"{run_dir} holds a run whose {changed} differs from this one's; continue it with the "
-                          f"same model, or choose a new hydra.run.dir (hydra.sweep.dir in a sweep)")
+def _refuse_another_model(state: dict, kept: dict, error: Callable[[str], Exception]) -> None:
+    """A continued run keeps its model (its weights and optimizer state belong to it)."""
+    if (stored := (state["config"] or {}).get("model")) != kept:
+        raise error(first_difference(stored or {}, kept or {}, "model"))
 
 
 # What torch.load(weights_only=True) reads back: a checkpoint holds these and nothing else.

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.components import fits
+from ringtrain.conf import composed
 from ringtrain.config.app import CommandLine, PrimaryConfig, run_app
 from ringtrain.config.recipe import replay
 from ringtrain.config.schema import OPTIONAL_SECTIONS, SECTIONS
@@ -67,25 +68,16 @@ def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) ->
     return commands
 
 
-def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | None = None) -> dict:
+def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = ()) -> dict:
     """The job of a checkpoint as a tool composes it, for a caller in Python (`sample(...)`,
-    `export(...)` without `job`): Hydra's compose API over conf/job.yaml (and `config_dir`, your
-    own options), the checkpoint's recipe replayed before `overrides`; resolved."""
-    from hydra import compose, initialize_config_dir, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
+    `export(...)` without `job`): Hydra's compose API (ringtrain.conf.composed), the checkpoint's
+    recipe replayed before `overrides`; resolved."""
     from ringtrain.config.app import register_resolvers
 
     register_resolvers()
     overrides = list(overrides)
     replayed = replay(state.get("job"), Path(path), overrides, skip=TOOLS_DO_NOT_REPLAY)
-    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path (--config-dir) is the user's
-        cfg = compose("job", overrides=replayed.overrides + overrides)
-    else:
-        with (initialize_config_dir(config_dir=str(Path(config_dir).absolute()), version_base="1.3") if config_dir
-              else initialize_config_module("ringtrain.conf", version_base="1.3")):
-            cfg = compose("job", overrides=replayed.overrides + overrides)
-    return resolve(cfg)
+    return resolve(composed(replayed.overrides + overrides))
 
 
 def prepare(command: CommandLine) -> list[CommandLine]:

@@ -390,7 +390,7 @@ class OptimizerSettings(Callback):
         self.defaults = dict(run.optimizer.defaults)
 
 
-def test_adam_and_adamw_are_fused_by_default_on_the_cpu_and_sgd_or_a_set_choice_is_left_alone(tmp_path):
+def test_adam_and_adamw_are_fused_by_default_on_the_cpu_sgd_runs_single_tensor_and_a_set_choice_is_left_alone(tmp_path):
     from ringtrain.optim import build_optimizer
     from ringtrain.run import train_rank
 
@@ -404,7 +404,7 @@ def test_adam_and_adamw_are_fused_by_default_on_the_cpu_and_sgd_or_a_set_choice_
         "adam": {"_target_": "torch.optim.Adam"}, "sgd": {"_target_": "torch.optim.SGD", "lr": 0.1},
         "foreach": {"_target_": "torch.optim.AdamW", "foreach": True},
         "unfused": {"_target_": "torch.optim.AdamW", "fused": False}}.items()}
-    assert chosen["adam"]["fused"] is True and not chosen["sgd"]["fused"]
+    assert chosen["adam"]["fused"] is True and not chosen["sgd"]["fused"] and chosen["sgd"]["foreach"] is False
     assert chosen["foreach"]["foreach"] is True and not chosen["foreach"]["fused"] and chosen["unfused"]["fused"] is False
 
 

@@ -385,6 +385,29 @@ def test_batches_are_pinned_before_their_non_blocking_copy_on_cuda(monkeypatch):
         assert len(list(loader.batches(0))) == 2 and events == expected
 
 
+class OptimizerSettings(Callback):
+    def on_fit_start(self, run) -> None:
+        self.defaults = dict(run.optimizer.defaults)
+
+
+def test_adam_and_adamw_are_fused_by_default_on_the_cpu_sgd_runs_single_tensor_and_a_set_choice_is_left_alone(tmp_path):
+    from ringtrain.optim import build_optimizer
+    from ringtrain.run import train_rank
+
+    seen = OptimizerSettings()
+    job = validate(compose_config(SMALL_TRANSFORMER + ["trainer.max_steps=1"]))
+    job.callbacks["settings"] = seen
+    train_rank(job, str(tmp_path))
+    assert seen.defaults["fused"] is True  # optimizer=adamw in a real run on the CPU
+    cpu, model = torch.device("cpu"), torch.nn.Linear(2, 2)
+    chosen = {name: build_optimizer(node, model, cpu).defaults for name, node in {
+        "adam": {"_target_": "torch.optim.Adam"}, "sgd": {"_target_": "torch.optim.SGD", "lr": 0.1},
+        "foreach": {"_target_": "torch.optim.AdamW", "foreach": True},
+        "unfused": {"_target_": "torch.optim.AdamW", "fused": False}}.items()}
+    assert chosen["adam"]["fused"] is True and not chosen["sgd"]["fused"] and chosen["sgd"]["foreach"] is False
+    assert chosen["foreach"]["foreach"] is True and not chosen["foreach"]["fused"] and chosen["unfused"]["fused"] is False
+
+
 # --- activation checkpointing -------------------------------------------------------------------
 
 

@@ -33,10 +33,9 @@ def _aten_ops(run) -> Counter:
 COUNTED: dict[str, Counter] = {}
 
 
-class ProfileOneStep(Callback):
+class ProfileLoopStep(Callback):
     """The aten ops from step PROFILED_STEP's start to the end of every other callback's
-    on_step_end (this one is listed last), then those of the same model's bare step on a batch
-    of the same shape."""
+    on_step_end (this one is listed last): COUNTED["loop"]."""
 
     def on_step_start(self, run, step) -> None:
         if step == PROFILED_STEP:
@@ -44,10 +43,18 @@ class ProfileOneStep(Callback):
             self.profiler.__enter__()
 
     def on_step_end(self, run, end) -> None:
+        if end.step == PROFILED_STEP:
+            self.profiler.__exit__(None, None, None)
+            COUNTED["loop"] = Counter(e.name for e in self.profiler.events() if e.name.startswith("aten::"))
+
+
+class ProfileOneStep(ProfileLoopStep):
+    """The loop's step, then the same model's bare step on a batch of the same shape."""
+
+    def on_step_end(self, run, end) -> None:
+        super().on_step_end(run, end)
         if end.step != PROFILED_STEP:
             return
-        self.profiler.__exit__(None, None, None)
-        COUNTED["loop"] = Counter(e.name for e in self.profiler.events() if e.name.startswith("aten::"))
         inputs, targets = torch.randn(run.trainer.batch_size, 1), torch.randn(run.trainer.batch_size, 1)
 
         def bare_step():
@@ -76,6 +83,49 @@ def test_a_plain_step_adds_at_most_a_few_device_ops(monkeypatch, tmp_path):
     issue 21 the count was 64: a gradient norm every step, isfinite, where, and more."""
     extra = _extra_ops_of_a_plain_step(tmp_path)
     assert sum(extra.values()) <= MAX_EXTRA_OPS_PER_STEP, sorted(extra.items())
+
+
+# The ops a Transformer step of ringtrain's runs beyond a hand-written step's, each with why and
+# what it costs. Nothing else: a new op in the step fails the test below until it is listed here.
+TRANSFORMER_STEP_EXTRAS = {
+    # StepLoss keeps each micro-batch's loss detached, for the metrics and the non-finite watch
+    # to read later without holding the graph: a view, no copy (~1 us of dispatch on the CPU).
+    "aten::detach": 1,
+    # LanguageModelTask.loss's `.float()` on the logits, so that bf16 logits give a float32 loss;
+    # float32 logits are returned as they are, no copy (~1 us of dispatch).
+    "aten::to": 1,
+}
+
+
+def test_a_transformer_step_runs_a_hand_written_steps_ops_plus_the_listed_extras(tmp_path):
+    """One plain step (no log, evaluation or save) of `model=transformer optimizer=adamw`, as
+    the loop runs it, callbacks included, against nanoGPT's step written by hand: forward,
+    F.cross_entropy, backward, the same fused AdamW, gradients set to None."""
+    import torch.nn.functional as F
+
+    from ringtrain.models.transformer import Transformer
+    from ringtrain.optim import parameter_groups
+
+    COUNTED.clear()
+    train_in_process(["model=transformer", "model.n_layers=2", "model.d_model=32", "optimizer=adamw",
+                      "trainer.max_steps=4", "trainer.checkpoint=false",
+                      f"+callbacks.profile_loop_step._target_={__name__}.ProfileLoopStep"], tmp_path)
+    model = Transformer(vocab_size=64, block_size=64, n_layers=2, n_heads=4, d_model=32, dropout=0.0)
+    optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), fused=True)
+    tokens = torch.randint(0, 64, (32, 65))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        optimizer.step()
+        for param in model.parameters():
+            param.grad = None
+
+    for _ in range(PROFILED_STEP - 1):  # the optimizer's state exists, as at the loop's step 3
+        step()
+    hand_written = _aten_ops(step)
+    assert COUNTED["loop"] - hand_written == Counter(TRANSFORMER_STEP_EXTRAS)
+    assert not hand_written - COUNTED["loop"]
 
 
 # --- what the cheap non-finite watch still guarantees ------------------------------------------

@@ -15,7 +15,8 @@
 A callback overrides the hooks it needs (HOOKS; a method named on_* that is not one is refused
 before any work) and says where it runs: on every rank (the default: it may take part in
 collectives, and sees every rank's batches) or, with `rank_zero_only = True`, on rank 0 alone
-(writing files, printing). Hooks get the `Run`, through which a callback logs metrics, reads
+(writing files, printing); with `logging_steps_only = True`, its on_step_end runs at logging
+steps only. Hooks get the `Run`, through which a callback logs metrics, reads
 the model, and asks the loop to validate, save or stop. Its state_dict is rank 0's, kept in
 every checkpoint under the callback's name and given back to it on every rank when the run
 resumes. Hooks a callback does not override cost nothing: the loop calls each hook only on
@@ -51,6 +52,7 @@ class Callback:
     """Override the hooks you need (HOOKS); `rank_zero_only`: run on rank 0 alone."""
 
     rank_zero_only = False
+    logging_steps_only = False  # True: on_step_end is called at logging steps only (it does nothing at others)
 
     def state_dict(self) -> dict[str, Any]:
         """What to keep in checkpoints ({} keeps nothing)."""
@@ -136,10 +138,12 @@ class Callbacks:
         self.all = dict(callbacks)
         runs_here = {name: cb for name, cb in callbacks.items() if is_main or not cb.rank_zero_only}
         self._hooked = {hook: [cb for cb in runs_here.values() if _overrides(cb, hook)] for hook in HOOKS}
+        # A step that does not log calls on_step_end only on the callbacks with work at every step.
+        self._every_step = [cb for cb in self._hooked["on_step_end"] if not cb.logging_steps_only]
         self._several_ranks = several_ranks
 
     def call(self, hook: str, run: Run, *args: Any) -> None:
-        hooked = self._hooked[hook]
+        hooked = self._every_step if hook == "on_step_end" and not args[0].logging else self._hooked[hook]
         if not hooked and not run.logged:  # most hooks at most steps: nothing to do
             return
         for callback in hooked:

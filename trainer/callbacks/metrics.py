@@ -54,12 +54,11 @@ class LearningRateMonitor(Callback):
     """The learning rate at each logging step: `lr`, and `lr-group<i>` for every further
     parameter group whose rate differs (Lightning's LearningRateMonitor)."""
 
-    rank_zero_only = True
+    rank_zero_only = logging_steps_only = True
 
     def on_step_end(self, run: Run, step: StepEnd) -> None:
-        if step.logging:
-            rates = [group["lr"] for group in run.optimizer.param_groups]
-            run.log({"lr": step.lr, **{f"lr-group{i}": rate for i, rate in enumerate(rates) if i and rate != rates[0]}})
+        rates = [group["lr"] for group in run.optimizer.param_groups]
+        run.log({"lr": step.lr, **{f"lr-group{i}": rate for i, rate in enumerate(rates) if i and rate != rates[0]}})
 
 
 class StreamMetrics(Callback):
@@ -68,9 +67,9 @@ class StreamMetrics(Callback):
     mixture's `drawn_counts`), and the passes over the data every reader has completed,
     `data/epochs` (`completed_epochs`). Nothing for a map-style data set."""
 
+    logging_steps_only = True
+
     def on_step_end(self, run: Run, step: StepEnd) -> None:
-        if not step.logging:
-            return
         dataset = getattr(run.train_loader, "dataset", None)
         drawn, epochs = getattr(dataset, "drawn_counts", None), getattr(dataset, "completed_epochs", None)
         if not callable(getattr(run.train_loader, "state_dict", None)) or not (drawn or epochs):

@@ -33,6 +33,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip", "ignore")  # trainer.on_nonfinite (ringtrain/loop/nonfinite.py)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("regional", "whole")  # strategies/compilation.py
 SECTIONS = ("model", "data", "task", "optimizer", "scheduler", "strategy", "trainer")  # every run has these
 OPTIONAL_SECTIONS = ("callbacks", "logger", "adapter")
 
@@ -75,6 +76,7 @@ class TrainerConfig:
     prefetch_factor: int
     compile: bool
     compile_mode: str
+    compile_scope: str
     tf32: bool
     activation_checkpointing: bool
     peak_tflops: float
@@ -255,7 +257,7 @@ ZERO_MEANS = {
     "eval_every_minutes": "off",
 }
 CHOICES = {"precision": PRECISIONS, "accelerator": ACCELERATORS, "compile_mode": COMPILE_MODES,
-           "on_nonfinite": NONFINITE_POLICIES}
+           "compile_scope": COMPILE_SCOPES, "on_nonfinite": NONFINITE_POLICIES}
 _LIGHTNING_PRECISIONS = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}
 
 
@@ -284,8 +286,9 @@ def _check_trainer(t: TrainerConfig) -> None:
                           f"times an epoch; 0: off)")
     if t.grad_clip_norm < 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be >= 0 (0 disables it)")
-    if t.compile_mode != "default" and not t.compile:
-        raise ConfigError(f"trainer.compile_mode={t.compile_mode} has no effect without compiling; add trainer.compile=true")
+    for name, default in (("compile_mode", "default"), ("compile_scope", "regional")):
+        if getattr(t, name) != default and not t.compile:
+            raise ConfigError(f"trainer.{name}={getattr(t, name)} has no effect without compiling; add trainer.compile=true")
     if not (math.isfinite(t.peak_tflops) and t.peak_tflops >= 0):
         raise ConfigError(f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (the device's peak TFLOP/s; 0 looks the GPU up)")
     cuda = _cuda_available()

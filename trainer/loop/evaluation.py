@@ -67,7 +67,8 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
     lockstep = strategy.forwards_in_lockstep and dist.is_distributed
     most = max(gather_objects(dist, len(loader))) if lockstep else 0
     count, last = 0, None
-    with strategy.inference(model):
+    # Eagerly: blocks compiled for training would recompile for inference mode and each new shape.
+    with strategy.inference(model), torch.compiler.set_stance("force_eager"):
         batches = loader.batches()
         for batch in (watchdog.watched(batches, LOADING_VALIDATION_BATCH, EVALUATING) if watchdog else batches):
             with precision.autocast():

@@ -80,7 +80,7 @@ class Strategy:
         """The module the loop calls: `model` placed, and compiled when trainer.compile is on."""
         from ringtrain.strategies.compilation import compile_for_training
 
-        return compile_for_training(model, trainer.compile, trainer.compile_mode)
+        return compile_for_training(model, trainer)
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Forward and backward inside reduce gradients across ranks only when `enabled`."""

@@ -1,4 +1,19 @@
-"""`trainer.compile`: torch.compile for training, falling back to eager mode when compiling fails.
+"""`trainer.compile`: torch.compile for training, region by region, falling back to eager mode
+when compiling fails.
+
+What is compiled (`trainer.compile_scope`): `regional`, the default, compiles each block of the
+model's repeated blocks (`repeated_blocks`: the nn.ModuleList of two or more modules of one
+class that holds the most parameters, a Transformer's layers) and leaves the rest eager, as
+torchtitan's apply_compile and Accelerate's regional compilation do: dynamo compiles one block
+and reuses its graph for the others (it guards on the block's class and shapes, not on the
+object), so a 16-block model compiles about one block's worth of graph instead of 16, at the
+same step time (benchmarks/bench_compile.py). `whole`, or a model without repeated blocks,
+compiles the model in one graph. Either way in place, with `nn.Module.compile` (PyTorch's
+regional-compilation recipe): no wrapper enters the module tree, so state dicts keep their
+plain keys (no `_orig_mod.`) and checkpoints load compiled or not. The model's blocks stay
+compiled after training (the Python API's model); `torch.compiler.set_stance("force_eager")`
+runs them eagerly, as evaluation does (inference mode and each new batch shape would recompile,
+which pays off only for long evaluations).
 
 The `CompiledModel` goes *inside* DDP, as nanoGPT and torchtitan order it: its compiled call
 runs within DDP's forward, so dynamo's DDP optimizer splits the graph at DDP's buckets and the
@@ -10,15 +25,13 @@ FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eag
 the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers them
 outside autograd): it costs one forward, and a backward that fails to compile raises.
 
-A wrapper, not `torch.compile(model)` alone, because compile errors surface lazily, deep in the
-loop, and a failed compile (no C++ compiler, an op inductor cannot lower) should cost speed, not
-the run: a failing compiled forward is rerun eagerly, and if that works, ONE warning and eager
-from then on; if eager fails too, its exception (the model's own) propagates. The first training
-forward runs a probe, a compiled forward and backward through `torch.autograd.grad` (no `.grad`
+A wrapper around the model, because compile errors surface lazily, deep in the loop, and a
+failed compile (no C++ compiler, an op inductor cannot lower) should cost speed, not the run: a
+failing compiled forward is rerun eagerly, and if that works, ONE warning and eager from then
+on; if eager fails too, its exception (the model's own) propagates. The first training forward
+runs a probe, a compiled forward and backward through `torch.autograd.grad` (no `.grad`
 touched, no DDP hook fired, RNG and buffers restored), so a failing backward compile is caught
-before any gradient exists. Checkpoints hold the bare model (checkpoints/files.py
-`unwrap_model`), so they load compiled or not. Evaluation runs eagerly: inference mode and each
-new batch shape recompile, which pays off only for long evaluations.
+before any gradient exists (inductor compiles the backward graph at the first backward).
 """
 from __future__ import annotations
 
@@ -31,46 +44,56 @@ from torch import nn
 log = logging.getLogger("ringtrain")
 
 
-def compile_for_training(model: nn.Module, enabled: bool, mode: str = "default") -> nn.Module:
-    return CompiledModel(model, mode) if enabled else model
+def compile_for_training(model: nn.Module, trainer: Any) -> nn.Module:
+    """`model` compiled as trainer.compile, compile_mode and compile_scope say (or as it is)."""
+    if not trainer.compile:
+        return model
+    return CompiledModel(model, trainer.compile_mode, regional=trainer.compile_scope == "regional")
+
+
+def repeated_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The nn.ModuleList of two or more modules of one class holding the most parameters (so the
+    layers, not a list of experts inside a layer), or None."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1]
+    return max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters()), default=None)
 
 
 class CompiledModel(nn.Module):
-    """`torch.compile(module)` with an eager fall-back. The bare `.module` is the only registered
-    child, so parameters(), train()/eval() and `unwrap_model` see it as usual; the compiled one
-    stays outside the tree (its `_orig_mod.` parameters must not appear twice)."""
+    """The model, its repeated blocks (or itself) compiled in place, with an eager fall-back.
+    The model is the only registered child, `.module`, so parameters(), train()/eval(),
+    state_dict() and `unwrap_model` see it as usual."""
 
-    def __init__(self, module: nn.Module, mode: str = "default") -> None:
+    def __init__(self, module: nn.Module, mode: str = "default", regional: bool = True) -> None:
         super().__init__()
         self.module = module
-        self.mode = mode
-        self.__dict__["compiled"] = torch.compile(module, mode=None if mode == "default" else mode)
+        blocks = repeated_blocks(module) if regional else None
+        for part in blocks if blocks is not None else [module]:
+            part.compile(mode=None if mode == "default" else mode)
+        self.is_compiled = True  # False once compiling failed and the model runs eagerly
         self.backward_checked = False  # the probe has run (or compiling was given up)
 
-    @property
-    def is_compiled(self) -> bool:
-        """False once compiling failed and the model runs eagerly."""
-        return self.__dict__["compiled"] is not None
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        compiled = self.__dict__["compiled"]
-        if compiled is None:
-            return self.module(*args, **kwargs)
+        if not self.is_compiled:
+            return self._eager(*args, **kwargs)
         if not self.backward_checked and self.module.training and torch.is_grad_enabled():
-            self._probe_backward(compiled, args, kwargs)
+            self._probe_backward(args, kwargs)
             if not self.is_compiled:
-                return self.module(*args, **kwargs)
+                return self._eager(*args, **kwargs)
         try:
-            return compiled(*args, **kwargs)
+            return self.module(*args, **kwargs)
         except Exception as error:
             compile_error = error
         # A compile error, or the model's own? Eager decides: its exception, if any, is the
         # one the user should see (and compiling stays on); if eager works, compiling failed.
-        outputs = self.module(*args, **kwargs)
+        outputs = self._eager(*args, **kwargs)
         self._give_up(compile_error)
         return outputs
 
-    def _probe_backward(self, compiled: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return self.module(*args, **kwargs)
+
+    def _probe_backward(self, args: tuple, kwargs: dict) -> None:
         """Compile the forward and the backward graph now, on these inputs, without side effects."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         saved_buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
@@ -80,7 +103,7 @@ class CompiledModel(nn.Module):
             cuda_devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
             with torch.random.fork_rng(devices=cuda_devices):
                 try:
-                    outputs = compiled(*args, **kwargs)
+                    outputs = self.module(*args, **kwargs)
                     differentiable = [t for t in _tensors(outputs) if t.requires_grad]
                     if differentiable and params:
                         total = torch.stack([t.float().sum() for t in differentiable]).sum()
@@ -89,7 +112,7 @@ class CompiledModel(nn.Module):
                     compile_error = error
                 if compile_error is not None:
                     # The model's own error (eager raises it too) propagates as it is.
-                    self.module(*args, **kwargs)
+                    self._eager(*args, **kwargs)
         finally:
             with torch.no_grad():  # e.g. BatchNorm's running statistics: as if no probe ran
                 for buffer, value in saved_buffers:
@@ -99,7 +122,7 @@ class CompiledModel(nn.Module):
             self._give_up(compile_error)
 
     def _give_up(self, error: BaseException) -> None:
-        self.__dict__["compiled"] = None
+        self.is_compiled = False
         self.backward_checked = True
         detail = " ".join(str(error).split())[:240] or "no message"
         log.warning(

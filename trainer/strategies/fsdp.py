@@ -83,7 +83,7 @@ class FSDP(ProcessGroupStrategy):
                                   param_dtype=param_dtype, cpu_offload=self.cpu_offload)
         except ValueError as err:
             raise ConfigError(f"strategy=fsdp: {err}") from None
-        return compile_for_training(sharded, trainer.compile, trainer.compile_mode)
+        return compile_for_training(sharded, trainer)
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.checkpoints.rundir import log_file, rank_tag, run_directory, run_name
-from ringtrain.conf import options_defining
+from ringtrain.conf import CONF_DIR, options_defining
 from ringtrain.errors import ConfigError, exit_on_user_error
 
 # Settings Lightning users reach for, and what they are called here.
@@ -145,8 +145,10 @@ def composition_message(err: Exception, primary: PrimaryConfig) -> str:
     from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options:
-        return _missing_option_message(err.missing_cfg_file, err.options)
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
+        if options := err.options or _group_options(err.missing_cfg_file.rpartition("/")[0]):
+            return _missing_option_message(err.missing_cfg_file, options)
     if isinstance(err, SearchPathException):
         return f"{_lines(err)[0]}; pass --config-dir the folder that holds your <group>/<option>.yaml files"
     if sweep := _sweep_outside_a_multirun():
@@ -197,11 +199,26 @@ def _lines(err: Exception) -> list[str]:
     return [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
 
 
+def _group_options(group: str) -> list[str]:
+    """The options of `group`: ringtrain's, and those of the --config-dir folder the command line names."""
+    args = sys.argv[1:]
+    given = [value for flag, value in zip(args, args[1:]) if flag in ("--config-dir", "-cd")]
+    given += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config-dir=")]
+    folders = [CONF_DIR / group, *(Path(folder) / group for folder in given)]
+    return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
+
+
+# Groups whose null is a choice, and what it does: what a user who types `none` means.
+TURNED_OFF_BY_NULL = {"logger": "logger=null turns logging off", "adapter": "adapter=null trains without an adapter"}
+
+
 def _missing_option_message(missing: str, options: list[str]) -> str:
     group, _, option = missing.rpartition("/")
     close = difflib.get_close_matches(option, options, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    if group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
+    if group in TURNED_OFF_BY_NULL and option.lower() in ("none", "off", "false", "no", "disabled"):
+        hint = f"; {TURNED_OFF_BY_NULL[group]}"
+    elif group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
         hint = " (Optuna and joblib come with pip install 'ringtrain[sweep]', submitit with 'ringtrain[slurm]')"
     elif not close and "--config-dir" not in " ".join(sys.argv):  # most likely the user's own, folder not given
         hint = f"; your own? put {group}/{option}.yaml in a config folder and pass --config-dir <folder>"

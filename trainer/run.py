@@ -222,7 +222,8 @@ def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
     """metrics.json (strict JSON: a non-finite metric is null) and the run's last lines."""
     write_text_atomically(run_dir / "metrics.json", json_text(result.summary(), indent=2, default=str))
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
-    ended = "stopped early" if result.stopped else "done"
+    # What ended it, in its own words: a signal, a callback's reason (early stopping's), non-finite values.
+    ended = {None: "done", "non-finite": "stopped on a non-finite value"}.get(result.stopped, f"stopped by {result.stopped}")
     skipped = f", {result.skipped_steps} updates skipped (non-finite)" if result.skipped_steps else ""
     log.info(f"{ended}: {result.steps} steps in {result.train_seconds:.2f}s{skipped}" + (f", {metrics}" if metrics else ""))
     summary = getattr(model, "summary", None)

@@ -24,13 +24,16 @@ the callbacks that define it.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, component_failed
+
+log = logging.getLogger("ringtrain")
 
 HOOKS = (
     "on_fit_start",  # before the first step (after a checkpoint is restored)
@@ -45,6 +48,10 @@ HOOKS = (
     "on_exception",  # the run failed: on_exception(run, error)
     "on_fit_end",  # after the last step, also after a stop: on_fit_end(run, result)
 )
+# The hooks of a run's end. Each callback gets its turn however the others fare, and one that
+# raises is a warning: the run ends as it would have, its own error (one line, where it was one)
+# or status never replaced by a callback's failure to close (a bar never made, a logger's store gone).
+ENDING_HOOKS = ("on_exception", "on_fit_end")
 
 
 class Callback:
@@ -143,13 +150,22 @@ class Callbacks:
         if not hooked and not run.logged:  # most hooks at most steps: nothing to do
             return
         for callback in hooked:
-            if callback.rank_zero_only and self._several_ranks:
+            if hook in ENDING_HOOKS:
+                self._call_while_ending(callback, hook, run, *args)
+            elif callback.rank_zero_only and self._several_ranks:
                 self._call_on_rank_zero(callback, hook, run, *args)
             else:
                 getattr(callback, hook)(run, *args)
         if run.logged and hook != "on_log":
             logged, run.logged = run.logged, {}
             self.call("on_log", run, logged, run.step)
+
+    def _call_while_ending(self, callback: Callback, hook: str, run: Run, *args: Any) -> None:
+        try:
+            getattr(callback, hook)(run, *args)
+        except Exception as err:
+            name = next(name for name, cb in self.all.items() if cb is callback)
+            log.warning(str(component_failed(f"callbacks.{name}.{hook}", err, "the run ends as it would have without it")))
 
     @staticmethod
     def _call_on_rank_zero(callback: Callback, hook: str, run: Run, *args: Any) -> None:

@@ -238,3 +238,30 @@ def test_a_hugging_face_model_without_transformers_names_the_extra(tmp_path):
     line = refused(proc, "pip install 'ringtrain[hf]'")
     assert "transformers" in line, line
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+# --- 9. logger settings that cannot work ----------------------------------------------------------
+
+BROKEN_WANDB = 'raise ImportError("cannot import name \'Settings\' from \'wandb.sdk\' (simulated)")\n'
+
+
+@pytest.mark.parametrize("args, broken, phrases", [
+    (["logger=mlflow", "logger.mlflow.tracking_uri=bogus://x"], False,
+     ["logger.mlflow.tracking_uri='bogus://x' cannot be used", "tracking server's http(s):// URI"]),
+    (["logger=wandb", "logger.wandb.mode=online"], False,
+     ["logger.wandb.mode=online needs a W&B API key", "WANDB_API_KEY", "logger.wandb.mode=offline"]),
+    # Installed but broken (a dependency of another version): its ImportError, not a missing extra.
+    (["logger=wandb"], True, ["logger.wandb: wandb is installed but importing it failed (ImportError: cannot import name",
+                        "pip install --force-reinstall 'ringtrain[wandb]'"]),
+], ids=["mlflow-uri", "wandb-online-without-a-key", "installed-but-broken"])
+def test_a_logger_that_cannot_work_is_refused_before_training_and_leaves_nothing(tmp_path, monkeypatch, args, broken,
+                                                                                  phrases):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no W&B settings
+    (tmp_path / "home").mkdir()
+    if broken:
+        (tmp_path / "wandb").mkdir()  # found first: `python -m` puts the working directory first on sys.path
+        (tmp_path / "wandb" / "__init__.py").write_text(BROKEN_WANDB)
+    before = tree(tmp_path)
+    refused(train([*args, "trainer.max_steps=2"], cwd=tmp_path), *phrases)
+    assert {k: v for k, v in tree(tmp_path).items() if "__pycache__" not in k} == before  # no outputs/, no run

@@ -112,11 +112,11 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
         directory = RunDirectory(run_dir) if dist.is_main else None
         training = refused = completed = clean_exit = False
         try:
+            callbacks = _callbacks(job, dist)  # before the claim: a logger that cannot work leaves nothing on disk
             shared_dir = _claim(directory, run_dir, dist)
             checkpoints = CheckpointManager(shared_dir / "checkpoints", job.trainer, dist)
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, built, dist, resumed)
-            callbacks = _callbacks(job, dist)
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
                     parts = set_up_training(job, dist, model, data, resumed)
@@ -194,11 +194,19 @@ def _build(job: Job, built: Built | None, dist: DistInfo, resumed: Resumed | Non
 
 
 def _callbacks(job: Job, dist: DistInfo) -> Callbacks:
-    """The job's callbacks, built on this rank, and its loggers (rank 0) behind the Loggers callback."""
-    made = {name: build(node, f"callbacks.{name}") if is_node(node) else node for name, node in job.callbacks.items()}
+    """The job's callbacks, built on this rank, and its loggers (rank 0) behind the Loggers callback.
+    A logger checks in its constructor what would fail only at its first write (its library, a
+    store's URI, a key), so any failure here is one line naming the logger."""
+    def built(section: str, name: str, node: Any) -> Any:
+        if not is_node(node):  # the Python API's object
+            return node
+        fix = f"fix {section}.{name}.* or leave it out (~{section}.{name}" + (", or logger=null)" if section == "logger" else ")")
+        with failures_reported_as_mistakes(f"building {section}.{name}", fix, dist):
+            return build(node, f"{section}.{name}")
+
+    made = {name: built("callbacks", name, node) for name, node in job.callbacks.items()}
     if dist.is_main and job.loggers:
-        made["loggers"] = Loggers({name: build(node, f"logger.{name}") if is_node(node) else node
-                                   for name, node in job.loggers.items()})
+        made["loggers"] = Loggers({name: built("logger", name, node) for name, node in job.loggers.items()})
     return Callbacks(made, dist.is_main, several_ranks=dist.is_distributed)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.callbacks.base import Callbacks
+from ringtrain.callbacks.base import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
 from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
@@ -39,6 +39,7 @@ from ringtrain.config.data_lengths import check_data_lengths
 from ringtrain.config.schema import Job, gpu_preset_notice
 from ringtrain.config.sizes import check_model_sizes
 from ringtrain.data.bundle import DataBundle
+from ringtrain.data.tasks import validation_metrics
 from ringtrain.distributed import (
     DistInfo,
     DistributedSetupError,
@@ -117,6 +118,7 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
             checkpoints = CheckpointManager(shared_dir / "checkpoints", job.trainer, dist)
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, built, dist, resumed)
+            check_monitors(callbacks.all, validation_metrics(task))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
                     parts = set_up_training(job, dist, model, data, resumed)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,9 +196,24 @@ def _overrides(callback: Callback, hook: str) -> bool:
 def monitored(metrics: dict[str, float], monitor: str, setting: str) -> float:
     """The value of the validation metric `monitor`, or one line naming the metrics there are."""
     if monitor not in metrics:
-        raise ConfigError(f"{setting}={monitor} is not a metric of this task; it reports "
-                          f"{', '.join(sorted(metrics))}: monitor one of those")
+        raise _not_a_metric(setting, monitor, metrics)
     return metrics[monitor]
+
+
+def check_monitors(callbacks: dict[str, Callback], names: tuple[str, ...]) -> None:
+    """Before the first step: each callback's `monitor` (early stopping's, best-k's, a user's
+    own) is one of `names`, the metrics the task will report (data/tasks.py validation_metrics;
+    none: the task does not say, and the first validation checks)."""
+    if not names:
+        return
+    for name, callback in callbacks.items():
+        if isinstance(monitor := getattr(callback, "monitor", None), str) and monitor not in names:
+            raise _not_a_metric(f"callbacks.{name}.monitor", monitor, names)
+
+
+def _not_a_metric(setting: str, monitor: str, names: Iterable[str]) -> ConfigError:
+    return ConfigError(f"{setting}={monitor} is not a metric of this task; it reports {', '.join(sorted(names))}: "
+                       f"monitor one of those")
 
 
 def unknown_hooks(cls: type) -> list[str]:

@@ -47,6 +47,30 @@ class Fragile(Callback):
         raise RuntimeError("fragile cannot finish")
 '''
 
+LOGGERS = '''
+import errno
+import os
+
+from ringtrain.loggers.base import Logger
+
+
+class FillsTheDisk(Logger):
+    """A logger whose store's disk is full from step `full_at` on."""
+
+    def __init__(self, full_at: int = 3):
+        self.full_at = full_at
+
+    def start(self, run_dir, run_name, group, config):
+        pass
+
+    def log_metrics(self, metrics, step):
+        if step >= self.full_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "metrics.db")
+
+    def finish(self, summary, status):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "metrics.db")
+'''
+
 LAZY = '''
 # @package _global_
 defaults:
@@ -59,7 +83,8 @@ model:
 @pytest.fixture
 def project(tmp_path) -> Iterator[Path]:
     """A user's project: its package `mine` (a lazy model, a fragile callback) and my_conf/model/lazy.yaml."""
-    files = {"mine/__init__.py": "", "mine/nets.py": NETS, "mine/callbacks.py": CALLBACKS, "my_conf/model/lazy.yaml": LAZY}
+    files = {"mine/__init__.py": "", "mine/nets.py": NETS, "mine/callbacks.py": CALLBACKS,
+             "mine/loggers.py": LOGGERS, "my_conf/model/lazy.yaml": LAZY}
     with user_package(tmp_path, files, "mine") as root:
         yield root
 
@@ -99,3 +124,16 @@ def test_the_progress_bar_closes_without_having_been_made():
     from ringtrain.callbacks.progress import ProgressBar
 
     ProgressBar().on_exception(None, RuntimeError("the run failed before on_fit_start"))
+
+
+def test_a_disk_filling_during_a_loggers_write_is_one_line_and_the_last_checkpoint_loads(project):
+    from ringtrain.checkpoints.files import read_checkpoint
+
+    proc = train(project, "+logger.full={_target_: mine.loggers.FillsTheDisk}", "trainer.max_steps=8",
+                 "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=2")
+    refused(proc, "logger.full cannot write at step 3: No space left on device (metrics.db); free space there",
+            "~logger.full", f"the checkpoints saved so far are kept ({project / 'run' / 'checkpoints'})")
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    # The save of step 2 (written in the background while step 3 ran) is complete, and verifies.
+    state = read_checkpoint(project / "run" / "checkpoints" / "last.pt")
+    assert state["progress"]["step"] == 2

@@ -97,16 +97,17 @@ def peek_columns(file: str, format: str) -> list[str] | None:  # noqa: A002
     return None
 
 
-def check_columns(files: list[str], format: str, wanted: dict[str, str | None]) -> None:  # noqa: A002
-    """Each wanted column (option name -> column) is in the first file; DataError names the fix."""
+def check_columns(files: list[str], format: str, wanted: dict[str, str | None], section: str = "data") -> None:  # noqa: A002
+    """Each wanted column (option name -> column) is in the first file; DataError names the fix
+    (the key `section`.option: a mixture's source is data.sources.<name>)."""
     columns = peek_columns(files[0], format)
     if columns is None:
         return
     for option, column in wanted.items():
         if column is not None and column not in columns:
             raise DataError(
-                f"data.{option}={column!r}: {Path(files[0]).name} has no such column (it has "
-                f"{', '.join(map(str, columns)) or 'none'}); set data.{option} to one of them"
+                f"{section}.{option}={column!r}: {Path(files[0]).name} has no such column (it has "
+                f"{', '.join(map(str, columns)) or 'none'}); set {section}.{option} to one of them"
             )
 
 

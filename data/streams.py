@@ -65,6 +65,7 @@ class StreamFile:
     start: int
     stop: int
     group_ends: tuple[int, ...] = ()
+    section: str = "data"  # the config section that named it, for messages (data.sources.<name> in a mixture)
 
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
         if self.format == "parquet":
@@ -101,14 +102,15 @@ def _line_text(file: StreamFile, column: str, offset: int, line: bytes) -> str |
         record = json.loads(text) if file.format == "json" and text.strip() else None
     except ValueError as err:  # a UnicodeDecodeError is one too
         problem = f"UTF-8 ({err.reason})" if isinstance(err, UnicodeDecodeError) else f"JSON ({err}); a stream reads JSON Lines, one object per line"
-        raise DataError(f"data.path: {_where(file, offset)} is not {problem}: fix or remove that line") from None
+        raise DataError(f"{file.section}.path: {_where(file, offset)} is not {problem}: fix or remove that line") from None
     if file.format == "text" or record is None:
         return text if file.format == "text" else None
     value = record.get(column) if isinstance(record, dict) else None
     if not isinstance(record, dict) or column not in record or not isinstance(value, (str, type(None))):
         found = (f"its {column!r} is a {type(value).__name__}" if value is not None else
                  f"it has {', '.join(record) or 'no field'}" if isinstance(record, dict) else f"it is a {type(record).__name__}")
-        raise DataError(f"data.path: {_where(file, offset)} has no {column!r} text ({found}); fix the line or set data.text_column")
+        raise DataError(f"{file.section}.path: {_where(file, offset)} has no {column!r} text ({found}); fix the line or set "
+                        f"{file.section}.text_column")
     return value
 
 
@@ -132,8 +134,8 @@ def _parquet_rows(file: StreamFile, column: str, first: int, reads: Counter) -> 
                     yield index, index + 1, text
                 row += batch.num_rows
     except (OSError, pyarrow.ArrowException) as err:
-        raise DataError(f"data.path: {file.path} row group {group} cannot be read ({' '.join(str(err).split())[:200]}); "
-                        f"rewrite the file or leave it out of data.path") from None
+        raise DataError(f"{file.section}.path: {file.path} row group {group} cannot be read ({' '.join(str(err).split())[:200]}); "
+                        f"rewrite the file or leave it out of {file.section}.path") from None
 
 
 def stream_files(path: str | list[str], format: str | None, column: str, key: str) -> list[StreamFile]:  # noqa: A002
@@ -142,10 +144,11 @@ def stream_files(path: str | list[str], format: str | None, column: str, key: st
     kind = file_format(files, format, key)
     if kind not in ("text", "json", "parquet"):
         raise DataError(f"{key}: {kind} files cannot be streamed; use JSON Lines, Parquet or text files (data.format)")
+    section = key.rpartition(".")[0]  # data, or data.sources.<name>
     if kind != "parquet":
-        check_columns(files, kind, {"text_column": column})
-    found = [_parquet_file(f, column, key) if kind == "parquet" else StreamFile(f, kind, 0, Path(f).stat().st_size)
-             for f in files]
+        check_columns(files, kind, {"text_column": column}, section)
+    found = [_parquet_file(f, column, key) if kind == "parquet"
+             else StreamFile(f, kind, 0, Path(f).stat().st_size, section=section) for f in files]
     if not any(file.stop for file in found):
         raise DataError(f"{key}={path!r}: every file is empty ({', '.join(Path(f).name for f in files[:3])}); "
                         f"point {key} at files with text")
@@ -161,12 +164,13 @@ def _parquet_file(path: str, column: str, key: str) -> StreamFile:
     except (OSError, pyarrow.ArrowException) as err:
         raise DataError(f"{key}: {path} is not a readable Parquet file ({' '.join(str(err).split())[:200]}); "
                         f"rewrite it or leave it out of {key}") from None
-    check_columns([path], "parquet", {"text_column": column})
+    section = key.rpartition(".")[0]
+    check_columns([path], "parquet", {"text_column": column}, section)
     kind = schema.field(column).type
     if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
-        raise DataError(f"data.text_column={column!r}: {Path(path).name}'s column holds {kind}; set it to a text column")
+        raise DataError(f"{section}.text_column={column!r}: {Path(path).name}'s column holds {kind}; set it to a text column")
     ends = tuple(itertools.accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
-    return StreamFile(path, "parquet", 0, meta.num_rows, ends)
+    return StreamFile(path, "parquet", 0, meta.num_rows, ends, section)
 
 
 def reader_layout(rank: int | None, world_size: int | None) -> dict[str, int]:

@@ -419,6 +419,15 @@ def test_a_missing_or_non_text_column_is_refused_before_any_reading(corpus, tmp_
         "data.text_column='n': rows.parquet's column holds int64; set it to a text column")
 
 
+def test_a_mixture_sources_missing_column_names_the_sources_own_key(corpus):
+    """data.text_column is no key of a mixture (refused if set): the fix is the source's own."""
+    sources = {"code": {"path": str(corpus / "code.jsonl")}}
+    with pytest.raises(DataError) as info:
+        StreamMixture(sources, {"code": 1.0}, str(corpus / "tokenizer.json"), seq_len=SEQ_LEN)
+    assert str(info.value) == ("data.sources.code.text_column='text': code.jsonl has no such column (it has id, "
+                               "content); set data.sources.code.text_column to one of them")
+
+
 def test_an_empty_file_set_is_refused(corpus, tmp_path):
     assert constructed(corpus, tmp_path / "none" / "*.jsonl") == (
         f"data.path={str(tmp_path / 'none' / '*.jsonl')!r} matches no file (looked in {Path.cwd()}); check the pattern")

@@ -144,6 +144,16 @@ def test_export_to_a_path_through_a_file_is_one_line(tmp_path, linear_run):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nothing can be created")
+def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path, linear_run):
+    before = tree(tmp_path)
+    line = refused(run_module("ringtrain", ["export", f"checkpoint={linear_run / 'checkpoints' / 'last.pt'}",
+                                            "output=/proc/nope/x.safetensors"], cwd=tmp_path))
+    assert line == ("error: output=/proc/nope/x.safetensors cannot be written: nothing can be created in /proc "
+                    "(No such file or directory); choose an output in a folder you can write to")
+    assert tree(tmp_path) == before and not Path("/proc/nope").exists()
+
+
 # --- 5. init_from: another model's checkpoint -----------------------------------------------------
 
 

@@ -202,16 +202,34 @@ def check_loader_state(dataset: Any, loader_state: dict[str, Any], rank: int, wo
     return None
 
 
-def settings_change(saved: Any, now: dict[str, Any]) -> str | None:
-    """Why a position saved with reader layout and data settings `saved` cannot go on with `now` (None: it can)."""
+# A new run that keeps the weights and reads the data from its start: what is left when the saved position cannot go on.
+AFRESH = "or keep the weights and start the data afresh in a new run (trainer.init_from=<the checkpoint>)"
+
+
+def settings_change(saved: Any, now: dict[str, Any], section: str = "data") -> str | None:
+    """Why a position saved with reader layout and data settings `saved` cannot go on with `now`
+    (None: it can), and what to set to resume it (`section`: the stream's config key)."""
     if not isinstance(saved, dict):
-        return "the saved data loader state holds no data stream position (it is another data set's); start the stream afresh"
-    for key, value in now.items():
-        if saved.get(key) != value:
-            return (f"the data stream was saved with {key}={saved.get(key)!r}, not {value!r}: a position continues exactly "
-                    f"only with the same ranks, DataLoader workers and data settings; resume with {key}={saved.get(key)!r}, "
-                    f"or start the data stream afresh")
-    return None
+        return f"the saved data loader state holds no data stream position (it is another data set's); {AFRESH[3:]}"
+    changed = next((key for key, value in now.items() if saved.get(key) != value), None)
+    if changed is None:
+        return None
+    ranks, workers = saved.get("world_size"), saved.get("num_workers")
+    # Named as the user sets them: the layout by the launcher and trainer.num_workers, files and tokenizer by their digests.
+    if changed in ("rank", "world_size"):
+        what = f"{ranks} rank{'s' * (ranks != 1)}, not {now['world_size']}"
+        how = f"on {ranks} (torchrun --nproc_per_node={ranks}, or strategy.nproc_per_node={ranks})"
+    elif changed in ("worker", "num_workers"):
+        what, how = f"trainer.num_workers={workers}, not {now['num_workers']}", f"with trainer.num_workers={workers}"
+    elif changed == "files":
+        what = f"other files ({section}.path: their names or sizes, or the held-out documents, differ)"
+        how = "over the files it read, unchanged"
+    elif changed == "tokenizer":
+        what, how = f"another tokenizer ({section}.tokenizer)", "with the tokenizer it had"
+    else:
+        what, how = f"{section}.{changed}={saved.get(changed)!r}, not {now[changed]!r}", f"with {section}.{changed}={saved.get(changed)!r}"
+    return (f"the data stream was saved with {what}: a position continues exactly only with the same ranks, DataLoader "
+            f"workers and data settings; resume {how}, {AFRESH}")
 
 
 class TextStream(IterableDataset):
@@ -241,7 +259,7 @@ class TextStream(IterableDataset):
 
     def check_state(self, state: dict[str, Any], layout: dict[str, int]) -> str | None:
         """Why this reader's saved `state` cannot continue at `layout` (None: it can)."""
-        return settings_change(state.get("settings"), {**layout, **self.identity})
+        return settings_change(state.get("settings"), {**layout, **self.identity}, self.files[0].section)
 
     def check_resume(self, loader_state: dict[str, Any], rank: int, world_size: int, num_workers: int) -> str | None:
         """Why a saved StatefulDataLoader state cannot resume exactly here, in one line; None when it can."""

@@ -275,3 +275,13 @@ def test_a_logger_that_cannot_work_is_refused_before_training_and_leaves_nothing
     before = tree(tmp_path)
     refused(train([*args, "trainer.max_steps=2"], cwd=tmp_path), *phrases)
     assert {k: v for k, v in tree(tmp_path).items() if "__pycache__" not in k} == before  # no outputs/, no run
+
+
+# --- 10. adapter=lora without target_modules ------------------------------------------------------
+
+
+def test_lora_without_target_modules_lists_the_models_layer_names(tmp_path):
+    line = refused(train(["model=transformer", "model.n_layers=1", "adapter=lora", "trainer.max_steps=1"], cwd=tmp_path))
+    assert line.startswith("error: LoRA needs target_modules (adapter.target_modules), the layers of Transformer to "
+                           "adapt; its Linear/Conv1D layers are named qkv, proj, fc_in, fc_out, lm_head"), line
+    assert list(tmp_path.iterdir()) == []  # no outputs/

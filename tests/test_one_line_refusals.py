@@ -285,3 +285,18 @@ def test_lora_without_target_modules_lists_the_models_layer_names(tmp_path):
     assert line.startswith("error: LoRA needs target_modules (adapter.target_modules), the layers of Transformer to "
                            "adapt; its Linear/Conv1D layers are named qkv, proj, fc_in, fc_out, lm_head"), line
     assert list(tmp_path.iterdir()) == []  # no outputs/
+
+
+# --- 11. resuming LoRA with another adapter.r ----------------------------------------------------
+
+
+def test_resuming_lora_with_another_rank_names_the_stored_adapter_r(tmp_path):
+    lora = ["model=transformer", "model.n_layers=1", "adapter=lora", "adapter.target_modules=[qkv]",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    ok(train([*lora, "adapter.r=2", "trainer.max_steps=2"], cwd=tmp_path))
+    before = tree(tmp_path)
+    line = refused(train([*lora, "adapter.r=4", "trainer.max_steps=4", "trainer.resume=auto"], cwd=tmp_path))
+    assert line == (f"error: checkpoint '{tmp_path / 'run' / 'checkpoints' / 'last.pt'}' holds adapters trained with "
+                    f"adapter.r=2 (blocks.0.attn.qkv.lora_A.weight is [2, 128] there, [4, 128] here); resume with "
+                    f"adapter.r=2")
+    assert tree(tmp_path) == before

@@ -20,6 +20,7 @@ class ModelSummary(Callback):
         if max_depth < 0:
             raise ValueError(f"callbacks.model_summary.max_depth={max_depth} must be >= 0 (0: the totals only)")
         self.max_depth = max_depth
+        self.after_first_step = False  # a lazy module's parameters are counted once they have a size
 
     def on_fit_start(self, run: Run) -> None:
         # A lazy module's parameters (nn.LazyLinear) have no size until the first forward.

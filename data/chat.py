@@ -50,6 +50,9 @@ from ringtrain.data.hf_rows import IGNORE_INDEX, RowBatches
 from ringtrain.data.packing import PackedRows
 
 TRAIN_ON = ("assistant", "last", "all")
+# The roles of OpenAI's and Hugging Face's chat formats: where labels follow the roles
+# (train_on assistant or last), another ("bot") is a mistake that would train nothing of it.
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 # transformers' own test of whether a template marks assistant tokens (apply_chat_template).
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 ROW_KEYS = ("input_ids", "attention_mask", "labels")
@@ -152,7 +155,7 @@ class ChatData(DataModule):
             out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": [], "length": []}
             for offset, index in enumerate(indices):
                 messages = conversation({column: batch[column][offset] for column in layout}, layout)
-                ids, labels = self.tokenize(messages, f"{key} row {index}")
+                ids, labels = self.tokenize(messages, f"{key} row {index + 1}")  # counted from 1, as lines are
                 out["length"].append(len(ids))
                 out["input_ids"].append(ids[: self.max_length])
                 out["labels"].append(labels[: self.max_length])
@@ -175,6 +178,9 @@ class ChatData(DataModule):
         if self.train_on == "all":
             ids = self.template.tokens(messages, where)
             trained = [True] * len(ids)
+        elif unknown := [str(m.get("role")) for m in messages if m.get("role") not in ROLES]:
+            raise DataError(f"{where}: the role {unknown[0]!r} is unknown; the roles are {', '.join(ROLES)} (the "
+                            f"assistant's turns train): rename it in the data")
         else:
             ids, trained = self.template.assistant_tokens(messages, where)
             if self.train_on == "last":

@@ -97,16 +97,17 @@ def peek_columns(file: str, format: str) -> list[str] | None:  # noqa: A002
     return None
 
 
-def check_columns(files: list[str], format: str, wanted: dict[str, str | None]) -> None:  # noqa: A002
-    """Each wanted column (option name -> column) is in the first file; DataError names the fix."""
+def check_columns(files: list[str], format: str, wanted: dict[str, str | None], section: str = "data") -> None:  # noqa: A002
+    """Each wanted column (option name -> column) is in the first file; DataError names the fix
+    (the key `section`.option: a mixture's source is data.sources.<name>)."""
     columns = peek_columns(files[0], format)
     if columns is None:
         return
     for option, column in wanted.items():
         if column is not None and column not in columns:
             raise DataError(
-                f"data.{option}={column!r}: {Path(files[0]).name} has no such column (it has "
-                f"{', '.join(map(str, columns)) or 'none'}); set data.{option} to one of them"
+                f"{section}.{option}={column!r}: {Path(files[0]).name} has no such column (it has "
+                f"{', '.join(map(str, columns)) or 'none'}); set {section}.{option} to one of them"
             )
 
 
@@ -141,15 +142,42 @@ def load_rows(files: list[str], format: str, cache_dir: str, key: str) -> Any:  
     # Text lines keep their newline, so the rows' tokens end to end are the file's.
     options = {"keep_linebreaks": True} if format == "text" else {}
     with quiet_datasets() as datasets, _cache_root(cache_dir) as root:
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log line of the error said below
         try:
             return datasets.load_dataset(
                 format, data_files={"train": files}, split="train", cache_dir=str(root / "datasets"),
                 keep_in_memory=not cache_dir, **options,
             )
         except (ValueError, TypeError, OSError, datasets.exceptions.DatasetGenerationError) as err:
+            if format == "json" and (line := first_line_not_json(files)):
+                raise DataError(f"{key}: {line}: fix or remove that line") from None
             cause = err.__cause__ or err
             detail = " ".join(str(cause).split())[:300] or type(cause).__name__
             raise DataError(f"{key}: datasets could not read the {format} files ({detail}); check the files and data.format") from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
+
+
+def first_line_not_json(files: list[str]) -> str | None:
+    """`<file> line N is not JSON (why)` for the first line of a JSON Lines file that does not
+    parse (Arrow names a 0-based row of its block); None when every line does, or a file is one
+    JSON document (a .json array) rather than lines."""
+    for file in files:
+        with open(file, "rb") as handle:
+            try:
+                json.load(handle)
+                continue  # one JSON document
+            except ValueError:
+                handle.seek(0)
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    if raw.strip():
+                        json.loads(raw.decode("utf-8"))
+                except ValueError as err:  # a UnicodeDecodeError is one too
+                    why = f"UTF-8 ({err.reason})" if isinstance(err, UnicodeDecodeError) else f"JSON ({err.msg} column {err.colno})"
+                    return f"{file} line {number} is not {why}"
+    return None
 
 
 def mapped(rows: Any, function: Callable, name: str, cache_dir: str, features: Any, **options: Any) -> Any:

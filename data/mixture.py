@@ -30,7 +30,8 @@ import numpy as np
 from torch.utils.data import ConcatDataset, IterableDataset
 
 from ringtrain.data.bundle import DataError, DataModule
-from ringtrain.data.streams import StreamText, check_loader_state, reader_layout, reader_states, settings_change
+from ringtrain.data.stream_positions import check_loader_state, reader_layout, reader_states, settings_change
+from ringtrain.data.streams import StreamText
 
 
 def check_weights(weights: Mapping[str, Any], names: list[str]) -> dict[str, float]:

@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from ringtrain.data.bpe import read_tokenizer
 from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.hf_files import check_columns, data_files, file_format
+from ringtrain.data.stream_positions import check_loader_state, reader_layout, reader_states, settings_change
 from ringtrain.data.tensors import SequenceDataset, windows_of
 from ringtrain.data.vocab import BPEVocab
 
@@ -65,6 +66,7 @@ class StreamFile:
     start: int
     stop: int
     group_ends: tuple[int, ...] = ()
+    section: str = "data"  # the config section that named it, for messages (data.sources.<name> in a mixture)
 
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
         if self.format == "parquet":
@@ -101,14 +103,15 @@ def _line_text(file: StreamFile, column: str, offset: int, line: bytes) -> str |
         record = json.loads(text) if file.format == "json" and text.strip() else None
     except ValueError as err:  # a UnicodeDecodeError is one too
         problem = f"UTF-8 ({err.reason})" if isinstance(err, UnicodeDecodeError) else f"JSON ({err}); a stream reads JSON Lines, one object per line"
-        raise DataError(f"data.path: {_where(file, offset)} is not {problem}: fix or remove that line") from None
+        raise DataError(f"{file.section}.path: {_where(file, offset)} is not {problem}: fix or remove that line") from None
     if file.format == "text" or record is None:
         return text if file.format == "text" else None
     value = record.get(column) if isinstance(record, dict) else None
     if not isinstance(record, dict) or column not in record or not isinstance(value, (str, type(None))):
         found = (f"its {column!r} is a {type(value).__name__}" if value is not None else
                  f"it has {', '.join(record) or 'no field'}" if isinstance(record, dict) else f"it is a {type(record).__name__}")
-        raise DataError(f"data.path: {_where(file, offset)} has no {column!r} text ({found}); fix the line or set data.text_column")
+        raise DataError(f"{file.section}.path: {_where(file, offset)} has no {column!r} text ({found}); fix the line or set "
+                        f"{file.section}.text_column")
     return value
 
 
@@ -132,8 +135,8 @@ def _parquet_rows(file: StreamFile, column: str, first: int, reads: Counter) -> 
                     yield index, index + 1, text
                 row += batch.num_rows
     except (OSError, pyarrow.ArrowException) as err:
-        raise DataError(f"data.path: {file.path} row group {group} cannot be read ({' '.join(str(err).split())[:200]}); "
-                        f"rewrite the file or leave it out of data.path") from None
+        raise DataError(f"{file.section}.path: {file.path} row group {group} cannot be read ({' '.join(str(err).split())[:200]}); "
+                        f"rewrite the file or leave it out of {file.section}.path") from None
 
 
 def stream_files(path: str | list[str], format: str | None, column: str, key: str) -> list[StreamFile]:  # noqa: A002
@@ -142,10 +145,11 @@ def stream_files(path: str | list[str], format: str | None, column: str, key: st
     kind = file_format(files, format, key)
     if kind not in ("text", "json", "parquet"):
         raise DataError(f"{key}: {kind} files cannot be streamed; use JSON Lines, Parquet or text files (data.format)")
+    section = key.rpartition(".")[0]  # data, or data.sources.<name>
     if kind != "parquet":
-        check_columns(files, kind, {"text_column": column})
-    found = [_parquet_file(f, column, key) if kind == "parquet" else StreamFile(f, kind, 0, Path(f).stat().st_size)
-             for f in files]
+        check_columns(files, kind, {"text_column": column}, section)
+    found = [_parquet_file(f, column, key) if kind == "parquet"
+             else StreamFile(f, kind, 0, Path(f).stat().st_size, section=section) for f in files]
     if not any(file.stop for file in found):
         raise DataError(f"{key}={path!r}: every file is empty ({', '.join(Path(f).name for f in files[:3])}); "
                         f"point {key} at files with text")
@@ -161,53 +165,13 @@ def _parquet_file(path: str, column: str, key: str) -> StreamFile:
     except (OSError, pyarrow.ArrowException) as err:
         raise DataError(f"{key}: {path} is not a readable Parquet file ({' '.join(str(err).split())[:200]}); "
                         f"rewrite it or leave it out of {key}") from None
-    check_columns([path], "parquet", {"text_column": column})
+    section = key.rpartition(".")[0]
+    check_columns([path], "parquet", {"text_column": column}, section)
     kind = schema.field(column).type
     if not (pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)):
-        raise DataError(f"data.text_column={column!r}: {Path(path).name}'s column holds {kind}; set it to a text column")
+        raise DataError(f"{section}.text_column={column!r}: {Path(path).name}'s column holds {kind}; set it to a text column")
     ends = tuple(itertools.accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
-    return StreamFile(path, "parquet", 0, meta.num_rows, ends)
-
-
-def reader_layout(rank: int | None, world_size: int | None) -> dict[str, int]:
-    """Where this process reads: rank of world_size (the process group's when set_rank was not
-    called, so ranks never read alike), DataLoader worker of num_workers (0: the main process)."""
-    if rank is None:
-        group = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank, world_size = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if group else (0, 1)
-    worker = get_worker_info()
-    return {"rank": rank, "world_size": world_size, "worker": worker.id if worker else 0,
-            "num_workers": worker.num_workers if worker else 0}
-
-
-def reader_states(loader_state: dict[str, Any]) -> list[dict[str, Any] | None]:
-    """Each reader's dataset state in a StatefulDataLoader state_dict, in worker order."""
-    if "_snapshot" not in loader_state:
-        return [loader_state.get("dataset_state")]
-    workers = loader_state["_snapshot"]["_worker_snapshots"]
-    return [workers[f"worker_{i}"].get("dataset_state") for i in range(len(workers))]
-
-
-def check_loader_state(dataset: Any, loader_state: dict[str, Any], rank: int, world_size: int,
-                       num_workers: int) -> str | None:
-    """`dataset.check_state` for every reader of a saved StatefulDataLoader state: the first reason, or None."""
-    for worker, state in enumerate(reader_states(loader_state)):
-        now = {"rank": rank, "world_size": world_size, "worker": worker, "num_workers": num_workers}
-        if reason := dataset.check_state(state if isinstance(state, dict) else {}, now):
-            return reason
-    return None
-
-
-def settings_change(saved: Any, now: dict[str, Any]) -> str | None:
-    """Why a position saved with reader layout and data settings `saved` cannot go on with `now` (None: it can)."""
-    if not isinstance(saved, dict):
-        return "the saved data loader state holds no data stream position (it is another data set's); start the stream afresh"
-    for key, value in now.items():
-        if saved.get(key) != value:
-            return (f"the data stream was saved with {key}={saved.get(key)!r}, not {value!r}: a position continues exactly "
-                    f"only with the same ranks, DataLoader workers and data settings; resume with {key}={saved.get(key)!r}, "
-                    f"or start the data stream afresh")
-    return None
+    return StreamFile(path, "parquet", 0, meta.num_rows, ends, section)
 
 
 class TextStream(IterableDataset):
@@ -237,7 +201,7 @@ class TextStream(IterableDataset):
 
     def check_state(self, state: dict[str, Any], layout: dict[str, int]) -> str | None:
         """Why this reader's saved `state` cannot continue at `layout` (None: it can)."""
-        return settings_change(state.get("settings"), {**layout, **self.identity})
+        return settings_change(state.get("settings"), {**layout, **self.identity}, self.files[0].section)
 
     def check_resume(self, loader_state: dict[str, Any], rank: int, world_size: int, num_workers: int) -> str | None:
         """Why a saved StatefulDataLoader state cannot resume exactly here, in one line; None when it can."""

@@ -20,7 +20,7 @@ ModelOutput, and `model_loss` to train on the loss the model computes itself (Hu
 models given `labels=`). Keyword-only, so `task.target_key=label` overrides them.
 
 A user's own task is any object with `loss`, `eval_sums`, `monitor` and `mode` (the batch
-settings are optional); for a plain loss function, `LossTask(loss=..., metrics={...})` builds one.
+settings and `metric_names`, which lets a misnamed monitor be refused before training, are optional); for a plain loss function, `LossTask(loss=..., metrics={...})` builds one.
 """
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ class RegressionTask(BatchSettings):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(outputs.float(), targets)
 
+    def metric_names(self) -> tuple[str, ...]:
+        """eval_sums' metrics (its keys but "count"): known before training, so a monitor naming another is refused then."""
+        return ("loss",)
+
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         squared = (outputs.float() - targets).pow(2).flatten(1).mean(1)  # per-sample MSE
         return {"loss": squared.sum(), "count": torch.tensor(float(len(targets)), device=targets.device)}
@@ -79,6 +83,9 @@ class ClassificationTask(BatchSettings):
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         return (targets != IGNORE_INDEX).sum()
+
+    def metric_names(self) -> tuple[str, ...]:
+        return ("loss", "acc")
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         outputs = outputs.float()
@@ -124,6 +131,9 @@ class LanguageModelTask(BatchSettings):
         that computes its own loss, task.model_loss, shifts Hugging Face labels the same way)."""
         return ((targets[:, 1:] if self.shift_labels else targets) != IGNORE_INDEX).sum()
 
+    def metric_names(self) -> tuple[str, ...]:
+        return ("loss",)
+
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.shift_labels:
             outputs, targets = outputs[:, :-1], targets[:, 1:]
@@ -153,6 +163,9 @@ class LossTask(BatchSettings):
         if "count" in self.metrics or "loss" in self.metrics:
             raise ValueError("task.metrics cannot be named 'loss' or 'count'; those are ringtrain's own")
 
+    def metric_names(self) -> tuple[str, ...]:
+        return ("loss", *self.metrics)
+
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         n = float(len(targets))
         sums = {name: fn(outputs, targets).detach().double() * n for name, fn in {"loss": self.loss, **dict(self.metrics)}.items()}
@@ -169,6 +182,16 @@ def check_monitor(task) -> None:
         raise ValueError(f"task.mode={getattr(task, 'mode', None)!r} must be min or max")
     if not str(getattr(task, "monitor", "")).startswith("val/"):
         raise ValueError(f"task.monitor={getattr(task, 'monitor', None)!r} must name a validation metric, e.g. val/loss")
+    if (names := validation_metrics(task)) and task.monitor not in names:
+        raise ValueError(f"task.monitor={task.monitor} is not a metric of this task; it reports {', '.join(sorted(names))}: "
+                         f"monitor one of those")
+
+
+def validation_metrics(task) -> tuple[str, ...]:
+    """The metrics validation will report (val/<name>), where the task says (ringtrain's do:
+    metric_names); () for a task that does not, whose metrics show at the first validation."""
+    names = getattr(task, "metric_names", None)
+    return tuple(f"val/{name}" for name in names()) if callable(names) else ()
 
 
 def metrics_from_sums(totals: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -40,9 +40,11 @@ class LoRA:
     update is scaled by alpha / r; dropout applies to the adapters' input only.
     """
 
-    def __init__(self, target_modules: str | Sequence[str], r: int = 8, alpha: float = 16.0,
+    def __init__(self, target_modules: str | Sequence[str] | None = None, r: int = 8, alpha: float = 16.0,
                  dropout: float = 0.0) -> None:
-        if isinstance(target_modules, str):
+        if target_modules is None:  # required, but the model names its layers: apply() lists them
+            pass
+        elif isinstance(target_modules, str):
             try:
                 re.compile(target_modules)
             except re.error as err:
@@ -75,7 +77,8 @@ class LoRA:
             raise ConfigError(f"{type(model).__name__} has LoRA adapters already; apply LoRA once "
                               f"(merge_lora(model) first to train a second one on top)")
         # Like PEFT, never the model itself (name ""): a target is always a child to replace.
-        targets = [(name, module) for name, module in model.named_modules() if name and self.matches(name)]
+        targets = [(name, module) for name, module in model.named_modules()
+                   if name and self.target_modules is not None and self.matches(name)]
         if not targets:
             raise ConfigError(self._nothing_matched(model))
         for name, module in targets:
@@ -90,7 +93,9 @@ class LoRA:
 
     def _nothing_matched(self, model: nn.Module) -> str:
         names = [name for name, module in model.named_modules() if name and _is_adaptable(module)]
-        problem = f"LoRA target_modules={self.target_modules!r} matches no module of {type(model).__name__}"
+        problem = (f"LoRA target_modules={self.target_modules!r} matches no module of {type(model).__name__}"
+                   if self.target_modules is not None else
+                   f"LoRA needs target_modules (adapter.target_modules), the layers of {type(model).__name__} to adapt")
         if not names:
             return f"{problem}, which has no Linear or Conv1D layer; LoRA adapts only those"
         short = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in names))[:8]

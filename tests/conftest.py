@@ -62,7 +62,7 @@ def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: f
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     module = module if "." in module or module == "ringtrain" else f"ringtrain.tools.{module}"
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -4,6 +4,7 @@ token each), so the tokens each message should give can be written down here ind
 from __future__ import annotations
 
 import json
+import logging
 import string
 from pathlib import Path
 
@@ -178,7 +179,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_unless_every_token_tr
     with pytest.raises(DataError) as error:
         build(chats, tokenizers["rewriting"], max_length=200)
     assert str(error.value) == (
-        f"data.path row 0: the chat template in {tokenizers['rewriting']} does not render the conversation through "
+        f"data.path row 1: the chat template in {tokenizers['rewriting']} does not render the conversation through "
         f"message 2 as an extension of the one before it (it rewrites earlier turns), so its assistant tokens cannot "
         f"be told apart; mark them with {{% generation %}}...{{% endgeneration %}} in the template, or set "
         f"data.train_on=all")
@@ -190,7 +191,7 @@ def test_a_prompt_longer_than_max_length_is_refused_naming_the_row_and_both_leng
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "completion": "b"}] * 3 + [long_prompt])
     with pytest.raises(DataError) as error:
         build(path, tokenizers["chatml"], max_length=32)
-    assert str(error.value) == ("data.path row 3: its prompt (everything before its first trained token) is 59 tokens, "
+    assert str(error.value) == ("data.path row 4: its prompt (everything before its first trained token) is 59 tokens, "
                                 "data.max_length=32 leaves none of its trained tokens; raise data.max_length or drop "
                                 "the row")
     build(path, tokenizers["chatml"], max_length=60)  # "y" fits at token 59
@@ -198,8 +199,28 @@ def test_a_prompt_longer_than_max_length_is_refused_naming_the_row_and_both_leng
 
 def test_a_conversation_without_an_assistant_turn_is_refused(tokenizers, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}, {"messages": CONVERSATIONS[1][:1]}])
-    with pytest.raises(DataError, match=r"^data.path row 1 has no assistant tokens to train on \(its roles: user\)"):
+    with pytest.raises(DataError, match=r"^data.path row 2 has no assistant tokens to train on \(its roles: user\)"):
         build(path, tokenizers["chatml"], max_length=100)
+
+
+def test_an_unknown_role_is_named_as_unknown_with_the_known_roles(tokenizers, tmp_path):
+    bot = [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello!"}]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}, {"messages": bot}])
+    with pytest.raises(DataError) as info:
+        build(path, tokenizers["chatml"], max_length=100)
+    assert str(info.value) == ("data.path row 2: the role 'bot' is unknown; the roles are system, developer, user, "
+                               "assistant, tool, ipython (the assistant's turns train): rename it in the data")
+
+
+def test_a_jsonl_line_that_is_not_json_is_one_line_with_its_file_and_line(tokenizers, tmp_path, caplog):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + '\n{"messages": [{"role": "user", "content": "cut\n')
+    with pytest.raises(DataError) as info:
+        build(str(path), tokenizers["chatml"], max_length=100)
+    assert str(info.value).startswith(f"data.path: {path} line 2 is not JSON (")
+    assert str(info.value).endswith("): fix or remove that line")
+    # datasets' own log line of it (stderr, outside pytest) is not a second one.
+    assert not [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
 
 
 def test_truncation_counts_the_conversations_and_tokens_cut(tokenizers, chats):

@@ -218,12 +218,12 @@ def test_a_tokenizer_without_a_chat_template_is_refused(user, tmp_path):
 
 
 def test_a_prompt_that_fills_max_length_is_refused_naming_its_row(user, tmp_path):
-    """data/chat.py refuses the row rather than dropping it silently. Row 3's prompt is
+    """data/chat.py refuses the row rather than dropping it silently. The fourth row's prompt is
     <|im_start|>user\\n + 70 characters + <|im_end|>\\n + <|im_start|>assistant\\n: 89 tokens."""
     rows = [{"prompt": "hi", "completion": "hello"}] * 3 + [{"prompt": "x" * 70, "completion": "y"}]
     pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
     refusal(user, tmp_path, [f"data.path={pairs}"],
-            f"data.path row 3: its prompt (everything before its first trained token) is 89 tokens, "
+            f"data.path row 4: its prompt (everything before its first trained token) is 89 tokens, "
             f"data.max_length={MAX_LENGTH} leaves none of its trained tokens")
 
 

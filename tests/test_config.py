@@ -275,6 +275,13 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
         (["model.d_model=64"], "model.d_model is not a setting of this model; it belongs to model=transformer"),
         (["model=transfomer"], "model=transfomer is not an option of model; choose one of hf_gpt2, linear, mlp, transformer "
                                "(did you mean transformer?)"),
+        # One option of a list: Hydra names no options there, ringtrain lists the group's.
+        (["callbacks=[default,early_stoping]"], "callbacks=early_stoping is not an option of callbacks; choose one of "
+                                                "best_checkpoints, default, early_stopping,"),
+        (["callbacks=[default,early_stoping]"], "(did you mean early_stopping?)"),
+        (["logger=tensorbord"], "choose one of csv, mlflow, tensorboard, wandb (did you mean tensorboard?)"),
+        (["logger=none"], "logger=none is not an option of logger; choose one of csv, mlflow, tensorboard, wandb; "
+                          "logger=null turns logging off"),
         (["model=small_cnn"], "choose one of hf_gpt2, linear, mlp, transformer; your own? put model/small_cnn.yaml in a "
                               "config folder and pass --config-dir <folder>"),
         (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are callbacks, data,"),

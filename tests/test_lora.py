@@ -231,6 +231,10 @@ def _load_mismatched_rank() -> None:
 
 
 MISTAKES = [
+    pytest.param(lambda: LoRA().apply(tiny_transformer()),
+                 r"^LoRA needs target_modules \(adapter\.target_modules\), the layers of Transformer to adapt; its "
+                 r"Linear/Conv1D layers are named qkv, proj, fc_in, fc_out, lm_head \(in full e\.g\. blocks\.0\.attn\.qkv\)",
+                 id="no-targets"),
     pytest.param(lambda: LoRA(["q_proj"]).apply(tiny_transformer()),
                  r"^LoRA target_modules=\['q_proj'\] matches no module of Transformer; its Linear/Conv1D layers are "
                  r"named qkv, proj, fc_in, fc_out, lm_head \(in full e\.g\. blocks\.0\.attn\.qkv\): list those "

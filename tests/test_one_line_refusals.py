@@ -144,6 +144,16 @@ def test_export_to_a_path_through_a_file_is_one_line(tmp_path, linear_run):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nothing can be created")
+def test_export_to_a_path_that_cannot_be_written_is_one_line(tmp_path, linear_run):
+    before = tree(tmp_path)
+    line = refused(run_module("ringtrain", ["export", f"checkpoint={linear_run / 'checkpoints' / 'last.pt'}",
+                                            "output=/proc/nope/x.safetensors"], cwd=tmp_path))
+    assert line == ("error: output=/proc/nope/x.safetensors cannot be written: nothing can be created in /proc "
+                    "(No such file or directory); choose an output in a folder you can write to")
+    assert tree(tmp_path) == before and not Path("/proc/nope").exists()
+
+
 # --- 5. init_from: another model's checkpoint -----------------------------------------------------
 
 
@@ -238,3 +248,55 @@ def test_a_hugging_face_model_without_transformers_names_the_extra(tmp_path):
     line = refused(proc, "pip install 'ringtrain[hf]'")
     assert "transformers" in line, line
     assert not (tmp_path / "run").exists() and not (tmp_path / "outputs").exists()
+
+
+# --- 9. logger settings that cannot work ----------------------------------------------------------
+
+BROKEN_WANDB = 'raise ImportError("cannot import name \'Settings\' from \'wandb.sdk\' (simulated)")\n'
+
+
+@pytest.mark.parametrize("args, broken, phrases", [
+    (["logger=mlflow", "logger.mlflow.tracking_uri=bogus://x"], False,
+     ["logger.mlflow.tracking_uri='bogus://x' cannot be used", "tracking server's http(s):// URI"]),
+    (["logger=wandb", "logger.wandb.mode=online"], False,
+     ["logger.wandb.mode=online needs a W&B API key", "WANDB_API_KEY", "logger.wandb.mode=offline"]),
+    # Installed but broken (a dependency of another version): its ImportError, not a missing extra.
+    (["logger=wandb"], True, ["logger.wandb: wandb is installed but importing it failed (ImportError: cannot import name",
+                        "pip install --force-reinstall 'ringtrain[wandb]'"]),
+], ids=["mlflow-uri", "wandb-online-without-a-key", "installed-but-broken"])
+def test_a_logger_that_cannot_work_is_refused_before_training_and_leaves_nothing(tmp_path, monkeypatch, args, broken,
+                                                                                  phrases):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no W&B settings
+    (tmp_path / "home").mkdir()
+    if broken:
+        (tmp_path / "wandb").mkdir()  # found first: `python -m` puts the working directory first on sys.path
+        (tmp_path / "wandb" / "__init__.py").write_text(BROKEN_WANDB)
+    before = tree(tmp_path)
+    refused(train([*args, "trainer.max_steps=2"], cwd=tmp_path), *phrases)
+    assert {k: v for k, v in tree(tmp_path).items() if "__pycache__" not in k} == before  # no outputs/, no run
+
+
+# --- 10. adapter=lora without target_modules ------------------------------------------------------
+
+
+def test_lora_without_target_modules_lists_the_models_layer_names(tmp_path):
+    line = refused(train(["model=transformer", "model.n_layers=1", "adapter=lora", "trainer.max_steps=1"], cwd=tmp_path))
+    assert line.startswith("error: LoRA needs target_modules (adapter.target_modules), the layers of Transformer to "
+                           "adapt; its Linear/Conv1D layers are named qkv, proj, fc_in, fc_out, lm_head"), line
+    assert list(tmp_path.iterdir()) == []  # no outputs/
+
+
+# --- 11. resuming LoRA with another adapter.r ----------------------------------------------------
+
+
+def test_resuming_lora_with_another_rank_names_the_stored_adapter_r(tmp_path):
+    lora = ["model=transformer", "model.n_layers=1", "adapter=lora", "adapter.target_modules=[qkv]",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    ok(train([*lora, "adapter.r=2", "trainer.max_steps=2"], cwd=tmp_path))
+    before = tree(tmp_path)
+    line = refused(train([*lora, "adapter.r=4", "trainer.max_steps=4", "trainer.resume=auto"], cwd=tmp_path))
+    assert line == (f"error: checkpoint '{tmp_path / 'run' / 'checkpoints' / 'last.pt'}' holds adapters trained with "
+                    f"adapter.r=2 (blocks.0.attn.qkv.lora_A.weight is [2, 128] there, [4, 128] here); resume with "
+                    f"adapter.r=2")
+    assert tree(tmp_path) == before

@@ -194,6 +194,8 @@ def test_sigterm_saves_the_current_step_exits_143_and_the_same_command_continues
         status, output = job.finish()
     assert status == 143, output[-4000:]
     saved = assert_stopped_at_current_step(tmp_path / "run", output, step, seen, 1)
+    # The run's last word names the signal, not another stop's ("stopped early" is early stopping's).
+    assert re.search(rf"stopped by SIGTERM: {saved} steps in [0-9.]+s$", output, re.MULTILINE), output[-4000:]
 
     output = job_ok(run_job(args))
     assert resumed_from_step(output) == saved
@@ -225,7 +227,7 @@ def test_a_run_stopped_without_hydra_run_dir_prints_the_command_that_continues_i
     [run_dir] = (tmp_path / "outputs" / "runs").iterdir()
     saved = assert_stopped_at_current_step(run_dir, output, step, seen, 1)
     # Stopped before the first evaluation: no metrics to report, and no dangling comma.
-    assert re.search(rf"stopped early: {saved} steps in [0-9.]+s$", output, re.MULTILINE), output[-4000:]
+    assert re.search(rf"stopped by SIGTERM: {saved} steps in [0-9.]+s$", output, re.MULTILINE), output[-4000:]
 
     output = job_ok(continue_as_printed(output, tmp_path))
     assert resumed_from_step(output) == saved

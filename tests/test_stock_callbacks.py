@@ -482,12 +482,15 @@ def test_validation_at_every_quarter_of_an_epoch_on_two_ranks(counted_jobs):
 # --- 5. one-line refusals --------------------------------------------------------------------------
 
 
-def test_a_monitor_the_task_does_not_report_is_one_line_exit_2_naming_the_metrics_it_does(tmp_path):
+@pytest.mark.parametrize("setting", ["callbacks.early_stopping.monitor", "callbacks.best_checkpoints.monitor",
+                                     "task.monitor"])
+def test_a_monitor_the_task_does_not_report_is_one_line_exit_2_before_the_first_step(tmp_path, setting):
     proc = run_cli(["model=mlp", "data.num_features=8", "data.num_samples=256", "data.num_val_samples=64",
-                    "trainer.max_steps=2", "callbacks=[default,early_stopping]",
-                    "callbacks.early_stopping.monitor=val/nope", f"hydra.run.dir={tmp_path / 'run'}"])
-    refused(proc, "callbacks.early_stopping.monitor=val/nope is not a metric of this task",
-            "it reports val/acc, val/loss")
+                    "trainer.max_steps=2", "callbacks=[default,early_stopping,best_checkpoints]",
+                    f"{setting}=val/nope", f"hydra.run.dir={tmp_path / 'run'}"])
+    refused(proc, f"{setting}=val/nope is not a metric of this task", "it reports val/acc, val/loss")
+    # The task says its metrics before training: no step taken, no run directory left.
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_callback_with_a_misspelt_hook_is_refused_in_one_line_before_any_work(user_dir, tmp_path):

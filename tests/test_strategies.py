@@ -86,3 +86,12 @@ def test_no_code_outside_the_strategies_compares_a_strategy_name():
             if isinstance(node, ast.Attribute) and node.attr == "name" and "strategy" in ast.unparse(node.value):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []
+
+
+def test_ddp_without_a_launcher_or_nproc_per_node_trains_in_one_process_and_says_how_to_start_ranks(tmp_path):
+    """One rank of ddp is legitimate, so it trains (as Lightning warns and goes on), but the log says so."""
+    proc = run_cli(["strategy=ddp", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [warning] = [line for line in proc.stdout.splitlines() if "trains in this one process" in line]
+    assert "torchrun --nproc_per_node=N" in warning and "strategy.nproc_per_node=N" in warning, warning
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()

@@ -196,24 +196,39 @@ def documents_of(ids: list[int], data: StreamText) -> list[str]:
     return docs
 
 
-def test_resuming_on_another_layout_or_other_data_is_refused_in_one_line(corpus):
+def test_resuming_on_another_layout_or_other_data_is_refused_in_one_line(corpus, tmp_path):
     saved = loader(stream(corpus, "docs.jsonl").train, workers=2)
     take(iter(saved), 3)
     state = saved.state_dict()
     train = stream(corpus, "docs.jsonl").train
     assert train.check_resume(state, rank=0, world_size=1, num_workers=2) is None
     assert train.check_resume(state, rank=0, world_size=2, num_workers=2) == (
-        "the data stream was saved with world_size=1, not 2: a position continues exactly only with the same ranks, "
-        "DataLoader workers and data settings; resume with world_size=1, or start the data stream afresh")
-    assert train.check_resume(state, 0, 1, num_workers=0).startswith("the data stream was saved with num_workers=2, not 0")
+        "the data stream was saved with 1 rank, not 2: a position continues exactly only with the same ranks, "
+        "DataLoader workers and data settings; resume on 1 (torchrun --nproc_per_node=1, or strategy.nproc_per_node=1), "
+        "or keep the weights and start the data afresh in a new run (trainer.init_from=<the checkpoint>)")
+    assert train.check_resume(state, 0, 1, num_workers=0).startswith(
+        "the data stream was saved with trainer.num_workers=2, not 0: a position continues exactly only with the same "
+        "ranks, DataLoader workers and data settings; resume with trainer.num_workers=2, or keep the weights")
     longer = stream(corpus, "docs.jsonl", seq_len=16).train
-    assert longer.check_resume(state, 0, 1, 2).startswith("the data stream was saved with seq_len=8, not 16")
+    assert longer.check_resume(state, 0, 1, 2).startswith("the data stream was saved with data.seq_len=8, not 16")
+    # A file that changed since: what the user can do, never a digest to set (files='<hash>').
+    changed = tmp_path / "changed.jsonl"
+    changed.write_bytes((corpus / "docs.jsonl").read_bytes())
+    saved_over_changed = loader(stream(corpus, str(changed)).train, workers=2)
+    take(iter(saved_over_changed), 3)
+    with changed.open("a") as file:
+        file.write(json.dumps({"text": "one more document"}) + "\n")
+    reason = stream(corpus, str(changed)).train.check_resume(saved_over_changed.state_dict(), 0, 1, 2)
+    assert reason.startswith("the data stream was saved with other files (data.path: their names or sizes, or the "
+                             "held-out documents, differ): a position continues exactly only"), reason
+    assert "resume over the files it read, unchanged, or keep the weights and start the data afresh" in reason
+    assert "files=" not in reason
     # A reader refuses a state of another reader's too, should it be given one without the check.
     single = loader(stream(corpus, "docs.jsonl").train, workers=0)
     take(iter(single), 3)
     other_rank = stream(corpus, "docs.jsonl").train
     other_rank.set_rank(1, 2)
-    with pytest.raises(DataError, match=r"^the data stream was saved with rank=0, not 1: "):
+    with pytest.raises(DataError, match=r"^the data stream was saved with 1 rank, not 2: "):
         other_rank.load_state_dict(single.state_dict()["dataset_state"])
 
 
@@ -417,6 +432,15 @@ def test_a_missing_or_non_text_column_is_refused_before_any_reading(corpus, tmp_
         "data.text_column='text': rows.parquet has no such column (it has body, n); set data.text_column to one of them")
     assert constructed(corpus, tmp_path / "rows.parquet", text_column="n") == (
         "data.text_column='n': rows.parquet's column holds int64; set it to a text column")
+
+
+def test_a_mixture_sources_missing_column_names_the_sources_own_key(corpus):
+    """data.text_column is no key of a mixture (refused if set): the fix is the source's own."""
+    sources = {"code": {"path": str(corpus / "code.jsonl")}}
+    with pytest.raises(DataError) as info:
+        StreamMixture(sources, {"code": 1.0}, str(corpus / "tokenizer.json"), seq_len=SEQ_LEN)
+    assert str(info.value) == ("data.sources.code.text_column='text': code.jsonl has no such column (it has id, "
+                               "content); set data.sources.code.text_column to one of them")
 
 
 def test_an_empty_file_set_is_refused(corpus, tmp_path):

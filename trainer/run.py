@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.callbacks.base import Callbacks
+from ringtrain.callbacks.base import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
 from ringtrain.checkpoints.atomic import write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
@@ -39,6 +39,7 @@ from ringtrain.config.data_lengths import check_data_lengths
 from ringtrain.config.schema import Job, gpu_preset_notice
 from ringtrain.config.sizes import check_model_sizes
 from ringtrain.data.bundle import DataBundle
+from ringtrain.data.tasks import validation_metrics
 from ringtrain.distributed import (
     DistInfo,
     DistributedSetupError,
@@ -112,11 +113,12 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
         directory = RunDirectory(run_dir) if dist.is_main else None
         training = refused = completed = clean_exit = False
         try:
+            callbacks = _callbacks(job, dist)  # before the claim: a logger that cannot work leaves nothing on disk
             shared_dir = _claim(directory, run_dir, dist)
             checkpoints = CheckpointManager(shared_dir / "checkpoints", job.trainer, dist)
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, built, dist, resumed)
-            callbacks = _callbacks(job, dist)
+            check_monitors(callbacks.all, validation_metrics(task))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
                     parts = set_up_training(job, dist, model, data, resumed)
@@ -194,11 +196,19 @@ def _build(job: Job, built: Built | None, dist: DistInfo, resumed: Resumed | Non
 
 
 def _callbacks(job: Job, dist: DistInfo) -> Callbacks:
-    """The job's callbacks, built on this rank, and its loggers (rank 0) behind the Loggers callback."""
-    made = {name: build(node, f"callbacks.{name}") if is_node(node) else node for name, node in job.callbacks.items()}
+    """The job's callbacks, built on this rank, and its loggers (rank 0) behind the Loggers callback.
+    A logger checks in its constructor what would fail only at its first write (its library, a
+    store's URI, a key), so any failure here is one line naming the logger."""
+    def built(section: str, name: str, node: Any) -> Any:
+        if not is_node(node):  # the Python API's object
+            return node
+        fix = f"fix {section}.{name}.* or leave it out (~{section}.{name}" + (", or logger=null)" if section == "logger" else ")")
+        with failures_reported_as_mistakes(f"building {section}.{name}", fix, dist):
+            return build(node, f"{section}.{name}")
+
+    made = {name: built("callbacks", name, node) for name, node in job.callbacks.items()}
     if dist.is_main and job.loggers:
-        made["loggers"] = Loggers({name: build(node, f"logger.{name}") if is_node(node) else node
-                                   for name, node in job.loggers.items()})
+        made["loggers"] = Loggers({name: built("logger", name, node) for name, node in job.loggers.items()})
     return Callbacks(made, dist.is_main, several_ranks=dist.is_distributed)
 
 
@@ -222,7 +232,8 @@ def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
     """metrics.json (strict JSON: a non-finite metric is null) and the run's last lines."""
     write_text_atomically(run_dir / "metrics.json", json_text(result.summary(), indent=2, default=str))
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
-    ended = "stopped early" if result.stopped else "done"
+    # What ended it, in its own words: a signal, a callback's reason (early stopping's), non-finite values.
+    ended = {None: "done", "non-finite": "stopped on a non-finite value"}.get(result.stopped, f"stopped by {result.stopped}")
     skipped = f", {result.skipped_steps} updates skipped (non-finite)" if result.skipped_steps else ""
     log.info(f"{ended}: {result.steps} steps in {result.train_seconds:.2f}s{skipped}" + (f", {metrics}" if metrics else ""))
     summary = getattr(model, "summary", None)

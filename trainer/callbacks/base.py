@@ -25,13 +25,17 @@ the callbacks that define it.
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, component_failed
+
+log = logging.getLogger("ringtrain")
 
 HOOKS = (
     "on_fit_start",  # before the first step (after a checkpoint is restored)
@@ -46,6 +50,10 @@ HOOKS = (
     "on_exception",  # the run failed: on_exception(run, error)
     "on_fit_end",  # after the last step, also after a stop: on_fit_end(run, result)
 )
+# The hooks of a run's end. Each callback gets its turn however the others fare, and one that
+# raises is a warning: the run ends as it would have, its own error (one line, where it was one)
+# or status never replaced by a callback's failure to close (a bar never made, a logger's store gone).
+ENDING_HOOKS = ("on_exception", "on_fit_end")
 
 
 class Callback:
@@ -147,13 +155,22 @@ class Callbacks:
         if not hooked and not run.logged:  # most hooks at most steps: nothing to do
             return
         for callback in hooked:
-            if callback.rank_zero_only and self._several_ranks:
+            if hook in ENDING_HOOKS:
+                self._call_while_ending(callback, hook, run, *args)
+            elif callback.rank_zero_only and self._several_ranks:
                 self._call_on_rank_zero(callback, hook, run, *args)
             else:
                 getattr(callback, hook)(run, *args)
         if run.logged and hook != "on_log":
             logged, run.logged = run.logged, {}
             self.call("on_log", run, logged, run.step)
+
+    def _call_while_ending(self, callback: Callback, hook: str, run: Run, *args: Any) -> None:
+        try:
+            getattr(callback, hook)(run, *args)
+        except Exception as err:
+            name = next(name for name, cb in self.all.items() if cb is callback)
+            log.warning(str(component_failed(f"callbacks.{name}.{hook}", err, "the run ends as it would have without it")))
 
     @staticmethod
     def _call_on_rank_zero(callback: Callback, hook: str, run: Run, *args: Any) -> None:
@@ -183,9 +200,24 @@ def _overrides(callback: Callback, hook: str) -> bool:
 def monitored(metrics: dict[str, float], monitor: str, setting: str) -> float:
     """The value of the validation metric `monitor`, or one line naming the metrics there are."""
     if monitor not in metrics:
-        raise ConfigError(f"{setting}={monitor} is not a metric of this task; it reports "
-                          f"{', '.join(sorted(metrics))}: monitor one of those")
+        raise _not_a_metric(setting, monitor, metrics)
     return metrics[monitor]
+
+
+def check_monitors(callbacks: dict[str, Callback], names: tuple[str, ...]) -> None:
+    """Before the first step: each callback's `monitor` (early stopping's, best-k's, a user's
+    own) is one of `names`, the metrics the task will report (data/tasks.py validation_metrics;
+    none: the task does not say, and the first validation checks)."""
+    if not names:
+        return
+    for name, callback in callbacks.items():
+        if isinstance(monitor := getattr(callback, "monitor", None), str) and monitor not in names:
+            raise _not_a_metric(f"callbacks.{name}.monitor", monitor, names)
+
+
+def _not_a_metric(setting: str, monitor: str, names: Iterable[str]) -> ConfigError:
+    return ConfigError(f"{setting}={monitor} is not a metric of this task; it reports {', '.join(sorted(names))}: "
+                       f"monitor one of those")
 
 
 def unknown_hooks(cls: type) -> list[str]:

@@ -2,9 +2,13 @@
 `logger` group (ringtrain/loggers/: TensorBoard, CSV, Weights & Biases, MLflow), on rank 0."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+from collections.abc import Iterator
 
 from ringtrain.callbacks.base import Callback, Run
+from ringtrain.errors import UserError
 
 log = logging.getLogger("ringtrain")
 
@@ -23,12 +27,18 @@ class Loggers(Callback):
     def on_fit_start(self, run: Run) -> None:
         name = run.run_dir.name
         for key, logger in self.loggers.items():
-            logger.start(run.run_dir, name, run.group, run.config)
+            with _writing(key, run):
+                logger.start(run.run_dir, name, run.group, run.config)
             self.started[key] = logger
 
     def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
-        for logger in self.started.values():
-            logger.log_metrics(metrics, step)
+        for key, logger in list(self.started.items()):
+            try:
+                with _writing(key, run):
+                    logger.log_metrics(metrics, step)
+            except UserError:
+                del self.started[key]  # its store is full or gone: not finished either
+                raise
 
     def on_fit_end(self, run: Run, result) -> None:
         summary = result.summary()
@@ -42,9 +52,28 @@ class Loggers(Callback):
         started, self.started = self.started, {}  # once: a failure in on_fit_end must not finish them again
         for key, logger in started.items():
             try:
-                logger.finish(summary, status)
-            except Exception:
+                with _writing(key, None):
+                    logger.finish(summary, status)
+            except Exception as err:
                 if not failing:
                     raise
                 # The run is failing already: its own error is the one to report; the others still close.
-                log.warning(f"logger.{key} could not record the failed run", exc_info=True)
+                log.warning(f"logger.{key} could not record the failed run: {type(err).__name__}: {err}")
+
+
+@contextlib.contextmanager
+def _writing(key: str, run: Run | None) -> Iterator[None]:
+    """A logger's write that fails on the file system (a full disk, a store gone) ends the run in
+    one line naming the logger and the fix, not in its library's tracebacks; the checkpoints
+    saved so far are untouched (a save in flight completes: checkpoints/manager.py)."""
+    try:
+        yield
+    except OSError as err:
+        reason = err.strerror or str(err) or type(err).__name__
+        where = f" ({err.filename})" if err.filename else ""
+        fix = ("free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "check that it is writable and its file system healthy")
+        step = f" at step {run.step}" if run is not None else ""
+        kept = f"; the checkpoints saved so far are kept ({run.run_dir / 'checkpoints'})" if run is not None else ""
+        raise UserError(f"logger.{key} cannot write{step}: {reason}{where}; {fix}, or leave the logger out "
+                        f"(~logger.{key}){kept}") from None

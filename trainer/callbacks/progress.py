@@ -13,9 +13,11 @@ log = logging.getLogger("ringtrain")
 class ProgressBar(Callback):
     rank_zero_only = True
 
-    def on_fit_start(self, run: Run) -> None:
-        self.bar = None
+    def __init__(self) -> None:
+        self.bar = None  # made in on_fit_start: a run may fail before it (on_exception closes what there is)
         self._console = contextlib.ExitStack()
+
+    def on_fit_start(self, run: Run) -> None:
         if run.trainer.progress_bar:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm

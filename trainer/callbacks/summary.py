@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from ringtrain.callbacks.base import Callback, Run
+from torch.nn.parameter import UninitializedParameter
+
+from ringtrain.callbacks.base import Callback, Run, StepEnd
 
 log = logging.getLogger("ringtrain")
 
@@ -18,8 +20,20 @@ class ModelSummary(Callback):
         if max_depth < 0:
             raise ValueError(f"callbacks.model_summary.max_depth={max_depth} must be >= 0 (0: the totals only)")
         self.max_depth = max_depth
+        self.after_first_step = False  # a lazy module's parameters are counted once they have a size
 
     def on_fit_start(self, run: Run) -> None:
+        # A lazy module's parameters (nn.LazyLinear) have no size until the first forward.
+        self.after_first_step = any(isinstance(p, UninitializedParameter) for p in run.model.parameters())
+        if not self.after_first_step:
+            self.report(run)
+
+    def on_step_end(self, run: Run, step: StepEnd) -> None:
+        if self.after_first_step:
+            self.after_first_step = False
+            self.report(run)
+
+    def report(self, run: Run) -> None:
         trainable, total = count(run.model)
         rows = [(name, type(module).__name__, *count(module)) for name, module in run.model.named_modules()
                 if name and name.count(".") < self.max_depth]

@@ -44,6 +44,14 @@ def load_over_base(model: nn.Module, state: dict[str, Any], path: str | Path, fo
             f"{kept['crc32']:08x} over {kept['tensors']} frozen tensors, here {found['crc32']:08x} over "
             f"{found['tensors']}); rebuild the base the run trained on (its from_pretrained directory, "
             f"trainer.init_from) unchanged")
+    here = model.state_dict()
+    if reshaped := [name for name, tensor in state["model"].items() if name in here and here[name].shape != tensor.shape]:
+        # The adapters' shapes are their rank's (lora_A is r x in): name the one the run trained with.
+        r = ((state.get("config") or {}).get("adapter") or {}).get("r", "?")
+        name = reshaped[0]
+        raise CheckpointError(f"checkpoint '{path}' holds adapters trained with adapter.r={r} ({name} is "
+                              f"{list(state['model'][name].shape)} there, {list(here[name].shape)} here); resume with "
+                              f"adapter.r={r}")
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     # Every name a frozen tensor has: a tied one (GPT-2's lm_head.weight, the token embedding's)
     # is listed once by named_parameters() but is a key of the state dict under each name.

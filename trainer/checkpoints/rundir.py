@@ -127,6 +127,8 @@ class RunDirectory:
         """Let the directory go; `refused`: the job trained nothing, so take back what it added (log, record)."""
         if refused and self._found is not None:
             self._take_back()
+        elif refused:  # refused before the claim (a logger that cannot work): the folder Hydra made, if empty
+            remove_if_empty(self.path)
         if self._fd is not None:
             os.close(self._fd)  # drops the flock
             self._fd = None

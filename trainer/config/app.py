@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.checkpoints.rundir import log_file, rank_tag, run_directory, run_name
-from ringtrain.conf import options_defining
+from ringtrain.conf import CONF_DIR, options_defining
 from ringtrain.config.recipe import Replay
 from ringtrain.errors import ConfigError, exit_on_user_error
 
@@ -178,8 +178,10 @@ def composition_message(err: Exception, primary: PrimaryConfig, command: Command
     from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options:
-        return _missing_option_message(err.missing_cfg_file, err.options, command)
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file:
+        # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
+        if options := err.options or _group_options(err.missing_cfg_file.rpartition("/")[0], command):
+            return _missing_option_message(err.missing_cfg_file, options, command)
     if isinstance(err, SearchPathException):
         return f"{_lines(err)[0]}; pass --config-dir the folder that holds your <group>/<option>.yaml files"
     if replayed := _replayed_override_refused(err, command):
@@ -243,13 +245,28 @@ def _lines(err: Exception) -> list[str]:
     return [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
 
 
+def _group_options(group: str, command: CommandLine) -> list[str]:
+    """The options of `group`: ringtrain's, and those of the --config-dir folder the command line names."""
+    args = command.args
+    given = [value for flag, value in zip(args, args[1:]) if flag in ("--config-dir", "-cd")]
+    given += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config-dir=")]
+    folders = [CONF_DIR / group, *(Path(folder) / group for folder in given)]
+    return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
+
+
+# Groups whose null is a choice, and what it does: what a user who types `none` means.
+TURNED_OFF_BY_NULL = {"logger": "logger=null turns logging off", "adapter": "adapter=null trains without an adapter"}
+
+
 def _missing_option_message(missing: str, options: list[str], command: CommandLine) -> str:
     group, _, option = missing.rpartition("/")
     if command.replay and (hint := command.replay.config_dir_hint(group, option)):
         return hint
     close = difflib.get_close_matches(option, options, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    if group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
+    if group in TURNED_OFF_BY_NULL and option.lower() in ("none", "off", "false", "no", "disabled"):
+        hint = f"; {TURNED_OFF_BY_NULL[group]}"
+    elif group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
         hint = " (Optuna and joblib come with pip install 'ringtrain[sweep]', submitit with 'ringtrain[slurm]')"
     elif not close and not command.gives_config_dir:  # most likely the user's own, folder not given
         hint = f"; your own? put {group}/{option}.yaml in a config folder and pass --config-dir <folder>"

@@ -56,7 +56,10 @@ def import_extra(package: str) -> ModuleType:
     """The optional `package`, or one line naming the ringtrain extra that installs it (named alike)."""
     try:
         return importlib.import_module(package)
-    except ModuleNotFoundError as err:
-        if err.name != package:  # installed, but a module it needs is missing: that error says which
-            raise
-        raise ConfigError(f"logger.{package} needs the {package} package: pip install 'ringtrain[{package}]'") from None
+    except ImportError as err:
+        if isinstance(err, ModuleNotFoundError) and err.name == package:
+            raise ConfigError(f"logger.{package} needs the {package} package: pip install 'ringtrain[{package}]'") from None
+        # Installed, but broken: a module it needs is missing, or a version that does not fit.
+        reason = " ".join(str(err).split())[:200]
+        raise ConfigError(f"logger.{package}: {package} is installed but importing it failed ({type(err).__name__}: "
+                          f"{reason}); reinstall it: pip install --force-reinstall 'ringtrain[{package}]'") from None

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from ringtrain.errors import ConfigError
 from ringtrain.loggers.base import Logger, final_and_best, flatten, import_extra
 
 # MLflow's run status for each way a run ends.
@@ -23,11 +24,18 @@ class MLflowLogger(Logger):
     def __init__(self, tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment_name: str | None = None):
         self.mlflow = import_extra("mlflow")
         self.tracking_uri, self.experiment_name = tracking_uri, experiment_name
+        # The client opens the store (a local one is created): a URI it cannot use is refused before the run starts.
+        with _one_process_at_a_time(self.tracking_uri):
+            try:
+                self.client = self.mlflow.MlflowClient(self.tracking_uri)
+            except self.mlflow.exceptions.MlflowException as err:
+                reason = " ".join(err.message.split()).split(". See ")[0][:300]
+                raise ConfigError(f"logger.mlflow.tracking_uri={tracking_uri!r} cannot be used ({reason}); use a local "
+                                  f"store (sqlite:///outputs/mlflow.db) or a tracking server's http(s):// URI") from None
 
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
         name = self.experiment_name or group or "ringtrain"
         with _one_process_at_a_time(self.tracking_uri):
-            self.client = self.mlflow.MlflowClient(self.tracking_uri)
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         tags = {"ringtrain.run_dir": str(run_dir), **({"ringtrain.group": group} if group else {})}

@@ -20,6 +20,12 @@ class WandbLogger(Logger):
             raise ConfigError(f"logger.wandb.mode={mode} is not one of {', '.join(MODES)}")
         self.wandb = import_extra("wandb")
         self.project, self.mode, self.tags = project, mode, list(tags or [])
+        if mode == "online":  # the key, found now (or asked for at a terminal), not at the first write
+            try:
+                self.wandb.login(verify=False)
+            except self.wandb.errors.UsageError as err:
+                raise ConfigError(f"logger.wandb.mode=online needs a W&B API key ({err}); set WANDB_API_KEY or run "
+                                  f"`wandb login`, or log offline (logger.wandb.mode=offline) and `wandb sync` later") from None
 
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
         self.run = self.wandb.init(project=self.project, mode=self.mode, dir=run_dir, name=run_name,

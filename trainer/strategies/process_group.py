@@ -7,6 +7,7 @@ N ranks here through torch's elastic launcher (strategies/launch.py).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +58,13 @@ class ProcessGroupStrategy(Strategy):
 
     def launch(self, fn: Callable[..., Any], *args: Any, stop_signals: Sequence[str] = (),
                accelerator: str = "auto") -> Any:
-        if under_torchrun() or self.nproc_per_node == 1:
+        if under_torchrun():
+            return fn(*args)
+        if self.nproc_per_node == 1:
+            # Legitimate (a one-rank check of a ddp config), but most often a launcher forgotten: say so.
+            logging.getLogger("ringtrain").warning(
+                f"strategy={self.option} trains in this one process: no launcher started ranks; start N with "
+                f"torchrun --nproc_per_node=N -m ringtrain strategy={self.option} ..., or strategy.nproc_per_node=N")
             return fn(*args)
         from ringtrain.strategies.launch import launch_ranks, warn_if_ranks_share_cores
 

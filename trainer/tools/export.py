@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Literal
@@ -144,6 +145,14 @@ def _refuse_to_replace(target: Path, format: str, overwrite: bool) -> None:  # n
     for parent in target.absolute().parents:
         if parent.exists() and not parent.is_dir():
             raise ConfigError(f"output={target} goes through {parent}, which is a file; choose an output in a directory")
+    # Whether the folders to it can be made there: a folder made and removed in the nearest one that
+    # exists (permissions alone do not say: /proc, a read-only mount, a full disk).
+    existing = next(parent for parent in target.absolute().parents if parent.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ringtrain-export-", dir=existing))
+    except OSError as err:
+        raise ConfigError(f"output={target} cannot be written: nothing can be created in {existing} "
+                          f"({err.strerror}); choose an output in a folder you can write to") from None
     if format == "safetensors" and target.is_dir():
         raise ConfigError(f"output={target} is a directory; name the .safetensors file to write")
     if not target.exists() or overwrite or _exported(target):

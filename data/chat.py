@@ -104,7 +104,7 @@ class ChatData(DataModule):
         self.dims = {"vocab_size": len(self.tokenizer)}  # len(): the added tokens too (vocab_size leaves them out)
         # The checkpoint keeps the tokenizer and its template: `ringtrain sample chat=true` needs nothing else.
         self.vocab = {"kind": "bpe", "tokenizer_json": self.tokenizer.backend_tokenizer.to_str(),
-                      "chat_template": self.tokenizer.chat_template}
+                      "chat_template": self.tokenizer.chat_template, "eos_token": self.tokenizer.eos_token}
         self.truncation: Truncation | None = None  # known after setup()
 
     def _source(self, path: Any, key: str) -> tuple[list[str], str]:

@@ -238,3 +238,30 @@ def test_sample_renders_the_prompt_with_the_runs_chat_template(user, tmp_path):
     (text,) = sample(checkpoint, prompt="echo abc", chat=True, max_new_tokens=4, temperature=0)
     assert text.startswith(f"{START}user\necho abc{END}\n{START}assistant\n")
     assert sample(checkpoint, prompt="echo abc", max_new_tokens=0)[0] == "echo abc"  # chat=false: the text as it is
+
+
+def test_chat_samples_end_at_the_templates_end_of_turn_token(user):
+    """sample chat=true ends a reply at the token the template writes after an assistant's turn
+    (here ChatML's <|im_end|>, found by rendering the template), and a plain sample of a
+    tokenizer without an end-of-text token does not. A scripted model writes "ab", the end of
+    turn, then "cd": the sample stops after the end of turn, and no forward pass follows it."""
+    from ringtrain.data.chat import ChatData
+    from ringtrain.data.vocab import vocab_from_state
+    from ringtrain.tools.sample import Stopping, generate, stop_token_ids
+
+    vocab = vocab_from_state(ChatData(str(user / "chats.jsonl"), str(user / "tokenizer")).vocab)
+    end = vocab.encode(END)
+    assert stop_token_ids(vocab, chat=True) == set(end) and stop_token_ids(vocab, chat=False) == set()
+    prompt, script = vocab.encode("echo"), vocab.encode("ab") + end + vocab.encode("cd")
+
+    class Scripted(torch.nn.Module):
+        calls = 0
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            written = script[ids.size(1) - len(prompt)]
+            return F.one_hot(torch.tensor(written), vocab.size).float().expand(1, ids.size(1), -1)
+
+    stopping, model = Stopping(vocab, stop_token_ids(vocab, chat=True), []), Scripted()
+    out = generate(model, torch.tensor([prompt]), 20, temperature=0, until=stopping.ended)
+    assert stopping.text(out[0].tolist(), len(prompt)) == f"echoab{END}" and model.calls == 3

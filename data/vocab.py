@@ -232,6 +232,14 @@ def vocab_from_state(state: dict) -> Vocab:
     raise ValueError(f"unknown vocabulary kind {kind!r}; expected one of {', '.join(VOCAB_KINDS)}")
 
 
+def same_ids(a: dict, b: dict) -> bool:
+    """Whether two vocabulary states encode text to the same ids (a chat template or an
+    end-of-text token, which only say where a text starts and ends, may differ)."""
+    def encoding(state: dict) -> dict:
+        return {key: value for key, value in state.items() if key not in ("chat_template", "eos_token")}
+    return encoding(a) == encoding(b)
+
+
 def _int_list(ids: Ids) -> list[int]:
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         return ids.reshape(-1).tolist()

@@ -37,6 +37,7 @@ from ringtrain.config.app import PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import TrainerConfig, build_strategy, check_options, trainer_config
 from ringtrain.data.bundle import DataBundle
+from ringtrain.data.vocab import same_ids
 from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError, exit_on_user_error
 from ringtrain.loop.evaluation import evaluate_model
@@ -214,7 +215,7 @@ def check_data_fits(data: DataBundle, job: EvalJob) -> None:
                 f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
                 f"evaluate on data of the same kind"
             )
-    if data.vocab is not None and job.vocab is not None and data.vocab != job.vocab:
+    if data.vocab is not None and job.vocab is not None and not same_ids(data.vocab, job.vocab):
         raise ConfigError(
             "the data's vocabulary differs from the one the model was trained with (same size, other "
             "characters or order), so its ids mean other things; evaluate on text with the same characters"

@@ -170,12 +170,17 @@ SMALL_LM = ["model=transformer", "model.d_model=16", "model.n_layers=1", "model.
             "optimizer.lr=3e-3"]
 
 
-def test_data_stream_trains_a_transformer_and_resumes_bit_identically(corpus):
+def test_data_stream_trains_a_transformer_and_resumes_bit_identically(corpus, caplog):
+    """The validation lines count the samples drawn (a stream has no epochs), a resumed run's too."""
     common = SMALL_LM + ["data=stream", f"data.path={corpus / 'web.jsonl'}", f"data.tokenizer={corpus / 'tokenizer.json'}",
                          "data.val_documents=20", "data.piece_bytes=2048", "trainer.num_workers=2"]
     train_in_process(common + ["trainer.max_steps=12"], corpus / "straight")
     train_in_process(common + ["trainer.max_steps=5"], corpus / "resumed")
-    result = train_in_process(common + ["trainer.max_steps=12"], corpus / "resumed")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ringtrain"):
+        result = train_in_process(common + ["trainer.max_steps=12"], corpus / "resumed")
+    assert [m.split(":")[0] for r in caplog.records if "val/loss=" in (m := r.getMessage()) and m[:5] == "step "] == [
+        "step 6 (24 samples)", "step 12 (48 samples)"]
     straight, resumed = checkpoint_weights(corpus / "straight"), checkpoint_weights(corpus / "resumed")
     assert result.steps == 12 and all(torch.equal(straight[k], resumed[k]) for k in straight)
     state = torch.load(corpus / "resumed" / "checkpoints" / "last.pt", weights_only=True)

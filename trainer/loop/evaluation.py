@@ -45,13 +45,27 @@ class Evaluator:
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
     def run(self) -> dict[str, float]:
-        """The validation metrics (val/<name>), identical for any number of ranks."""
+        """The validation metrics (val/<name>), identical for any number of ranks. A validation
+        set of named parts (a mixture's sources) gives each part's (val/<part>/<name>) too, its
+        whole set's from the parts' sums: one pass over the samples either way."""
         parts = self.parts
-        metrics = evaluate_model(parts.model, parts.val_loader, self.task, parts.precision, self.dist,
-                                 parts.strategy, self.watchdog)
+        loaders = parts.val_sources or {"": parts.val_loader}
+        sums = {name: evaluate_sums(parts.model, loader, self.task, parts.precision, self.dist, parts.strategy,
+                                    self.watchdog) for name, loader in loaders.items()}
+        metrics = {f"val/{k}": v for k, v in metrics_from_sums(_added(sums.values())).items()}
+        if parts.val_sources:
+            metrics |= {f"val/{name}/{k}": v for name, totals in sums.items() for k, v in metrics_from_sums(totals).items()}
         parts.model.train()
         self.since = time.monotonic()
-        return {f"val/{k}": v for k, v in metrics.items()}
+        return metrics
+
+
+def _added(totals: Any) -> dict[str, torch.Tensor]:
+    added: dict[str, torch.Tensor] = {}
+    for each in totals:
+        for key, value in each.items():
+            added[key] = added.get(key, 0) + value
+    return added
 
 
 def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
@@ -59,6 +73,12 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
     """The task's metrics over every batch of `loader` on every rank (each rank has at least
     one): each batch's sums and counts, added up in float64 and all-reduced, then divided, so
     the value is the same for any number of ranks. Leaves the model in eval mode."""
+    return metrics_from_sums(evaluate_sums(model, loader, task, precision, dist, strategy, watchdog))
+
+
+def evaluate_sums(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
+                  strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, torch.Tensor]:
+    """evaluate_model's sums and counts over every rank (float64, on the CPU), before dividing."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     # The shards are not padded, so ranks may have a batch more or less. A sharded forward is a
@@ -80,4 +100,4 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
                 predictions(task, model, last)
     keys = sorted(sums)  # the same task, so the same keys on every rank
     totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
-    return metrics_from_sums(dict(zip(keys, totals)))
+    return dict(zip(keys, totals))

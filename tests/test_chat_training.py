@@ -331,3 +331,22 @@ def test_an_export_into_an_earlier_exports_folder_replaces_only_what_an_export_w
     assert (folder / clash).read_bytes() == exported[clash] and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]
     export(str(chat_lora_checkpoint), format, str(tmp_path / "mine"), overwrite=True)
     assert (tmp_path / "mine" / "NOTES.md").read_text() == "mine" and (tmp_path / "mine" / clash).is_file()
+
+
+def test_show_masking_prints_a_row_with_its_trained_tokens_marked(user, caplog):
+    """data.show_masking=1 logs the first training row as text, each run of trained tokens
+    between [[ and ]]: the assistant's reply and its end of turn (ChatML's newline after it
+    too), never the prompt or the assistant's header."""
+    from ringtrain.data.chat import ChatData
+
+    first = conversations(CONVERSATIONS)[0]
+    data = ChatData(str(user / "chats.jsonl"), str(user / "tokenizer"), val_path=str(user / "chats.jsonl"),
+                    max_length=4096, cache_dir="", show_masking=1)
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        data.setup()
+    turns = "".join(f"{START}user\n{q['content']}{END}\n{START}assistant\n[[{a['content']}{END}\n]]"
+                    for q, a in zip(first[::2], first[1::2]))
+    trained = sum(len(a["content"]) + 2 for a in first[1::2])
+    (shown,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.show_masking")]
+    assert shown == (f"data.show_masking: training row 0, its trained tokens between [[ and ]] ({trained} of "
+                     f"{tokens_by_hand(first)} tokens):\n{turns}")

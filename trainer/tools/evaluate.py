@@ -115,19 +115,22 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, strategy:
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
         trainer=trainer_settings, strategy=strategy_config, weights=weights,
     )
-    metrics_file = Path(output) if output else default_output(checkpoint, split)
+    metrics_file = Path(output) if output else default_output(checkpoint, split, weights)
     record = {
-        "checkpoint": str(job.checkpoint.path), "step": (state.get("progress") or {}).get("step"),
+        "checkpoint": str(job.checkpoint.path), "step": (state.get("progress") or {}).get("step"), "weights": weights,
         "split": split, "strategy": _strategy_option(strategy), "overrides": [], "output": str(metrics_file),
     }
     return job, record
 
 
-def default_output(checkpoint: str, split: str) -> Path:
-    """<run dir>/eval/<checkpoint>-<split>.json: evaluating the train split, or best.pt after
-    last.pt, writes a file of its own (one eval/metrics.json for all lost the earlier result)."""
+def default_output(checkpoint: str, split: str, weights: str = "model") -> Path:
+    """<run dir>/eval/<checkpoint>-<split>.json, or <checkpoint>-<weights>-<split>.json for
+    weights other than the model's own (ema): evaluating the train split, best.pt after last.pt,
+    or the EMA average after the weights, writes a file of its own (one eval/metrics.json for
+    all lost the earlier result)."""
     path = Path(checkpoint).absolute()
-    return path.parent.parent / "eval" / f"{path.stem}-{split}.json"
+    which = "" if weights == "model" else f"-{weights}"
+    return path.parent.parent / "eval" / f"{path.stem}{which}-{split}.json"
 
 
 def evaluation_strategy(section: dict) -> Strategy:
@@ -241,7 +244,9 @@ def show(evaluated: tuple[dict, EvalResult | None]) -> None:
     if result is not None:
         for name, value in result.metrics.items():
             print(f"{name}={value:.6g}")
-        print(f"evaluated {record['checkpoint']} (step {record['step']}); metrics in {record['output']}", file=sys.stderr)
+        weights = "" if record["weights"] == "model" else f", weights={record['weights']}"
+        print(f"evaluated {record['checkpoint']} (step {record['step']}{weights}); metrics in {record['output']}",
+              file=sys.stderr)
 
 
 def main() -> None:

@@ -167,13 +167,10 @@ def _positive_int(value) -> bool:
 class TokenShards(DataModule):
     """A sharded token corpus as a data component: `data=token_shards data.path=<dir or glob>`.
 
-    `vocab_size`: ids must lie below it, and the model's vocabulary is filled with it; None
-    means the tokenizer's size, else the largest meta.json vocab_size of the token directories,
-    else the largest id in the shards plus one (a scan of every file, once per file version,
-    which setup() does anyway; setup() logs it). `tokenizer`: the tokenizer.json (or a
-    from_pretrained folder holding one) the ids were made with; the checkpoint keeps it as the
-    vocabulary `ringtrain sample` decodes with.
-    """
+    `vocab_size`: ids must lie below it, and the model's vocabulary is filled with it; None: the
+    tokenizer's size, else the largest meta.json vocab_size, else the largest id plus one (the
+    scan setup() does anyway, once per file version; logged). `tokenizer`: the tokenizer.json
+    (or its folder) the ids were made with, kept in the checkpoint for `ringtrain sample`."""
 
     def __init__(self, path: str, seq_len: int = 1024, vocab_size: int | None = None, tokenizer: str | None = None,
                  cache_dir: str = "~/.cache/ringtrain") -> None:

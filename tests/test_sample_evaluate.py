@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -103,6 +104,14 @@ def test_a_stop_text_ends_the_sample_at_the_first_one_written(char_run):
     proc = ok(run_module("sample", [f"checkpoint={checkpoint}", "prompt=romeo", "max_new_tokens=80", "temperature=0",
                                     "device=cpu", f"stop=[{json.dumps(late)},{json.dumps(early)}]"]))
     assert proc.stdout.removesuffix("\n") == "romeo" + written[:end]
+
+
+def test_sample_help_names_every_data_whose_runs_sample_and_the_stop_setting(tmp_path):
+    shown = ok(run_module("sample", ["--help"], cwd=tmp_path)).stdout
+    checkpoint = shown.split("checkpoint ", 1)[1].split("(required)")[0]
+    for data in ("data=text", "token_file", "hf_text", "stream", "chat", "mixture", "hf_rows", "token_shards"):
+        assert data in checkpoint, data
+    assert re.search(r"^        stop ", shown, re.MULTILINE) and "end-of-turn" in shown
 
 
 def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):

@@ -96,14 +96,19 @@ def test_a_stop_text_ends_the_sample_at_the_first_one_written(char_run):
     and including the first stop text it writes; a plain character vocabulary has no end-of-text
     token, so without stop= it runs to max_new_tokens."""
     checkpoint = str(char_run / "checkpoints" / "last.pt")
-    (full,) = sample(checkpoint, prompt="romeo", max_new_tokens=80, temperature=0, device="cpu")
-    assert len(full) == len("romeo") + 80
-    written = full[len("romeo"):]
+    prompt = "romeo."  # then a new line, and text of several words
+    (full,) = sample(checkpoint, prompt=prompt, max_new_tokens=80, temperature=0, device="cpu")
+    assert len(full) == len(prompt) + 80
+    written = full[len(prompt):]
     early, late = (next(written[i:i + 3] for i in range(start, 77) if "\n" not in written[i:i + 3]) for start in (30, 50))
     end = min(written.find(early) + 3, written.find(late) + 3)
-    proc = ok(run_module("sample", [f"checkpoint={checkpoint}", "prompt=romeo", "max_new_tokens=80", "temperature=0",
-                                    "device=cpu", f"stop=[{json.dumps(late)},{json.dumps(early)}]"]))
-    assert proc.stdout.removesuffix("\n") == "romeo" + written[:end]
+    proc = ok(run_module("sample", [f"checkpoint={checkpoint}", f"prompt={prompt}", "max_new_tokens=80",
+                                    "temperature=0", "device=cpu", f"stop=[{json.dumps(late)},{json.dumps(early)}]"]))
+    assert proc.stdout.removesuffix("\n") == prompt + written[:end]
+    # \n, as a command line writes a newline for Hydra: the sample ends at its first line's end.
+    line = written.index("\n") + 1
+    assert sample(checkpoint, prompt=prompt, max_new_tokens=80, temperature=0, device="cpu", stop="\\n") == \
+        [prompt + written[:line]]
 
 
 def test_sample_help_names_every_data_whose_runs_sample_and_the_stop_setting(tmp_path):
@@ -111,7 +116,7 @@ def test_sample_help_names_every_data_whose_runs_sample_and_the_stop_setting(tmp
     checkpoint = shown.split("checkpoint ", 1)[1].split("(required)")[0]
     for data in ("data=text", "token_file", "hf_text", "stream", "chat", "mixture", "hf_rows", "token_shards"):
         assert data in checkpoint, data
-    assert re.search(r"^        stop ", shown, re.MULTILINE) and "end-of-turn" in shown
+    assert re.search(r"^ +stop +texts that end a sample", shown, re.MULTILINE) and "end-of-turn" in shown
 
 
 def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):

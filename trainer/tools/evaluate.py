@@ -40,7 +40,7 @@ from ringtrain.data.bundle import DataBundle
 from ringtrain.data.vocab import same_ids
 from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError, exit_on_user_error
-from ringtrain.loop.evaluation import evaluate_model
+from ringtrain.loop.evaluation import evaluate_parts
 from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.precision import Precision
 from ringtrain.strategies.base import Strategy
@@ -188,21 +188,23 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
         data = build_data(job.data, dist)
         check_data_fits(data, job)
         dataset = data.val if job.split == "val" else data.train
-        if len(dataset) < dist.world_size:
-            raise ConfigError(
-                f"the {job.split} split has {len(dataset)} samples but {dist.world_size} processes need at "
-                f"least one each; use fewer processes"
-            )
+        named = data.val_sources if job.split == "val" and data.val_sources else {"": dataset}  # a mixture's sources
+        for name, part in named.items():
+            if len(part) < dist.world_size:
+                raise ConfigError(
+                    f"the {job.split} split{f' of {name}' if name else ''} has {len(part)} samples but "
+                    f"{dist.world_size} processes need at least one each; use fewer processes"
+                )
         task = check_task(build(job.task, "task"))
         state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
         model = rebuild_model(state, str(job.checkpoint.path), job.model, job.weights).to(dist.device)
         del state
         cfg = job.trainer
-        loader = build_val_loader(
-            dataset, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
+        loaders = {name: build_val_loader(
+            part, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
             limit_batches=cfg.limit_val_batches, workers=worker_options(cfg, dist.device),
-        )
-        sums = evaluate_model(model, loader, task, Precision(cfg.precision, dist.device), dist, job.strategy)
+        ) for name, part in named.items()}
+        sums = evaluate_parts(model, loaders, task, Precision(cfg.precision, dist.device), dist, job.strategy)
         clean_exit = True
         return EvalResult({f"{job.split}/{name}": value for name, value in sums.items()}, dist.world_size)
     finally:

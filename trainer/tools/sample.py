@@ -14,6 +14,7 @@ or the output the run's task reads (a Hugging Face model's `logits`, data/batche
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +154,7 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
         raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=null for all tokens")
     if max_new_tokens < 0 or num_samples < 1:
         raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
-    stop_texts = [stop] if isinstance(stop, str) else list(stop or [])
+    stop_texts = [unescape(text) for text in ([stop] if isinstance(stop, str) else list(stop or []))]
     if "" in stop_texts:
         raise ConfigError("stop holds an empty text, which would end every sample at once; remove it")
     state = read_checkpoint(checkpoint, trust=trust_checkpoint)
@@ -187,6 +188,12 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
                            until=stopping.ended if stopping else None)
         texts.append(stopping.text(out[0].tolist(), len(ids)))
     return texts
+
+
+def unescape(text: str) -> str:
+    """A stop text as the command line cannot write it otherwise: \\n a newline, \\t a tab, \\\\ a
+    backslash (Hydra keeps a backslash as it is)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
 def stop_token_ids(vocab: Vocab, chat: bool) -> set[int]:

@@ -16,6 +16,7 @@ text in the data's vocabulary (data/vocab.py, kind "bpe") and so in every checkp
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def read_tokenizer(path: str, key: str = "data.tokenizer") -> BPEVocab:
     if not path:
         raise DataError(f"{key} is not set; {how}")
     file = Path(path).expanduser()
+    folder_config = file / "tokenizer_config.json" if file.is_dir() else None
     if file.is_dir():
         file = file / TOKENIZER_FILE
     if not file.is_file():
@@ -65,9 +67,20 @@ def read_tokenizer(path: str, key: str = "data.tokenizer") -> BPEVocab:
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"{key}={path!r} cannot be read ({err}); {how}") from None
     try:
-        return BPEVocab(text)
+        return BPEVocab(text, eos_token=_eos_token(folder_config))
     except ValueError as err:
         raise DataError(f"{key}={path!r}: {err}; {how}") from None
+
+
+def _eos_token(config: Path | None) -> str | None:
+    """A from_pretrained folder's end-of-text token (its tokenizer_config.json's eos_token, a
+    string or an AddedToken's dict): where a sample ends. None without one."""
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config and config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 
 
 def _tokenizers(purpose: str):

@@ -30,6 +30,9 @@ class DataBundle:
     dims: dict[str, int] = field(default_factory=dict)
     # How to decode token ids back to text (data/vocab.py), for text data; kept in checkpoints.
     vocab: dict[str, Any] | None = None
+    # The validation set's named parts (a mixture's sources, data/mixture.py), each also
+    # validated alone: val/<name>/<metric> beside the whole set's val/<metric>.
+    val_sources: dict[str, Dataset] = field(default_factory=dict)
 
 
 class DataModule:

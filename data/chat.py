@@ -30,6 +30,9 @@ A conversation longer than `max_length` loses its end; `truncation` counts what 
 setup() logs its one-line `summary()`. One whose prompt alone (everything before its first
 trained token) leaves no trained token within max_length is refused.
 
+`show_masking`: setup() logs the first N training rows with their trained tokens between [[ and
+]], to see what train_on selects (README, "Which tokens train").
+
 `packing`: the conversations are laid end to end in rows of at most max_length tokens
 (data/packing.py), with position_ids in place of attention_mask; Hugging Face models then
 need `use_cache: false` in their config.
@@ -53,6 +56,7 @@ TRAIN_ON = ("assistant", "last", "all")
 # The roles of OpenAI's and Hugging Face's chat formats: where labels follow the roles
 # (train_on assistant or last), another ("bot") is a mistake that would train nothing of it.
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+TRAINED = ("[[", "]]")  # around the trained tokens where data.show_masking prints a row
 # transformers' own test of whether a template marks assistant tokens (apply_chat_template).
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 ROW_KEYS = ("input_ids", "attention_mask", "labels")
@@ -86,10 +90,12 @@ class ChatData(DataModule):
     def __init__(self, path: str | list[str], tokenizer: str, val_path: str | list[str] | None = None,
                  val_fraction: float = 0.1, max_length: int = 1024, train_on: str = "assistant",
                  packing: bool = False, seed: int = 0, format: str | None = None,  # noqa: A002
-                 cache_dir: str = "~/.cache/ringtrain"):
+                 cache_dir: str = "~/.cache/ringtrain", show_masking: int = 0):
         self.val_fraction, self.max_length, self.train_on, self.packing = val_fraction, max_length, train_on, packing
-        self.seed, self.format, self.cache_dir = seed, format, cache_dir
+        self.seed, self.format, self.cache_dir, self.show_masking = seed, format, cache_dir, show_masking
         check_positive_ints(self, "max_length")
+        if isinstance(show_masking, bool) or not isinstance(show_masking, int) or show_masking < 0:
+            raise DataError(f"data.show_masking={show_masking!r} must be a number of rows >= 0, e.g. 2")
         if train_on not in TRAIN_ON:
             raise DataError(f"data.train_on={train_on!r} is not one of {', '.join(TRAIN_ON)}; assistant trains on every "
                             f"assistant turn, last on the last one, all on every token")
@@ -107,7 +113,7 @@ class ChatData(DataModule):
         self.dims = {"vocab_size": len(self.tokenizer)}  # len(): the added tokens too (vocab_size leaves them out)
         # The checkpoint keeps the tokenizer and its template: `ringtrain sample chat=true` needs nothing else.
         self.vocab = {"kind": "bpe", "tokenizer_json": self.tokenizer.backend_tokenizer.to_str(),
-                      "chat_template": self.tokenizer.chat_template}
+                      "chat_template": self.tokenizer.chat_template, "eos_token": self.tokenizer.eos_token}
         self.truncation: Truncation | None = None  # known after setup()
 
     def _source(self, path: Any, key: str) -> tuple[list[str], str]:
@@ -135,6 +141,11 @@ class ChatData(DataModule):
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
             count = max(1, int(len(train) * self.val_fraction))
             train, val = train.select(sorted(order[count:])), train.select(sorted(order[:count]))
+        for index in range(min(self.show_masking, len(train))):
+            row = train[index]
+            log.info(f"data.show_masking: training row {index}, its trained tokens between {TRAINED[0]} and {TRAINED[1]} "
+                     f"({sum(label != IGNORE_INDEX for label in row['labels'])} of {len(row['labels'])} tokens):\n"
+                     + masking_text(self.tokenizer, row["input_ids"], row["labels"]))
         self.train, self.val = self._batches(train), self._batches(val)
 
     def _batches(self, rows: Any) -> torch.utils.data.Dataset:
@@ -283,6 +294,20 @@ class ChatTemplate:
         trained = [any(token_start < end and token_end > start for start, end in spans if start < end)
                    for token_start, token_end in encoded["offset_mapping"]]
         return list(encoded["input_ids"]), trained
+
+
+def masking_text(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
+    """The row's text with each run of trained tokens (a label that is not -100) between the
+    TRAINED marks: what data.show_masking prints."""
+    runs: list[tuple[bool, list[int]]] = []
+    for token, label in zip(ids, labels):
+        trained = label != IGNORE_INDEX
+        if runs and runs[-1][0] == trained:
+            runs[-1][1].append(token)
+        else:
+            runs.append((trained, [token]))
+    pieces = (tokenizer.decode(run, skip_special_tokens=False) for _, run in runs)
+    return "".join(f"{TRAINED[0]}{piece}{TRAINED[1]}" if trained else piece for (trained, _), piece in zip(runs, pieces))
 
 
 def last_run(flags: list[bool]) -> list[bool]:

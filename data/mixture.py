@@ -8,7 +8,8 @@ conf/data/mixture.yaml builds `StreamMixture`: each source is a data/streams.py 
 (its options; the tokenizer and seq_len are the mixture's) and `train` is a `MixedStream`: each
 sample comes from a source drawn with probability weight / sum of weights, by a numpy generator
 seeded with (seed, rank, worker), so ranks and workers draw differently and each draws the same
-sequence every run. `val` is the sources' validation windows, one after the other.
+sequence every run. `val` is the sources' validation windows, one after the other; `val_sources`
+names each source's, which the run validates alone too (val/<source>/loss).
 
 `MixedStream` mixes any IterableDatasets that follow the protocol data/streams.py's TextStream
 follows (state_dict, load_state_dict; set_rank and check_state when they have them). Its state
@@ -179,4 +180,5 @@ class StreamMixture(DataModule):
         for stream in self.streams.values():
             stream.setup()
         self.train = MixedStream({name: stream.train for name, stream in self.streams.items()}, self.weights, self.seed)
-        self.val = ConcatDataset([stream.val for stream in self.streams.values()])
+        self.val_sources = {name: stream.val for name, stream in self.streams.items()}  # val/<source>/loss too
+        self.val = ConcatDataset(list(self.val_sources.values()))

@@ -29,6 +29,7 @@ vocab_size, reading each file once per version of it (data/token_ids.py keeps wh
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -40,13 +41,14 @@ import torch
 from torch.utils.data import Dataset
 
 from ringtrain.data import token_ids
+from ringtrain.data.bpe import read_tokenizer
 from ringtrain.data.bundle import DataError, DataModule
 from ringtrain.data.token_file import META_FILE, SPLITS, check_token_directory, read_meta, window_rows
 
+log = logging.getLogger("ringtrain")
 LLMC_MAGIC = 20240520  # llm.c's GPT-2 token shards (dev/data/data_common.py HEADERS_INFO["gpt-2"])
 LLMC_VERSION = 1  # uint16 ids
 HEADER_BYTES = 256 * 4
-GPT2_VOCAB_SIZE = 50257  # what FineWeb shards tokenized with GPT-2's BPE hold
 MAX_OPEN_FILES = 64
 # Headers of neighbouring formats, named when a shard holds one of them.
 OTHER_FORMATS = {
@@ -165,11 +167,12 @@ def _positive_int(value) -> bool:
 class TokenShards(DataModule):
     """A sharded token corpus as a data component: `data=token_shards data.path=<dir or glob>`.
 
-    `vocab_size`: ids must lie below it, and the model's vocabulary is filled with it; None
-    means the largest meta.json vocab_size of the token directories, else GPT-2's 50257.
-    """
+    `vocab_size`: ids must lie below it, and the model's vocabulary is filled with it; None: the
+    tokenizer's size, else the largest meta.json vocab_size, else the largest id plus one (the
+    scan setup() does anyway, once per file version; logged). `tokenizer`: the tokenizer.json
+    (or its folder) the ids were made with, kept in the checkpoint for `ringtrain sample`."""
 
-    def __init__(self, path: str, seq_len: int = 1024, vocab_size: int | None = None,
+    def __init__(self, path: str, seq_len: int = 1024, vocab_size: int | None = None, tokenizer: str | None = None,
                  cache_dir: str = "~/.cache/ringtrain") -> None:
         if not _positive_int(seq_len):
             raise DataError(f"data.seq_len={seq_len!r} must be a positive integer; set model.block_size")
@@ -184,13 +187,20 @@ class TokenShards(DataModule):
                 raise DataError(f"{shard.path} holds {shard.dtype} ids but {first.path} holds {first.dtype}; the "
                                 f"shards of one corpus need one id type (and one tokenizer): tokenize them alike")
         metas = [meta or {} for split in SPLITS for _, meta in files[split]]  # {} for an llm.c shard
+        read = read_tokenizer(tokenizer) if tokenizer is not None else None
+        self.scanned = vocab_size is None and read is None and not any(metas)
         if vocab_size is None:
-            vocab_size = max((meta["vocab_size"] for meta in metas if meta), default=GPT2_VOCAB_SIZE)
+            vocab_size = read.size if read else max((meta["vocab_size"] for meta in metas if meta), default=0)
+        if self.scanned:
+            vocab_size = 1 + max(largest_shard_id(shard, cache_dir) for split in SPLITS for shard in self.shards[split])
         self.dims = {"vocab_size": vocab_size}
         vocabs = [meta.get("vocab") for meta in metas]
-        self.vocab = vocabs[0] if all(v == vocabs[0] for v in vocabs) else None  # to decode samples with
+        self.vocab = read.to_state() if read else vocabs[0] if all(v == vocabs[0] for v in vocabs) else None
 
     def setup(self) -> None:
+        if self.scanned:
+            log.info(f"data.vocab_size={self.dims['vocab_size']}: the largest id in the shards plus one (data.vocab_size "
+                     f"or data.tokenizer sets it)")
         for split in SPLITS:  # every id, before any training: data/token_ids.py's check, cached
             for shard in self.shards[split]:
                 check_shard_ids(shard, self.dims["vocab_size"], self.cache_dir)

@@ -10,7 +10,8 @@ rebuilds the vocabulary from it. No pickled classes.
 - ByteVocab(): 256 ids, the UTF-8 bytes of the text; any text encodes, nothing is unknown.
 - BPEVocab(tokenizer_json): a Hugging Face `tokenizers` tokenizer (the byte-level BPE that
   `ringtrain prepare_tokens vocab=bpe` trains, or any tokenizer.json), kept as the text of its
-  tokenizer.json, so a checkpoint decodes with it alone. Needs the `tokenizers` library
+  tokenizer.json, so a checkpoint decodes with it alone, with its chat template and end-of-text
+  token where the tokenizer's folder has them (a sample stops at that token). Needs the `tokenizers` library
   (`pip install 'ringtrain[hf]'`), imported only when such a vocabulary is used.
 
 All decode ids they do not know (a model whose output layer is padded past the vocabulary
@@ -124,7 +125,7 @@ class BPEVocab:
 
     kind = "bpe"
 
-    def __init__(self, tokenizer_json: str, chat_template: str | None = None):
+    def __init__(self, tokenizer_json: str, chat_template: str | None = None, eos_token: str | None = None):
         if not isinstance(tokenizer_json, str) or not tokenizer_json.strip():
             raise ValueError("a 'bpe' vocabulary needs 'tokenizer_json', the text of a tokenizer.json")
         try:
@@ -136,7 +137,7 @@ class BPEVocab:
         except Exception as err:  # tokenizers raises its own Exception type for a bad file
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ValueError(f"not a tokenizers tokenizer.json ({first})") from None
-        self.tokenizer_json, self.chat_template = tokenizer_json, chat_template
+        self.tokenizer_json, self.chat_template, self.eos_token = tokenizer_json, chat_template, eos_token
         ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
         if not ids:
             raise ValueError("the tokenizer.json has an empty vocabulary")
@@ -172,14 +173,35 @@ class BPEVocab:
 
     def chat_prompt(self, text: str) -> str:
         """`text` as a user's turn rendered by the chat template, up to the assistant's reply."""
+        return self._render_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+
+    def end_of_text_ids(self) -> set[int]:
+        """The id of the end-of-text token: `eos_token` (a from_pretrained folder's), else a
+        special <|endoftext|> (GPT-2's, and what data=stream adds); none for a plain BPE."""
+        specials = {token.content: i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+        eos = self.eos_token if self.eos_token is not None else "<|endoftext|>"
+        return {specials[eos]} if eos in specials else set()
+
+    def end_of_turn_ids(self) -> set[int]:
+        """The special token the chat template writes after an assistant's turn (ChatML's
+        <|im_end|>, Llama 3's <|eot_id|>...), found by rendering one exchange: the first special
+        token after the reply. None when the template writes none (a turn ends with plain text)."""
+        reply = "\u2063"  # a character no template writes, to find where the reply ends
+        text = self._render_chat([{"role": "user", "content": "?"}, {"role": "assistant", "content": reply}])
+        specials = {i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+        after = self.encode(text[text.rindex(reply) + len(reply):])
+        return next(({i} for i in after if i in specials), set())
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         from transformers import PreTrainedTokenizerFast
 
-        from_json = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer, chat_template=self.chat_template)
-        return from_json.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        from_json = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer, chat_template=self.chat_template,
+                                            eos_token=self.eos_token)
+        return from_json.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def to_state(self) -> dict:
         extra = {"chat_template": self.chat_template} if self.chat_template else {}
+        extra |= {"eos_token": self.eos_token} if self.eos_token is not None else {}
         return {"kind": self.kind, "tokenizer_json": self.tokenizer_json, **extra}
 
     def __eq__(self, other: object) -> bool:
@@ -206,8 +228,16 @@ def vocab_from_state(state: dict) -> Vocab:
     if kind == "byte":
         return ByteVocab()
     if kind == "bpe":
-        return BPEVocab(state.get("tokenizer_json"), state.get("chat_template"))
+        return BPEVocab(state.get("tokenizer_json"), state.get("chat_template"), state.get("eos_token"))
     raise ValueError(f"unknown vocabulary kind {kind!r}; expected one of {', '.join(VOCAB_KINDS)}")
+
+
+def same_ids(a: dict, b: dict) -> bool:
+    """Whether two vocabulary states encode text to the same ids (a chat template or an
+    end-of-text token, which only say where a text starts and ends, may differ)."""
+    def encoding(state: dict) -> dict:
+        return {key: value for key, value in state.items() if key not in ("chat_template", "eos_token")}
+    return encoding(a) == encoding(b)
 
 
 def _int_list(ids: Ids) -> list[int]:

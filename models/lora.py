@@ -187,9 +187,10 @@ def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
 
 
 def save_peft_adapter(model: nn.Module, lora: LoRA, directory: str | Path,
-                      base_model_name_or_path: str | None = None) -> Path:
+                      base_model_name_or_path: str | None = None, task_type: str | None = None) -> Path:
     """Write adapter_config.json and adapter_model.safetensors as PEFT's save_pretrained does,
     so `peft.PeftModel.from_pretrained(base_model, directory)` loads them. Returns directory.
+    `task_type`: PEFT's name of the model's task (CAUSAL_LM, SEQ_CLS...), or None.
 
     `model` is the bare model `lora` was applied to (not a DDP wrapper, not sharded).
     """
@@ -206,7 +207,7 @@ def save_peft_adapter(model: nn.Module, lora: LoRA, directory: str | Path,
     save_file(weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
-        "task_type": None,
+        "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "target_modules": lora.target_modules,
         "r": lora.r,

@@ -161,3 +161,24 @@ def rebuilt(checkpoint: Path):
     state = read_checkpoint(str(checkpoint))
     model = rebuild_model(state, str(checkpoint))
     return model, vocab_from_state(state["vocab"])
+
+
+def test_a_from_pretrained_folders_eos_token_ends_its_samples(tmp_path):
+    """data.tokenizer=<folder>: the folder's tokenizer_config.json eos_token is kept with the
+    tokenizer (a sample ends at it); a bare tokenizer.json of a plain BPE has none."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from ringtrain.data.bpe import read_tokenizer, train_bpe
+    from ringtrain.tools.sample import stop_token_ids
+
+    plain = train_bpe(["the king and the queen\n" * 20], vocab_size=280)
+    tokenizer = Tokenizer.from_str(plain.tokenizer_json)
+    tokenizer.add_special_tokens(["</s>"])
+    (tmp_path / "folder").mkdir()
+    tokenizer.save(str(tmp_path / "folder" / "tokenizer.json"))
+    (tmp_path / "folder" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    vocab = read_tokenizer(str(tmp_path / "folder"))
+    assert vocab.eos_token == "</s>" and stop_token_ids(vocab, chat=False) == {tokenizer.token_to_id("</s>")}
+    assert stop_token_ids(read_tokenizer(str(tmp_path / "folder" / "tokenizer.json")), chat=False) == set()

@@ -238,3 +238,115 @@ def test_sample_renders_the_prompt_with_the_runs_chat_template(user, tmp_path):
     (text,) = sample(checkpoint, prompt="echo abc", chat=True, max_new_tokens=4, temperature=0)
     assert text.startswith(f"{START}user\necho abc{END}\n{START}assistant\n")
     assert sample(checkpoint, prompt="echo abc", max_new_tokens=0)[0] == "echo abc"  # chat=false: the text as it is
+
+
+def test_chat_samples_end_at_the_templates_end_of_turn_token(user):
+    """sample chat=true ends a reply at the token the template writes after an assistant's turn
+    (here ChatML's <|im_end|>, found by rendering the template), and a plain sample of a
+    tokenizer without an end-of-text token does not. A scripted model writes "ab", the end of
+    turn, then "cd": the sample stops after the end of turn, and no forward pass follows it."""
+    from ringtrain.data.chat import ChatData
+    from ringtrain.data.vocab import vocab_from_state
+    from ringtrain.tools.sample import Stopping, generate, stop_token_ids
+
+    vocab = vocab_from_state(ChatData(str(user / "chats.jsonl"), str(user / "tokenizer")).vocab)
+    end = vocab.encode(END)
+    assert stop_token_ids(vocab, chat=True) == set(end) and stop_token_ids(vocab, chat=False) == set()
+    prompt, script = vocab.encode("echo"), vocab.encode("ab") + end + vocab.encode("cd")
+
+    class Scripted(torch.nn.Module):
+        calls = 0
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            written = script[ids.size(1) - len(prompt)]
+            return F.one_hot(torch.tensor(written), vocab.size).float().expand(1, ids.size(1), -1)
+
+    stopping, model = Stopping(vocab, stop_token_ids(vocab, chat=True), []), Scripted()
+    out = generate(model, torch.tensor([prompt]), 20, temperature=0, until=stopping.ended)
+    assert stopping.text(out[0].tolist(), len(prompt)) == f"echoab{END}" and model.calls == 3
+
+
+@pytest.fixture(scope="module")
+def chat_lora_checkpoint(user, tmp_path_factory) -> Path:
+    """LoRA on the local tiny GPT-2, two steps on the chats: a chat fine-tune to export."""
+    run = tmp_path_factory.mktemp("chat_lora") / "run"
+    train_in_process(chat(user, packing=False) + [
+        "model=hf_gpt2", "~data.seq_len", "~model.config", "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
+        f"+model.pretrained_model_name_or_path={user / 'tiny-gpt2'}", f"data.max_length={MAX_LENGTH}",
+        "adapter=lora", "adapter.target_modules=[c_attn]", "adapter.r=4", "trainer.max_steps=2", "trainer.batch_size=4",
+        "trainer.limit_val_batches=1"], run)
+    return run / "checkpoints" / "last.pt"
+
+
+def test_exports_of_a_chat_fine_tune_keep_its_template_and_name_the_causal_lm_task(user, chat_lora_checkpoint, tmp_path):
+    """The merged export's tokenizer_config.json holds the chat template (transformers and the
+    tools that read its files render chats as the run did), and the PEFT export says
+    task_type CAUSAL_LM, so PeftModel.from_pretrained gives a model that can generate."""
+    from peft import PeftModel, PeftModelForCausalLM
+
+    from ringtrain.tools.export import export
+
+    merged, adapter = export(str(chat_lora_checkpoint), "hf", str(tmp_path / "merged")), \
+        export(str(chat_lora_checkpoint), "peft", str(tmp_path / "adapter"))
+    assert json.loads((merged / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    messages = [{"role": "user", "content": "echo ab"}]
+    loaded = transformers.AutoTokenizer.from_pretrained(merged)
+    assert loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        transformers.AutoTokenizer.from_pretrained(user / "tokenizer").apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True)
+    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    base = transformers.AutoModelForCausalLM.from_pretrained(user / "tiny-gpt2")
+    assert isinstance(PeftModel.from_pretrained(base, adapter), PeftModelForCausalLM)
+
+
+@pytest.mark.parametrize("format", ["hf", "peft"])
+def test_an_export_into_an_earlier_exports_folder_replaces_only_what_an_export_wrote(chat_lora_checkpoint, tmp_path,
+                                                                                     format):
+    """A user's notes and data folder added to an exported folder survive the next export into
+    it; a folder no export wrote is refused before anything is built, and so is a user's file
+    that the export would replace, unless overwrite=true."""
+    from ringtrain.errors import ConfigError
+    from ringtrain.tools.export import export
+
+    folder = export(str(chat_lora_checkpoint), format, str(tmp_path / "out"))
+    exported = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / "NOTES.md").write_text("my notes")
+    (folder / "data").mkdir()
+    (folder / "data" / "eval.jsonl").write_text("{}\n")
+    (folder / "config.json" if format == "hf" else folder / "adapter_config.json").write_text("stale")  # an export's file
+    export(str(chat_lora_checkpoint), format, str(folder))
+    assert (folder / "NOTES.md").read_text() == "my notes" and (folder / "data" / "eval.jsonl").read_text() == "{}\n"
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name in exported} == exported
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial or previous folder left
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "NOTES.md").write_text("mine")
+    with pytest.raises(ConfigError, match=f"output={tmp_path / 'mine'} exists and was not written by ringtrain export"):
+        export(str(chat_lora_checkpoint), format, str(tmp_path / "mine"))
+    clash, mark = sorted(exported)[-1], folder / ".ringtrain-export"
+    mark.write_text(mark.read_text().replace(f"\n{clash}\n", "\n"))  # as if the user had put it there
+    with pytest.raises(ConfigError, match=f"output={folder} holds {clash}, which ringtrain export did not write"):
+        export(str(chat_lora_checkpoint), format, str(folder))
+    assert (folder / clash).read_bytes() == exported[clash] and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]
+    export(str(chat_lora_checkpoint), format, str(tmp_path / "mine"), overwrite=True)
+    assert (tmp_path / "mine" / "NOTES.md").read_text() == "mine" and (tmp_path / "mine" / clash).is_file()
+
+
+def test_show_masking_prints_a_row_with_its_trained_tokens_marked(user, caplog):
+    """data.show_masking=1 logs the first training row as text, each run of trained tokens
+    between [[ and ]]: the assistant's reply and its end of turn (ChatML's newline after it
+    too), never the prompt or the assistant's header."""
+    from ringtrain.data.chat import ChatData
+
+    first = conversations(CONVERSATIONS)[0]
+    data = ChatData(str(user / "chats.jsonl"), str(user / "tokenizer"), val_path=str(user / "chats.jsonl"),
+                    max_length=4096, cache_dir="", show_masking=1)
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        data.setup()
+    turns = "".join(f"{START}user\n{q['content']}{END}\n{START}assistant\n[[{a['content']}{END}\n]]"
+                    for q, a in zip(first[::2], first[1::2]))
+    trained = sum(len(a["content"]) + 2 for a in first[1::2])
+    (shown,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.show_masking")]
+    assert shown == (f"data.show_masking: training row 0, its trained tokens between [[ and ]] ({trained} of "
+                     f"{tokens_by_hand(first)} tokens):\n{turns}")

@@ -136,10 +136,13 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_ema_and_weights(tmp_path, 
 
 def test_evaluate_weights_ema_reproduces_the_runs_last_validation_and_weights_model_does_not(
         tmp_path, ema_run, plain_run):
-    # Both in one command: a multirun over weights, each job's metrics in a file of its own.
+    # Both in one command: a multirun over weights, each job's metrics in a file of its own, by
+    # default eval/last-ema-val.json and eval/last-val.json, each naming the weights it measured.
     ok(run_module("ringtrain", ["evaluate", "-m", f"checkpoint={ema_run / 'checkpoints' / 'last.pt'}",
-                                "weights=ema,model", f"output={tmp_path}/${{weights}}.json"]))
-    on_ema, on_model = (json.loads((tmp_path / f"{w}.json").read_text())["metrics"] for w in ("ema", "model"))
+                                "weights=ema,model"]))
+    records = {name: json.loads((ema_run / "eval" / f"last{name}-val.json").read_text()) for name in ("-ema", "")}
+    assert [record["weights"] for record in records.values()] == ["ema", "model"]
+    on_ema, on_model = (record["metrics"] for record in records.values())
     logged = json.loads((ema_run / "metrics.json").read_text())["final"]  # validated on the average
     assert set(on_ema) == set(logged) == {"val/loss", "val/acc"}
     for name, value in logged.items():

@@ -481,6 +481,36 @@ def test_a_run_with_all_four_loggers_finds_the_same_hparams_and_final_metrics_in
     assert wandb_run(run_dir)["run"].run_group == ""
 
 
+@needs_wandb
+@needs_mlflow
+def test_a_resumed_run_continues_its_wandb_and_mlflow_runs_and_an_early_stop_finishes(tmp_path, mlflow_uri):
+    """The checkpoint keeps each logger's run id (plain data): the same command continued after
+    its first 10 steps logs to the same MLflow run (one run, every validation, FINISHED) and the
+    same W&B run id (each part an offline run that `wandb sync` adds to it). An early-stopped run
+    is FINISHED, not KILLED."""
+    import mlflow
+    import wandb
+
+    small = ["logger=[wandb,mlflow]", f"logger.mlflow.tracking_uri={mlflow_uri}", "model=mlp", "data.num_features=8",
+             "data.num_samples=256", "data.num_val_samples=64", "model.hidden_sizes=[8]", "trainer.eval_every_n_steps=5"]
+    train_in_process(small + ["trainer.max_steps=10"], tmp_path / "run")
+    train_in_process(small + ["trainer.max_steps=20"], tmp_path / "run")
+    wandb.teardown()
+    [run] = mlflow_runs(mlflow_uri, "ringtrain")
+    history = mlflow.MlflowClient(mlflow_uri).get_metric_history(run.info.run_id, "val/loss")
+    assert sorted(m.step for m in history) == [5, 10, 15, 20] and run.info.status == "FINISHED"
+    assert run.data.params["trainer.max_steps"] == "10"  # MLflow keeps a param's first value
+    parts = sorted(path.name for path in (tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(parts) == 2 and parts[0] == parts[1]  # run-<the same id>.wandb
+
+    result = train_in_process(small + ["callbacks=[default,early_stopping]", "callbacks.early_stopping.patience=1",
+                                       "callbacks.early_stopping.min_delta=1e9", "trainer.max_steps=20"],
+                              tmp_path / "early")
+    assert result.stop_kind == "requested" and result.steps == 10
+    _, _, _, early = _mlflow_logged(mlflow_uri, tmp_path / "early")
+    assert early.info.status == "FINISHED"
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, new_mlflow_store) -> Path:
     """`-m optimizer.lr=0.01,0.02 trainer.seed=1,2` with all four loggers, as a user starts it:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -88,6 +89,34 @@ def test_generate_crops_the_context_to_block_size_and_works_for_any_logits_model
     generate(Windowed(), torch.tensor([[0]]), max_new_tokens=6, temperature=0.5, top_k=1,
              generator=torch.Generator().manual_seed(0))
     assert seen == [1, 2, 3, 3, 3, 3]
+
+
+def test_a_stop_text_ends_the_sample_at_the_first_one_written(char_run):
+    """stop= on the command line (a list, as Hydra reads it): the sample is the greedy one, up to
+    and including the first stop text it writes; a plain character vocabulary has no end-of-text
+    token, so without stop= it runs to max_new_tokens."""
+    checkpoint = str(char_run / "checkpoints" / "last.pt")
+    prompt = "romeo."  # then a new line, and text of several words
+    (full,) = sample(checkpoint, prompt=prompt, max_new_tokens=80, temperature=0, device="cpu")
+    assert len(full) == len(prompt) + 80
+    written = full[len(prompt):]
+    early, late = (next(written[i:i + 3] for i in range(start, 77) if "\n" not in written[i:i + 3]) for start in (30, 50))
+    end = min(written.find(early) + 3, written.find(late) + 3)
+    proc = ok(run_module("sample", [f"checkpoint={checkpoint}", f"prompt={prompt}", "max_new_tokens=80",
+                                    "temperature=0", "device=cpu", f"stop=[{json.dumps(late)},{json.dumps(early)}]"]))
+    assert proc.stdout.removesuffix("\n") == prompt + written[:end]
+    # \n, as a command line writes a newline for Hydra: the sample ends at its first line's end.
+    line = written.index("\n") + 1
+    assert sample(checkpoint, prompt=prompt, max_new_tokens=80, temperature=0, device="cpu", stop="\\n") == \
+        [prompt + written[:line]]
+
+
+def test_sample_help_names_every_data_whose_runs_sample_and_the_stop_setting(tmp_path):
+    shown = ok(run_module("sample", ["--help"], cwd=tmp_path)).stdout
+    checkpoint = shown.split("checkpoint ", 1)[1].split("(required)")[0]
+    for data in ("data=text", "token_file", "hf_text", "stream", "chat", "mixture", "hf_rows", "token_shards"):
+        assert data in checkpoint, data
+    assert re.search(r"^ +stop +texts that end a sample", shown, re.MULTILINE) and "end-of-turn" in shown
 
 
 def test_evaluate_reports_exactly_the_val_loss_the_run_logged_at_its_last_step(char_run):
@@ -183,8 +212,9 @@ def token_checkpoint(tmp_path_factory) -> Path:
 
 def test_sample_refuses_a_checkpoint_without_a_vocabulary(token_checkpoint):
     refused(run_module("sample", [f"checkpoint={token_checkpoint}"]),
-            "this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on data=text, "
-            "token_file or hf_text")
+            f"{token_checkpoint} keeps no vocabulary to decode with (ringtrain.data.tokens.MarkovTokens gave none): "
+            "sample from a model trained on data=text, token_file, hf_text, stream, chat, or hf_rows or token_shards "
+            "with data.tokenizer")
 
 
 def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):

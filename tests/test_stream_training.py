@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import checkpoint_weights, run_cli, train_in_process
+from conftest import checkpoint_weights, run_cli, run_module, train_in_process
 from helpers import ok, refused
 
 pytest.importorskip("torchdata")
@@ -170,26 +170,35 @@ SMALL_LM = ["model=transformer", "model.d_model=16", "model.n_layers=1", "model.
             "optimizer.lr=3e-3"]
 
 
-def test_data_stream_trains_a_transformer_and_resumes_bit_identically(corpus):
+def test_data_stream_trains_a_transformer_and_resumes_bit_identically(corpus, caplog):
+    """The validation lines count the samples drawn (a stream has no epochs), a resumed run's too."""
     common = SMALL_LM + ["data=stream", f"data.path={corpus / 'web.jsonl'}", f"data.tokenizer={corpus / 'tokenizer.json'}",
                          "data.val_documents=20", "data.piece_bytes=2048", "trainer.num_workers=2"]
     train_in_process(common + ["trainer.max_steps=12"], corpus / "straight")
     train_in_process(common + ["trainer.max_steps=5"], corpus / "resumed")
-    result = train_in_process(common + ["trainer.max_steps=12"], corpus / "resumed")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ringtrain"):
+        result = train_in_process(common + ["trainer.max_steps=12"], corpus / "resumed")
+    assert [m.split(":")[0] for r in caplog.records if "val/loss=" in (m := r.getMessage()) and m[:5] == "step "] == [
+        "step 6 (24 samples)", "step 12 (48 samples)"]
     straight, resumed = checkpoint_weights(corpus / "straight"), checkpoint_weights(corpus / "resumed")
     assert result.steps == 12 and all(torch.equal(straight[k], resumed[k]) for k in straight)
     state = torch.load(corpus / "resumed" / "checkpoints" / "last.pt", weights_only=True)
     assert len(state["data_stream"]) == 1  # one rank's position
 
 
+def mixture(corpus: Path) -> list[str]:
+    return SMALL_LM + ["data=mixture", f"data.tokenizer={corpus / 'tokenizer.json'}", "logger=csv",
+                       f"+data.sources.web.path={corpus / 'web.jsonl'}", "+data.sources.web.piece_bytes=2048",
+                       f"+data.sources.books.path={corpus / 'books.jsonl'}", "+data.sources.books.piece_bytes=2048",
+                       "+data.sources.books.val_documents=20", "+data.sources.web.val_documents=20",
+                       "+data.weights.web=0.75", "+data.weights.books=0.25"]
+
+
 def test_a_mixture_logs_its_realized_proportions_and_resumes_bit_identically(corpus):
     import csv
 
-    common = SMALL_LM + ["data=mixture", f"data.tokenizer={corpus / 'tokenizer.json'}", "logger=csv",
-                         f"+data.sources.web.path={corpus / 'web.jsonl'}", "+data.sources.web.piece_bytes=2048",
-                         f"+data.sources.books.path={corpus / 'books.jsonl'}", "+data.sources.books.piece_bytes=2048",
-                         "+data.sources.books.val_documents=20", "+data.sources.web.val_documents=20",
-                         "+data.weights.web=0.75", "+data.weights.books=0.25"]
+    common = mixture(corpus)
     train_in_process(common + ["trainer.max_steps=60", "trainer.log_every_n_steps=60"], corpus / "straight")
     rows = list(csv.DictReader((corpus / "straight" / "metrics.csv").open()))
     shares = {key: float(value) for row in rows for key, value in row.items() if key.startswith("data/mix/") and value}
@@ -199,6 +208,22 @@ def test_a_mixture_logs_its_realized_proportions_and_resumes_bit_identically(cor
     train_in_process(common + ["trainer.max_steps=60", "trainer.log_every_n_steps=60"], corpus / "resumed")
     straight, resumed = checkpoint_weights(corpus / "straight"), checkpoint_weights(corpus / "resumed")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_mixture_validates_each_source_and_the_whole_set_as_evaluate_does(corpus):
+    """val/<source>/loss for each source beside val/loss, which is still the whole validation
+    set's; `ringtrain evaluate` of the checkpoint reports the same figures."""
+    import csv
+
+    result = train_in_process(mixture(corpus) + ["trainer.max_steps=6"], corpus / "run")
+    losses = {key: value for key, value in result.metrics.items() if key.endswith("loss")}
+    assert sorted(losses) == ["val/books/loss", "val/loss", "val/web/loss"]
+    assert min(losses["val/web/loss"], losses["val/books/loss"]) < losses["val/loss"] < \
+        max(losses["val/web/loss"], losses["val/books/loss"])
+    logged = [row for row in csv.DictReader((corpus / "run" / "metrics.csv").open()) if row.get("val/web/loss")]
+    assert [float(row["val/web/loss"]) for row in logged][-1] == pytest.approx(losses["val/web/loss"])
+    proc = ok(run_module("evaluate", [f"checkpoint={corpus / 'run' / 'checkpoints' / 'last.pt'}"]))
+    assert proc.stdout.splitlines() == [f"{name}={value:.6g}" for name, value in result.metrics.items()]
 
 
 def test_a_bad_line_met_mid_run_ends_it_in_one_line_and_the_last_checkpoint_is_intact(corpus):

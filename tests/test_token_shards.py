@@ -60,7 +60,7 @@ def test_shards_written_as_llm_c_writes_them_read_back_as_the_same_ids_window_fo
     data.setup()
     train = expected_windows(streams["fineweb_train_000001.bin"], streams["fineweb_train_000002.bin"], seq_len=16)
     val = expected_windows(streams["fineweb_val_000000.bin"], seq_len=16)
-    assert data.dims == {"vocab_size": 50257} and data.vocab is None
+    assert data.dims == {"vocab_size": 1 + max(int(ids.max()) for ids in streams.values())} and data.vocab is None
     assert (len(data.train), len(data.val)) == (len(train), len(val)) == (999 // 16 + 776 // 16, 299 // 16)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
     inputs, targets = data.train.get_batch(order)
@@ -282,7 +282,44 @@ def test_a_shards_largest_id_is_read_once_per_file_version(tmp_path, monkeypatch
     assert token_ids.largest_token_id(tmp_path / "fineweb_val_000000.bin", "uint16", None, str(cache)) > 50000
     write_datafile(tmp_path / "fineweb_train_000001.bin", GOOD + 50200)  # the same size, a new mtime
     with pytest.raises(DataError, match="token 57 .* is id 50257, but the vocabulary has 50257 ids"):
-        TokenShards(str(tmp_path), seq_len=8, cache_dir=str(cache)).setup()
+        TokenShards(str(tmp_path), seq_len=8, vocab_size=50257, cache_dir=str(cache)).setup()
+
+
+def test_shards_without_a_vocab_size_or_tokenizer_get_their_largest_id_plus_one_said_in_one_line(tmp_path, caplog):
+    """65 ids (0-64) give a 65-row vocabulary, not GPT-2's 50257; data.vocab_size still wins."""
+    for name, count in (("fineweb_val_000000.bin", 200), ("fineweb_train_000001.bin", 500)):
+        write_datafile(tmp_path / name, np.arange(count) % 65)
+    data = TokenShards(str(tmp_path), seq_len=8, cache_dir="")
+    with caplog.at_level("INFO", logger="ringtrain"):
+        data.setup()
+    assert data.dims == {"vocab_size": 65}
+    assert [r.getMessage() for r in caplog.records if "vocab_size" in r.getMessage()] == [
+        "data.vocab_size=65: the largest id in the shards plus one (data.vocab_size or data.tokenizer sets it)"]
+    assert TokenShards(str(tmp_path), seq_len=8, vocab_size=128, cache_dir="").dims == {"vocab_size": 128}
+
+
+def test_a_shards_run_given_its_tokenizer_samples_text_with_it(tmp_path):
+    """data.tokenizer names the tokenizer.json the llm.c shards were made with: its size is the
+    vocabulary's, the checkpoint keeps it, and `ringtrain sample` encodes and decodes with it."""
+    pytest.importorskip("tokenizers")
+    from conftest import train_in_process
+    from ringtrain.data.bpe import train_bpe
+    from ringtrain.tools.sample import sample
+
+    text = "the king and the queen of the land, and the lord of the sea\n" * 40
+    tokenizer = train_bpe([text], vocab_size=300)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text(tokenizer.tokenizer_json)
+    ids = tokenizer.encode_array(text)
+    write_datafile(tmp_path / "fineweb_val_000000.bin", ids[:200])
+    write_datafile(tmp_path / "fineweb_train_000001.bin", ids[200:])
+    train_in_process(["data=token_shards", f"data.path={tmp_path}", f"data.tokenizer={tmp_path / 'tok'}",
+                      "data.cache_dir=", "model=transformer", "model.block_size=8", "model.d_model=16",
+                      "model.n_layers=1", "model.n_heads=2", "trainer.max_steps=2", "trainer.batch_size=4"], tmp_path / "run")
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert checkpoint["vocab"] == tokenizer.to_state() and checkpoint["data_dims"] == {"vocab_size": tokenizer.size}
+    (drawn,) = sample(str(tmp_path / "run" / "checkpoints" / "last.pt"), prompt="the queen", max_new_tokens=6)
+    assert drawn.startswith("the queen") and len(tokenizer.encode(drawn)) >= len(tokenizer.encode("the queen")) + 1
 
 
 # --- the command line ---------------------------------------------------------------------------

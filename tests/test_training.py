@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -214,3 +215,27 @@ def test_a_failing_run_leaves_its_event_file_flushed_and_closed(tmp_path):
     events = EventAccumulator(str(tmp_path)).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.fixture
+def torch_determinism_restored(monkeypatch):
+    """trainer.deterministic sets process-wide torch flags and an environment variable; the
+    tests after this one get torch's defaults back."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
+
+
+def test_deterministic_runs_of_the_transformer_are_bit_identical(tmp_path, torch_determinism_restored):
+    overrides = SMALL_TRANSFORMER + ["model.dropout=0.1", "optimizer=adamw", "trainer.max_steps=20",
+                                     "trainer.deterministic=true"]
+    train_in_process(overrides, tmp_path / "a")
+    assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+    assert torch.backends.cudnn.deterministic
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    train_in_process(overrides, tmp_path / "b")
+    first, second = checkpoint_weights(tmp_path / "a"), checkpoint_weights(tmp_path / "b")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)

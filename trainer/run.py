@@ -52,6 +52,7 @@ from ringtrain.distributed import (
 from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, USER_ERROR_EXIT, ComponentFailed, TrainingStopped, UserError, first_to_report
 from ringtrain.loop.failures import component_name, failures_reported_as_mistakes
 from ringtrain.loop.fit import fit
+from ringtrain.loop.precision import use_deterministic_algorithms
 from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
@@ -109,6 +110,7 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
     rank 0's result carries the model's full weights (`model_state`), gathered from every rank
     while the process group lives (the Python API's caller may live in another process)."""
     with StopSignals(job.trainer.stop_signals) as stop:
+        use_deterministic_algorithms(job.trainer.deterministic)  # before the device is set up
         dist = job.strategy.setup_process(job.trainer.accelerator)
         directory = RunDirectory(run_dir) if dist.is_main else None
         training = refused = completed = clean_exit = False

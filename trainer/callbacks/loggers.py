@@ -24,6 +24,16 @@ class Loggers(Callback):
         # replaced the error that stopped the run.
         self.started: dict = {}
 
+    def state_dict(self) -> dict:
+        """Each logger's own (its run's id): a resumed run continues its logger runs."""
+        return {key: state for key, logger in self.loggers.items()
+                if callable(getattr(logger, "state_dict", None)) and (state := logger.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, saved in state.items():
+            if key in self.loggers and callable(getattr(self.loggers[key], "load_state_dict", None)):
+                self.loggers[key].load_state_dict(saved)
+
     def on_fit_start(self, run: Run) -> None:
         name = run.run_dir.name
         for key, logger in self.loggers.items():
@@ -43,7 +53,10 @@ class Loggers(Callback):
     def on_fit_end(self, run: Run, result) -> None:
         summary = result.summary()
         best = {result.monitor: result.best_metric} if result.best_metric is not None else None
-        self._finish({**summary, "best": best}, "stopped" if result.stopped_early else "completed")
+        # An early stop a callback asked for ends the run as complete; a stop signal or a
+        # non-finite value leaves it to be continued or looked into.
+        stopped = result.stopped_early and result.stop_kind != "requested"
+        self._finish({**summary, "best": best}, "stopped" if stopped else "completed")
 
     def on_exception(self, run: Run, error: BaseException) -> None:
         self._finish({"final": run.metrics, "best": None, "steps": run.step}, "failed", failing=True)

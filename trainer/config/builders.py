@@ -83,6 +83,7 @@ def build_data(node: Mapping, dist: DistInfo | None = None, prepare: bool = True
         return DataBundle(
             train=component.train, val=component.val,
             dims=dict(getattr(component, "dims", {}) or {}), vocab=getattr(component, "vocab", None),
+            val_sources=dict(getattr(component, "val_sources", {}) or {}),
         )
     train, val = (build(node[split], f"data.{split}") for split in ("train", "val"))
     dims = node.get("dims") or getattr(train, "dims", None) or {}

@@ -69,6 +69,7 @@ class TrainerConfig:
     on_nonfinite: str
     stop_signals: list[str]
     seed: int
+    deterministic: bool
     progress_bar: bool
     num_workers: int
     pin_memory: Optional[bool]

@@ -26,9 +26,18 @@ class Logger:
 
     def finish(self, summary: dict, status: str) -> None:
         """After the last step, also on a stop or a failure: summary = {"final": {...metrics...},
-        "best": {metric: value} or None, "steps": int, ...}; status is "completed", "stopped" or
-        "failed". Flush and close."""
+        "best": {metric: value} or None, "steps": int, ...}; status is "completed" (an early
+        stop a callback asked for too), "stopped" (a stop signal, a non-finite value: the run
+        may be continued) or "failed". Flush and close."""
         raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Plain data kept in every checkpoint (its logger run's id), so that a resumed run
+        continues the same logger run; {} keeps nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """What state_dict returned, given back before start() when the run resumes."""
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:

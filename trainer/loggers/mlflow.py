@@ -6,6 +6,7 @@ the experiment "ringtrain"; `experiment_name` overrides both."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Iterator
@@ -13,6 +14,7 @@ from typing import Iterator
 from ringtrain.errors import ConfigError
 from ringtrain.loggers.base import Logger, final_and_best, flatten, import_extra
 
+log = logging.getLogger("ringtrain")
 # MLflow's run status for each way a run ends.
 RUN_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
@@ -24,6 +26,7 @@ class MLflowLogger(Logger):
     def __init__(self, tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment_name: str | None = None):
         self.mlflow = import_extra("mlflow")
         self.tracking_uri, self.experiment_name = tracking_uri, experiment_name
+        self.continued: dict = {}  # the checkpoint's state_dict(): the run to continue
         # The client opens the store (a local one is created): a URI it cannot use is refused before the run starts.
         with _one_process_at_a_time(self.tracking_uri):
             try:
@@ -38,12 +41,40 @@ class MLflowLogger(Logger):
         with _one_process_at_a_time(self.tracking_uri):
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-        tags = {"ringtrain.run_dir": str(run_dir), **({"ringtrain.group": group} if group else {})}
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
-        # MLflow refuses a longer value (a long list in the config): it is cut to fit.
+        logged: dict = {}
+        if resumed := self._run_to_continue():
+            self.run_id, logged = resumed.info.run_id, resumed.data.params
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            tags = {"ringtrain.run_dir": str(run_dir), **({"ringtrain.group": group} if group else {})}
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        # MLflow refuses a longer value (a long list in the config): it is cut to fit. A param
+        # is written once: a continued run adds the new ones (MLflow refuses changing one; the
+        # checkpoints keep the config each part of the run had).
         longest = self.mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
-        params = [self.mlflow.entities.Param(key, str(value)[:longest]) for key, value in flatten(config).items()]
+        params = [self.mlflow.entities.Param(key, str(value)[:longest]) for key, value in flatten(config).items()
+                  if key not in logged]
         self.client.log_batch(self.run_id, params=params)
+
+    def state_dict(self) -> dict:
+        return {"run_id": self.run_id, "tracking_uri": self.tracking_uri} if hasattr(self, "run_id") else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.continued = state
+
+    def _run_to_continue(self):
+        """The run a resumed run logged to, if this store has it (another tracking_uri, or a
+        deleted run: a new run, said in one line)."""
+        saved = self.continued
+        if not saved.get("run_id"):
+            return None
+        if saved.get("tracking_uri") == self.tracking_uri:
+            try:
+                return self.client.get_run(saved["run_id"])
+            except self.mlflow.exceptions.MlflowException:
+                pass
+        log.info(f"logger.mlflow: run {saved['run_id']} of the checkpoint is not in {self.tracking_uri}; starting a new run")
+        return None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         milliseconds = int(time.time() * 1000)

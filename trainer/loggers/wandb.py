@@ -20,6 +20,7 @@ class WandbLogger(Logger):
             raise ConfigError(f"logger.wandb.mode={mode} is not one of {', '.join(MODES)}")
         self.wandb = import_extra("wandb")
         self.project, self.mode, self.tags = project, mode, list(tags or [])
+        self.continued: dict = {}  # the checkpoint's state_dict(): the run to continue
         if mode == "online":  # the key, found now (or asked for at a terminal), not at the first write
             try:
                 self.wandb.login(verify=False)
@@ -28,8 +29,17 @@ class WandbLogger(Logger):
                                   f"`wandb login`, or log offline (logger.wandb.mode=offline) and `wandb sync` later") from None
 
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
+        # A resumed run continues its W&B run: the same id (offline, `wandb sync` adds each part to it).
+        run_id = self.continued.get("run_id")
         self.run = self.wandb.init(project=self.project, mode=self.mode, dir=run_dir, name=run_name,
-                                   group=group, tags=self.tags, config=config)
+                                   group=group, tags=self.tags, config=config, id=run_id,
+                                   resume="allow" if run_id else None)
+
+    def state_dict(self) -> dict:
+        return {"run_id": self.run.id} if getattr(self, "run", None) is not None and self.mode != "disabled" else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.continued = state
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

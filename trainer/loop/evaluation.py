@@ -1,5 +1,5 @@
 """Validation: when it is due (`Evaluator.due`), and the metrics of a model over a loader, the
-same for any number of ranks (`evaluate_model`, which `ringtrain evaluate` uses too)."""
+same for any number of ranks (`evaluate_parts`, which `ringtrain evaluate` uses too)."""
 from __future__ import annotations
 
 import math
@@ -45,20 +45,36 @@ class Evaluator:
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
     def run(self) -> dict[str, float]:
-        """The validation metrics (val/<name>), identical for any number of ranks."""
+        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of
+        named parts), identical for any number of ranks."""
         parts = self.parts
-        metrics = evaluate_model(parts.model, parts.val_loader, self.task, parts.precision, self.dist,
-                                 parts.strategy, self.watchdog)
+        metrics = evaluate_parts(parts.model, parts.val_sources or {"": parts.val_loader}, self.task, parts.precision,
+                                 self.dist, parts.strategy, self.watchdog)
         parts.model.train()
         self.since = time.monotonic()
         return {f"val/{k}": v for k, v in metrics.items()}
 
 
-def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
+def evaluate_parts(model: nn.Module, loaders: dict[str, BatchLoader], task, precision: Precision, dist: DistInfo,
                    strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, float]:
-    """The task's metrics over every batch of `loader` on every rank (each rank has at least
-    one): each batch's sums and counts, added up in float64 and all-reduced, then divided, so
-    the value is the same for any number of ranks. Leaves the model in eval mode."""
+    """The task's metrics over a set of named parts (a mixture's sources; {"": loader} for a set of
+    one): the whole set's metrics from the parts' sums, and each named part's as <part>/<name>,
+    in one pass over the samples."""
+    sums = {name: evaluate_sums(model, loader, task, precision, dist, strategy, watchdog)
+            for name, loader in loaders.items()}
+    whole: dict[str, torch.Tensor] = {}
+    for totals in sums.values():
+        for key, value in totals.items():
+            whole[key] = whole.get(key, 0) + value
+    return {**metrics_from_sums(whole), **{f"{name}/{k}": v for name, totals in sums.items() if name
+                                           for k, v in metrics_from_sums(totals).items()}}
+
+
+def evaluate_sums(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
+                  strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, torch.Tensor]:
+    """The task's sums and counts over every batch of `loader` on every rank (each rank has at
+    least one), added up in float64 and all-reduced (on the CPU), so that the metrics they give
+    are the same for any number of ranks. Leaves the model in eval mode."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     # The shards are not padded, so ranks may have a batch more or less. A sharded forward is a
@@ -81,4 +97,4 @@ def evaluate_model(model: nn.Module, loader: BatchLoader, task, precision: Preci
                 predictions(task, model, last)
     keys = sorted(sums)  # the same task, so the same keys on every rank
     totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
-    return metrics_from_sums(dict(zip(keys, totals)))
+    return dict(zip(keys, totals))

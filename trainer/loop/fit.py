@@ -67,12 +67,19 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
         for step, path in checkpoints.written():
             callbacks.call("on_checkpoint_saved", run, step, path)
 
+    def where() -> str:
+        """How far training is: the epoch, or for a stream, which has none, the samples drawn
+        (every step draws a full global batch, on as many ranks as saved a resumed run)."""
+        if evaluator.epoch_length:
+            return f"epoch {run.epoch:.2f}"
+        return f"({progress.step * cfg.batch_size * cfg.accumulate_grad_batches * dist.world_size} samples)"
+
     def validate() -> bool:
         """Validation metrics into run.metrics; whether the monitored one is the best so far."""
         callbacks.call("on_validation_start", run)
         run.metrics = evaluator.run()
         run.log(run.metrics)
-        log.info(f"step {progress.step} epoch {run.epoch:.2f}: " + _format(run.metrics))  # rank 0 logs INFO
+        log.info(f"step {progress.step} {where()}: " + _format(run.metrics))  # rank 0 logs INFO
         callbacks.call("on_validation_end", run, run.metrics)
         return progress.improves(run.metrics.get(task.monitor), task.mode)
 

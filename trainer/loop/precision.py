@@ -3,7 +3,8 @@
   32          full float32, no autocast
   bf16-mixed  autocast to bfloat16 (CPU and GPU); bfloat16 has float32's range, so no scaler
   16-mixed    autocast to float16 on CUDA with a GradScaler against gradient underflow
-and, on CUDA, whether float32 matmuls may use TensorFloat-32 tensor cores (`trainer.tf32`).
+and, on CUDA, whether float32 matmuls may use TensorFloat-32 tensor cores (`trainer.tf32`), and
+whether only deterministic kernels run (`trainer.deterministic`).
 
 GradScaler.step reads "were there infs?" on the host every step (16-mixed only), unless the
 optimizer is fused: fused AdamW (the default on CUDA) skips the step on the device, no sync.
@@ -11,6 +12,7 @@ optimizer is fused: fused AdamW (the default on CUDA) skips the step on the devi
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -26,6 +28,21 @@ def set_matmul_precision(device: torch.device, tf32: bool) -> None:
     either way. CPUs are left alone: there "high" may switch float32 matmuls to bfloat16 passes."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
+
+
+def use_deterministic_algorithms(on: bool) -> None:
+    """trainer.deterministic, as Lightning's `deterministic=True`: torch raises on an op with no
+    deterministic kernel, cuDNN picks deterministic kernels and never benchmarks, and cuBLAS gets
+    the fixed workspace its deterministic matmuls need. That setting is read when CUDA creates
+    its cuBLAS handle, so this runs on each rank before its device is set up; a value the user
+    set (":16:8" trades speed for memory) is kept. The DataLoader workers are seeded either way
+    (loop/loaders.py). Left as torch has them when off."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 class Precision:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
@@ -47,6 +47,7 @@ class TrainingParts:
     saved_layout: Layout  # the layout of the checkpoint it continues from (this one's for a new run)
     total_steps: int  # the step the run ends at
     base: dict[str, Any] | None = None  # adapters: the frozen base's identity, kept instead of its weights
+    val_sources: dict[str, BatchLoader] = field(default_factory=dict)  # the validation set's named parts (a mixture's)
 
     def checkpoint_state(self, dist: DistInfo, shards_path) -> dict[str, Any]:
         """Every rank's part of a checkpoint (checkpoints/files.py); rank 0 gets the whole
@@ -123,7 +124,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(f"{type(model).__name__} has no trainable parameters (none, or all frozen): nothing to "
                           f"train; point model._target_ at a model with parameters, or leave some trainable")
-    train_loader, val_loader = _loaders(cfg, dist, data)
+    train_loader, val_loader, val_sources = _loaders(cfg, dist, data)
     optimizer = (job.optimizer([p for p in model.parameters() if p.requires_grad]) if callable(job.optimizer)
                  else build_optimizer(job.optimizer, model, dist.device, strategy.lr_scale(dist.world_size)))
     layout = Layout(dist.world_size, cfg.batch_size, cfg.accumulate_grad_batches)
@@ -159,7 +160,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
     trainable = [p for p in model.parameters() if p.requires_grad]
     return TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
-                         train_loader, val_loader, layout, progress, saved_layout, total, base)
+                         train_loader, val_loader, layout, progress, saved_layout, total, base, val_sources)
 
 
 def checkpoint_activations(model: nn.Module) -> None:
@@ -194,7 +195,8 @@ def steps_in_run(trainer: Any, loader: BatchLoader | StreamLoader, progress: Pro
     return progress.step + rest_of_epoch + (trainer.max_epochs - progress.epoch - 1) * math.ceil(len(loader) / k)
 
 
-def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | StreamLoader, BatchLoader]:
+def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | StreamLoader, BatchLoader,
+                                                                  dict[str, BatchLoader]]:
     overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
     workers = worker_options(cfg, dist.device)
     if is_stream(data.train):
@@ -208,14 +210,22 @@ def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | 
             data.train, cfg.batch_size, dist.rank, dist.world_size, cfg.seed, cfg.drop_last, dist.device,
             shuffle=not overfit, limit_batches=overfit, workers=workers,
         )
-    val_loader = build_val_loader(
-        data.train if overfit else data.val, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size,
-        dist.device,
-        # overfit: the samples the ranks train on, the first overfit * batch * world_size
-        limit_samples=overfit * cfg.batch_size * dist.world_size, limit_batches=cfg.limit_val_batches,
-        workers=workers,
-    )
-    return train_loader, val_loader
+
+    def val_loader(dataset) -> BatchLoader:
+        return build_val_loader(
+            dataset, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
+            # overfit: the samples the ranks train on, the first overfit * batch * world_size
+            limit_samples=overfit * cfg.batch_size * dist.world_size, limit_batches=cfg.limit_val_batches,
+            workers=workers,
+        )
+
+    sources = {} if overfit else data.val_sources
+    for name, part in sources.items():  # each rank validates at least one sample of each
+        if len(part) < dist.world_size:
+            raise ConfigError(f"the validation set's part {name!r} has {len(part)} samples, fewer than the "
+                              f"{dist.world_size} processes that share it; give it more validation data")
+    return train_loader, val_loader(data.train if overfit else data.val), \
+        {name: val_loader(part) for name, part in sources.items()}
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -33,9 +33,10 @@ from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_section
 from ringtrain.data.bundle import DataBundle
+from ringtrain.data.vocab import same_ids
 from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError
-from ringtrain.loop.evaluation import evaluate_model
+from ringtrain.loop.evaluation import evaluate_parts
 from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.precision import Precision
 from ringtrain.strategies.base import Strategy
@@ -101,19 +102,22 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
         trainer=trainer_settings, strategy=strategy, weights=weights, trusted=trusted,
     )
-    metrics_file = Path(output) if output else default_output(checkpoint, split)
+    metrics_file = Path(output) if output else default_output(checkpoint, split, weights)
     record = {
-        "checkpoint": str(eval_job.checkpoint.path), "step": (state.get("progress") or {}).get("step"),
+        "checkpoint": str(eval_job.checkpoint.path), "step": (state.get("progress") or {}).get("step"), "weights": weights,
         "split": split, "strategy": strategy_name, "overrides": [], "output": str(metrics_file),
     }
     return eval_job, record
 
 
-def default_output(checkpoint: str, split: str) -> Path:
-    """<run dir>/eval/<checkpoint>-<split>.json: evaluating the train split, or best.pt after
-    last.pt, writes a file of its own (one eval/metrics.json for all lost the earlier result)."""
+def default_output(checkpoint: str, split: str, weights: str = "model") -> Path:
+    """<run dir>/eval/<checkpoint>-<split>.json, or <checkpoint>-<weights>-<split>.json for
+    weights other than the model's own (ema): evaluating the train split, best.pt after last.pt,
+    or the EMA average after the weights, writes a file of its own (one eval/metrics.json for
+    all lost the earlier result)."""
     path = Path(checkpoint).absolute()
-    return path.parent.parent / "eval" / f"{path.stem}-{split}.json"
+    which = "" if weights == "model" else f"-{weights}"
+    return path.parent.parent / "eval" / f"{path.stem}{which}-{split}.json"
 
 
 def evaluation_strategy(section: dict, name: str) -> Strategy:
@@ -153,21 +157,23 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
         data = build_data(job.job["data"], dist)
         check_data_fits(data, job)
         dataset = data.val if job.split == "val" else data.train
-        if len(dataset) < dist.world_size:
-            raise ConfigError(
-                f"the {job.split} split has {len(dataset)} samples but {dist.world_size} processes need at "
-                f"least one each; use fewer processes"
-            )
+        named = data.val_sources if job.split == "val" and data.val_sources else {"": dataset}  # a mixture's sources
+        for name, part in named.items():
+            if len(part) < dist.world_size:
+                raise ConfigError(
+                    f"the {job.split} split{f' of {name}' if name else ''} has {len(part)} samples but "
+                    f"{dist.world_size} processes need at least one each; use fewer processes"
+                )
         task = check_task(build(job.job["task"], "task"))
         state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
         model = rebuild_model(state, str(job.checkpoint.path), job.job, job.weights, job.trusted).to(dist.device)
         del state
         cfg = job.trainer
-        loader = build_val_loader(
-            dataset, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
+        loaders = {name: build_val_loader(
+            part, cfg.val_batch_size or cfg.batch_size, dist.rank, dist.world_size, dist.device,
             limit_batches=cfg.limit_val_batches, workers=worker_options(cfg, dist.device),
-        )
-        sums = evaluate_model(model, loader, task, Precision(cfg.precision, dist.device), dist, job.strategy)
+        ) for name, part in named.items()}
+        sums = evaluate_parts(model, loaders, task, Precision(cfg.precision, dist.device), dist, job.strategy)
         clean_exit = True
         return EvalResult({f"{job.split}/{name}": value for name, value in sums.items()}, dist.world_size)
     finally:
@@ -183,7 +189,7 @@ def check_data_fits(data: DataBundle, job: EvalJob) -> None:
                 f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
                 f"evaluate on data of the same kind"
             )
-    if data.vocab is not None and job.vocab is not None and data.vocab != job.vocab:
+    if data.vocab is not None and job.vocab is not None and not same_ids(data.vocab, job.vocab):
         raise ConfigError(
             "the data's vocabulary differs from the one the model was trained with (same size, other "
             "characters or order), so its ids mean other things; evaluate on text with the same characters"
@@ -209,7 +215,9 @@ def show(evaluated: tuple[dict, EvalResult | None]) -> None:
     if result is not None:
         for name, value in result.metrics.items():
             print(f"{name}={value:.6g}")
-        print(f"evaluated {record['checkpoint']} (step {record['step']}); metrics in {record['output']}", file=sys.stderr)
+        weights = "" if record["weights"] == "model" else f", weights={record['weights']}"
+        print(f"evaluated {record['checkpoint']} (step {record['step']}{weights}); metrics in {record['output']}",
+              file=sys.stderr)
 
 
 def main(command: CommandLine) -> None:

@@ -17,9 +17,10 @@ data's vocabulary has one (a character or byte vocabulary has none: a note says 
 names again) under format=safetensors|hf, or as the adapters alone under format=peft
 (adapter_config.json + adapter_model.safetensors, `peft.PeftModel.from_pretrained` loads it).
 
-An export replaces only what an earlier export wrote (a safetensors file with ringtrain's mark
-in its metadata, a directory with a .ringtrain-export file); anything else at `output` is
-left alone unless `overwrite=true`.
+An export replaces only what an earlier export wrote: a safetensors file with ringtrain's mark
+in its metadata, or in a directory the files its .ringtrain-export file lists; what a user put
+there besides is kept (the new directory links it), and anything else at `output` is left
+alone unless `overwrite=true`.
 
 The model is rebuilt from the job composed from the checkpoint's recorded choices and overrides
 (tools/checkpoint_model.py, config/recipe.py), so a sharded fsdp
@@ -31,6 +32,7 @@ ringtrain command; its settings are conf/export.yaml (`ringtrain export --help`)
 """
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import sys
@@ -42,8 +44,9 @@ from typing import Any, Literal
 from torch import nn
 
 from ringtrain.checkpoints.atomic import fsync_directory, replace_atomically, replace_directory
-from ringtrain.components import build
+from ringtrain.components import build, is_node, locate
 from ringtrain.config.app import PrimaryConfig
+from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
 from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
@@ -53,6 +56,7 @@ EXPORT = PrimaryConfig(
     "export", "ringtrain export", usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors",
 )
 MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported file's metadata
+MANIFEST_HEADER = "written by ringtrain export; a later export replaces these files and keeps any other:\n"
 
 
 def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safetensors", output: str | None = None,  # noqa: A002
@@ -73,8 +77,9 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
                           f"(adapter=lora); use format=safetensors or format=hf")
     model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint)
     if format == "peft":
-        lora = build(adapter, "adapter")
-        write_directory(target, lambda d: save_peft_adapter(model, lora, d, node.get("pretrained_model_name_or_path")))
+        lora, task_type = build(adapter, "adapter"), peft_task_type((state.get("config") or {}).get("task"))
+        write_directory(target, lambda d: save_peft_adapter(model, lora, d, node.get("pretrained_model_name_or_path"),
+                                                            task_type), overwrite)
         return target
     if adapter:
         merge_lora(model)
@@ -86,8 +91,20 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
                 f"format=hf writes a Hugging Face directory, but this checkpoint's model ({node['_target_']}) is not "
                 f"a transformers model (it has no save_pretrained); use format=safetensors"
             )
-        write_pretrained_directory(model, state.get("vocab"), target)
+        write_pretrained_directory(model, state.get("vocab"), target, overwrite)
     return target
+
+
+def peft_task_type(task: Any) -> str | None:
+    """PEFT's name for what the run trained, from its task: a language model is CAUSAL_LM (which
+    PeftModel.from_pretrained loads as PeftModelForCausalLM, with generate), a classifier
+    SEQ_CLS; None (PEFT's plain PeftModel) for a task it has no name for."""
+    try:
+        kind = locate(task["_target_"], "task") if is_node(task) else None
+    except ConfigError:
+        return None
+    kinds = ((LanguageModelTask, "CAUSAL_LM"), (ClassificationTask, "SEQ_CLS"))
+    return next((name for base, name in kinds if inspect.isclass(kind) and issubclass(kind, base)), None)
 
 
 def write_safetensors(model: nn.Module, target: Path) -> None:
@@ -102,38 +119,80 @@ def write_safetensors(model: nn.Module, target: Path) -> None:
     replace_atomically(target, write)
 
 
-def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, target: Path) -> None:
+def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, target: Path,
+                               overwrite: bool = False) -> None:
     """`model.save_pretrained` (config and weights) and the vocabulary's tokenizer, if it has one, at `target`."""
-    write_directory(target, lambda directory: (model.save_pretrained(str(directory)), _save_tokenizer(vocab, directory)))
+    write_directory(target, lambda directory: (model.save_pretrained(str(directory)), _save_tokenizer(vocab, directory)),
+                    overwrite)
 
 
-def write_directory(target: Path, fill: Callable[[Path], Any]) -> None:
-    """What `fill` writes into a new directory, marked as an export's, replacing `target` once complete."""
+def write_directory(target: Path, fill: Callable[[Path], Any], overwrite: bool = False) -> None:
+    """What `fill` writes into a new directory, replacing `target` once complete. The new
+    directory's mark lists the files the export wrote; what `target` holds besides the files its
+    own mark lists (a user's notes, a data folder) is linked into the new directory, so the
+    replacement keeps it. A file of the user's that the export would write is refused unless
+    `overwrite`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by a killed export
     try:
         fill(partial)
-        (partial / MARK).write_text("written by ringtrain export; a later export may replace this directory\n")
+        written = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
+        (partial / MARK).write_text(MANIFEST_HEADER + "".join(f"{name}\n" for name in written))
         for file in partial.rglob("*"):
             if file.is_file():
                 _finish_file(file)
+        if target.is_dir():
+            _keep_what_no_export_wrote(target, partial, set(written), overwrite)
         fsync_directory(partial)
         replace_directory(partial, target)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def _keep_what_no_export_wrote(target: Path, partial: Path, written: set[str], overwrite: bool) -> None:
+    """Hard-link into `partial` every file under `target` that its mark does not list (the same
+    file, not a copy: nothing is moved, so a failure before the swap leaves `target` whole)."""
+    exported = set(_manifest(target)) | {MARK}
+    for path in sorted(target.rglob("*")):
+        name = str(path.relative_to(target))
+        if path.is_dir() and not path.is_symlink():
+            (partial / name).mkdir(parents=True, exist_ok=True)
+            continue
+        if name in exported or (name in written and overwrite):
+            continue
+        if name in written:
+            raise ConfigError(f"output={target} holds {name}, which ringtrain export did not write and would "
+                              f"replace; move it away, or pass overwrite=true to replace it")
+        if path.is_symlink():
+            os.symlink(os.readlink(path), partial / name)
+            continue
+        try:
+            os.link(path, partial / name)
+        except OSError:  # a file system without hard links
+            shutil.copy2(path, partial / name)
+
+
+def _manifest(directory: Path) -> list[str]:
+    """The files an export's mark lists (none in a mark older than the list)."""
+    lines = (directory / MARK).read_text().splitlines() if (directory / MARK).is_file() else []
+    return lines[1:] if lines[:1] == [MANIFEST_HEADER.strip()] else []
+
+
 def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
     """A `bpe` vocabulary is a `tokenizers` tokenizer: saved as transformers' fast tokenizer,
-    so AutoTokenizer.from_pretrained(directory) encodes as the run did."""
+    so AutoTokenizer.from_pretrained(directory) encodes as the run did, with the chat template
+    and end-of-text token of a chat fine-tune. The template goes into tokenizer_config.json,
+    where every version of transformers and the tools that read its files look (transformers 5
+    would write chat_template.jinja, which older readers skip)."""
     kind = (vocab or {}).get("kind")
     if kind == "bpe":
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
-        tokenizer = Tokenizer.from_str(vocab["tokenizer_json"])
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(str(directory))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(vocab["tokenizer_json"]),
+                                            chat_template=vocab.get("chat_template"), eos_token=vocab.get("eos_token"))
+        tokenizer.save_pretrained(str(directory), save_jinja_files=False)
     elif kind is not None:
         print(f"note: no tokenizer written: the data's {kind} vocabulary has no Hugging Face tokenizer "
               f"(ringtrain sample decodes with the checkpoint's vocabulary)", file=sys.stderr)

@@ -15,9 +15,11 @@ or the output the run's task reads (a Hugging Face model's `logits`, data/batche
 from __future__ import annotations
 
 import inspect
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -27,7 +29,7 @@ from ringtrain.config.app import PrimaryConfig
 from ringtrain.config.sizes import position_limit
 from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
-from ringtrain.data.vocab import CharVocab, Vocab, vocab_from_state
+from ringtrain.data.vocab import BPEVocab, CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError
 from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, choose_device, inference_precision, rebuild_model
@@ -37,17 +39,20 @@ SAMPLE = PrimaryConfig(
 )
 SEPARATOR = "\n---------------\n"
 # The data whose checkpoints keep a vocabulary to decode with (data/vocab.py), for messages.
-LANGUAGE_MODEL_DATA = "data=text, token_file or hf_text"
+LANGUAGE_MODEL_DATA = ("data=text, token_file, hf_text, stream, chat, or hf_rows or token_shards with "
+                       "data.tokenizer")
 
 
 @torch.inference_mode()
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None, task: Any = None) -> torch.Tensor:
-    """Continue the (B, T) token ids `idx` by `max_new_tokens` tokens; returns (B, T + new).
+             top_k: int | None = None, generator: torch.Generator | None = None, task: Any = None,
+             until: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
+    """Continue the (B, T) token ids `idx` by up to `max_new_tokens` tokens; returns (B, T + new).
     Each step feeds the last tokens the model has positions for, takes the last position's
     logits (`task.output_key` of its output) and picks the argmax (`temperature` 0) or a draw
-    from softmax(logits / temperature) over the `top_k` likeliest, in eval mode. No KV cache:
-    recomputing the whole context each step is what a model of any architecture supports."""
+    from softmax(logits / temperature) over the `top_k` likeliest, in eval mode; `until(new)`,
+    given the (B, new) ids drawn so far, ends it early when true (a stop token or text). No KV
+    cache: recomputing the whole context each step is what a model of any architecture supports."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
     if top_k is not None and top_k < 1:
@@ -57,7 +62,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     was_training = model.training
     model.eval()
     try:
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             context = idx if block_size is None else idx[:, -block_size:]
             logits = predictions(task, model, context)
             if logits.dim() != 3:  # e.g. a classifier's (batch, classes): no token to predict
@@ -74,6 +79,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
                 probabilities = torch.softmax(logits, dim=-1)
                 next_ids = torch.multinomial(probabilities, num_samples=1, generator=generator)
             idx = torch.cat([idx, next_ids.to(idx.dtype)], dim=1)
+            if until is not None and until(idx[:, idx.size(1) - step - 1:]):
+                break
     finally:
         model.train(was_training)
     return idx
@@ -137,21 +144,28 @@ def _trained_as_a_language_model(node: Any) -> bool | None:
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8,
            top_k: int | None = 200, seed: int = 0, num_samples: int = 1,
            device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model", chat: bool = False,
-           trust_checkpoint: bool = False, job: dict | None = None, command: Any = None) -> list[str]:
-    """`num_samples` texts, each the prompt and `max_new_tokens` generated tokens; a user's
-    mistakes raise ConfigError / CheckpointError."""
+           stop: list[str] | str | None = None, trust_checkpoint: bool = False, job: dict | None = None,
+           command: Any = None) -> list[str]:
+    """`num_samples` texts, each the prompt and up to `max_new_tokens` generated tokens, ended at
+    the vocabulary's end-of-text token, with chat=true its end-of-turn token, or the first of the
+    `stop` texts (each sample ends with what stopped it); a user's mistakes raise ConfigError /
+    CheckpointError."""
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0; use 0 for greedy decoding, e.g. 0.8 to sample")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k={top_k} must be at least 1; use e.g. top_k=200, or top_k=null for all tokens")
     if max_new_tokens < 0 or num_samples < 1:
         raise ConfigError("max_new_tokens must be >= 0 and num_samples >= 1")
+    stop_texts = [unescape(text) for text in ([stop] if isinstance(stop, str) else list(stop or []))]
+    if "" in stop_texts:
+        raise ConfigError("stop holds an empty text, which would end every sample at once; remove it")
     state = read_checkpoint(checkpoint, command.checkpoint if command else None)
     job = job if job is not None else composed_job(state, checkpoint)
     refuse_a_model_that_is_not_a_language_model(state, job, checkpoint)
     if not state.get("vocab"):
-        raise ConfigError(f"this checkpoint's data has no vocabulary (data=tokens?): sample from a model trained on "
-                          f"{LANGUAGE_MODEL_DATA}")
+        data = ((state.get("config") or {}).get("data") or {}).get("_target_", "its data")
+        raise ConfigError(f"{checkpoint} keeps no vocabulary to decode with ({data} gave none): sample from a model "
+                          f"trained on {LANGUAGE_MODEL_DATA}")
     try:
         vocab = vocab_from_state(state["vocab"])
     except ValueError as err:
@@ -168,19 +182,65 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
     precision = inference_precision((job.get("trainer") or {}).get("precision"), target)
     task = job_task(job.get("task"))
 
+    stopping = Stopping(vocab, stop_token_ids(vocab, chat), stop_texts)
     generator = torch.Generator(device=target).manual_seed(seed)
     texts = []
     for _ in range(num_samples):
         with precision.autocast():
-            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task)
-        texts.append(vocab.decode(out[0].tolist()))
+            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task,
+                           until=stopping.ended if stopping else None)
+        texts.append(stopping.text(out[0].tolist(), len(ids)))
     return texts
+
+
+def unescape(text: str) -> str:
+    """A stop text as the command line cannot write it otherwise: \\n a newline, \\t a tab, \\\\ a
+    backslash (Hydra keeps a backslash as it is)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def stop_token_ids(vocab: Vocab, chat: bool) -> set[int]:
+    """The ids that end a sample: the vocabulary's end-of-text token, if it has one (a
+    tokenizer's; characters and bytes have none), and with chat=true the template's end of turn."""
+    if not isinstance(vocab, BPEVocab):
+        return set()
+    return vocab.end_of_text_ids() | (vocab.end_of_turn_ids() if chat else set())
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """Where a sample ends: at the first of `ids` it draws, or the first of `texts` it writes."""
+
+    vocab: Vocab
+    ids: set[int]
+    texts: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.texts)
+
+    def ended(self, new: torch.Tensor) -> bool:
+        """Whether the one sample's (1, new) drawn ids end it."""
+        drawn = new[0].tolist()
+        return drawn[-1] in self.ids or any(text in self.vocab.decode(drawn) for text in self.texts)
+
+    def text(self, ids: list[int], prompt_length: int) -> str:
+        """The sample's text, through the stop token or text that ended it (nothing after it)."""
+        drawn = ids[prompt_length:]
+        ends = [i + 1 for i, token in enumerate(drawn) if token in self.ids][:1]
+        text = self.vocab.decode(ids[: prompt_length + (ends[0] if ends else len(drawn))])
+        start = len(self.vocab.decode(ids[:prompt_length]))
+        found = [(where, len(t)) for t in self.texts if (where := text.find(t, start)) >= 0]
+        if found:
+            where, length = min(found)
+            text = text[: where + length]
+        return text
 
 
 def job_task(node: Any) -> Any:
     """The job's task, for which output of the model it reads; None (the defaults) when a
     function builds it, which is not called here."""
     if not is_node(node) or not inspect.isclass(locate(node["_target_"], "task")):
+
         return None
     return build(node, "task")
 

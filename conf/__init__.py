@@ -11,16 +11,17 @@ from typing import Any
 CONF_DIR = Path(__file__).parent
 
 
-def composed(overrides: Iterable[str] = (), config_name: str = "job") -> Any:
-    """conf/<config_name>.yaml composed by Hydra with `overrides` (inside a Hydra app: with its
-    search path, the user's --config-dir among it)."""
+def composed(overrides: Iterable[str] = (), config_name: str = "job", config_dir: str | Path | None = None) -> Any:
+    """conf/<config_name>.yaml composed by Hydra with `overrides`, and `config_dir`'s options (a
+    --config-dir of the user's); inside a Hydra app, with its search path (--config-dir among it)."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
         return compose(config_name, overrides=list(overrides))
+    searched = [f"hydra.searchpath=[file://{Path(config_dir).absolute()}]"] if config_dir else []
     with initialize_config_module("ringtrain.conf", version_base="1.3"):
-        return compose(config_name, overrides=list(overrides))
+        return compose(config_name, overrides=[*searched, *overrides])
 
 
 def option_names(group: str) -> list[str]:

@@ -255,12 +255,12 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path, args, lin
 def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
     """train's Hydra app run in this process on `args` as its command line: the one line it
     exits 2 with. Composition mistakes never reach `task`."""
-    from ringtrain.config.app import TRAIN, run_app
+    from ringtrain.config.app import TRAIN, CommandLine, run_app
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", ["ringtrain", *args])
         with pytest.raises(SystemExit) as exit_info:
-            run_app(TRAIN, task)
+            run_app(TRAIN, task, CommandLine("ringtrain", list(args)))
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
@@ -305,15 +305,15 @@ def test_command_line_mistakes_are_one_line_from_hydras_own_exception(args, mess
 
 
 def test_valid_runs_and_sweeps_compose(tmp_path):
-    from ringtrain.config.app import TRAIN, run_app
+    from ringtrain.config.app import TRAIN, CommandLine, run_app
 
     composed = []
     for args in (["model=transformer", "model.d_model=64", "trainer.max_steps=5"],
                  ["-m", "optimizer.lr=1e-3,3e-3", "model=transformer", "model.d_model=64,128"]):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(sys, "argv", ["ringtrain", *args, f"hydra.run.dir={tmp_path / 'run'}",
-                                        f"hydra.sweep.dir={tmp_path / 'sweep'}"])
-            run_app(TRAIN, lambda cfg: composed.append((cfg.optimizer.lr, cfg.model.d_model)))
+            argv = [*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+            patch.setattr(sys, "argv", ["ringtrain", *argv])
+            run_app(TRAIN, lambda cfg: composed.append((cfg.optimizer.lr, cfg.model.d_model)), CommandLine("ringtrain", argv))
     assert composed == [(0.01, 64), (1e-3, 64), (1e-3, 128), (3e-3, 64), (3e-3, 128)]
 
 

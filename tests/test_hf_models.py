@@ -87,10 +87,12 @@ def test_a_tiny_gpt2_from_a_config_node_learns_its_vocabulary_from_the_data(sing
 def test_evaluate_reproduces_the_last_validation_metric_and_sample_prints_text(single_run):
     run_dir, _ = single_run
     checkpoint = run_dir / "checkpoints" / "last.pt"
-    ok(run_module("evaluate", [f"checkpoint={checkpoint}", "trainer.limit_val_batches=8"], cwd=run_dir.parent))
+    # The run's own option (model=tiny_gpt2) needs the user's --config-dir again: a checkpoint names options.
+    ok(run_module("evaluate", ["--config-dir", "conf", f"checkpoint={checkpoint}", "trainer.limit_val_batches=8"],
+                  cwd=run_dir.parent))
     evaluated = json.loads((run_dir / "eval" / "last-val.json").read_text())["metrics"]["val/loss"]
     assert evaluated == pytest.approx(json.loads((run_dir / "metrics.json").read_text())["final"]["val/loss"], rel=1e-5)
-    proc = ok(run_module("sample", [f"checkpoint={checkpoint}", "prompt=Citizen:", "max_new_tokens=60"],
+    proc = ok(run_module("sample", ["--config-dir", "conf", f"checkpoint={checkpoint}", "prompt=Citizen:", "max_new_tokens=60"],
                          cwd=run_dir.parent))
     assert proc.stdout.startswith("Citizen:") and len(proc.stdout.strip()) >= 8 + 60 - 5  # past its 32 positions
 

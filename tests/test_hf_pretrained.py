@@ -88,10 +88,21 @@ def _check_run(user: Path, run: Path, evaluate: bool) -> dict[str, torch.Tensor]
     own = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(user / "tiny-gpt2"))
     own.load_state_dict(state["model"])  # strict: every tensor, no other
     if evaluate:
-        proc = ok(run_module("ringtrain", ["evaluate", f"checkpoint={run / 'checkpoints' / 'last.pt'}"], cwd=user))
+        proc = ok(run_module("ringtrain", ["evaluate", "--config-dir", str(user / "conf"),
+                                           f"checkpoint={run / 'checkpoints' / 'last.pt'}"], cwd=user))
         final = json.loads((run / "metrics.json").read_text())["final"]["val/loss"]
         assert proc.stdout.splitlines()[0] == f"val/loss={final:.6g}"
     return state["model"]
+
+
+def _export(user: Path, run: Path, name: str) -> Path:
+    """`export(...)` from Python: the job composed from the checkpoint with the user's options."""
+    from ringtrain.tools.app import composed_job
+    from ringtrain.tools.checkpoint_model import read_checkpoint
+    from ringtrain.tools.export import export
+
+    path = str(run / "checkpoints" / "last.pt")
+    return export(path, "hf", str(user / name), job=composed_job(read_checkpoint(path), path, config_dir=user / "conf"))
 
 
 def _check_export(exported: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -106,7 +117,8 @@ def _check_export(exported: Path, weights: dict[str, torch.Tensor]) -> None:
 def test_pretrained_gpt2_fine_tunes_from_yaml_then_evaluates_and_exports_for_from_pretrained(user):
     run = _fine_tune(user, "single", ["trainer.max_steps=20", "trainer.batch_size=8"])
     weights = _check_run(user, run, evaluate=True)
-    proc = ok(run_module("ringtrain", ["export", f"checkpoint={run / 'checkpoints' / 'last.pt'}", "format=hf"],
+    proc = ok(run_module("ringtrain", ["export", "--config-dir", str(user / "conf"),
+                                       f"checkpoint={run / 'checkpoints' / 'last.pt'}", "format=hf"],
                          cwd=user))
     assert proc.stdout.strip() == str(run / "export" / "step-00000020")  # the run's export/ by default
     assert "no tokenizer written: the data's char vocabulary has no Hugging Face tokenizer" in proc.stderr
@@ -115,22 +127,18 @@ def test_pretrained_gpt2_fine_tunes_from_yaml_then_evaluates_and_exports_for_fro
 
 @pytest.mark.slow
 def test_pretrained_gpt2_fine_tunes_under_fsdp_on_two_ranks_and_exports(user):
-    from ringtrain.tools.export import export
-
     run = _fine_tune(user, "fsdp", ["trainer.max_steps=20", "trainer.batch_size=4", "strategy=fsdp",
                                     "strategy.nproc_per_node=2"])
     weights = _check_run(user, run, evaluate=False)
-    _check_export(export(str(run / "checkpoints" / "last.pt"), "hf", str(user / "fsdp-export")), weights)
+    _check_export(_export(user, run, "fsdp-export"), weights)
 
 
 @pytest.mark.slow
 def test_pretrained_gpt2_fine_tunes_as_a_two_rank_ddp_job_under_torchrun(user):
-    from ringtrain.tools.export import export
-
     run = _fine_tune(user, "ddp", ["trainer.max_steps=20", "trainer.batch_size=4", "strategy=ddp"],
                      launcher=TORCHRUN)
     weights = _check_run(user, run, evaluate=True)
-    _check_export(export(str(run / "checkpoints" / "last.pt"), "hf", str(user / "ddp-export")), weights)
+    _check_export(_export(user, run, "ddp-export"), weights)
 
 
 def test_a_pretrained_models_checkpoint_samples_and_evaluates_without_its_base_directory(user, tmp_path):
@@ -148,10 +156,12 @@ def test_a_pretrained_models_checkpoint_samples_and_evaluates_without_its_base_d
     base.rename(tmp_path / "renamed-away")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    sampled = ok(run_module("ringtrain", ["sample", f"checkpoint={checkpoint}", "prompt=the king", "max_new_tokens=5",
+    sampled = ok(run_module("ringtrain", ["sample", "--config-dir", str(user / "conf"), f"checkpoint={checkpoint}",
+                                          "prompt=the king", "max_new_tokens=5",
                                           "temperature=0", "device=cpu"], cwd=elsewhere))
     assert sampled.stdout.startswith("the king")
-    evaluated = ok(run_module("ringtrain", ["evaluate", f"checkpoint={checkpoint}"], cwd=elsewhere))
+    evaluated = ok(run_module("ringtrain", ["evaluate", "--config-dir", str(user / "conf"), f"checkpoint={checkpoint}"],
+                              cwd=elsewhere))
     final = json.loads((run / "metrics.json").read_text())["final"]["val/loss"]
     assert evaluated.stdout.splitlines()[0] == f"val/loss={final:.6g}"
     assert not (tmp_path / "base").exists() and list(elsewhere.iterdir()) == []

@@ -199,7 +199,9 @@ def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exa
 
     path = str(tmp_path / "straight" / "checkpoints" / "last.pt")
     state = read_checkpoint(path)  # the job as the command line gives it: the recorded one, changed
-    job_config = composed_job(state, path, ["trainer.val_batch_size=5", "trainer.num_workers=0"])
+    # The user's own model node, given again: a checkpoint replays no _target_ (config/recipe.py).
+    job_config = composed_job(state, path, ["~model", f"+model._target_={__name__}.BagOfTokens",
+                                            "trainer.val_batch_size=5", "trainer.num_workers=0"])
     job, _ = plan(path, state, "val", None, job_config, "single")
     evaluated = evaluate_worker(job).metrics
     assert set(evaluated) == {"val/loss", "val/acc"}
@@ -216,7 +218,8 @@ def test_sample_refuses_a_classifier_whose_data_keeps_a_tokenizer(rows, tmp_path
     train_in_process(common + ["trainer.max_steps=1"], tmp_path / "run")
     checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
     assert torch.load(checkpoint, weights_only=True)["vocab"]  # what the old refusal looked at
-    refused(run_module("sample", [f"checkpoint={checkpoint}", "trust_checkpoint=true"], cwd=tmp_path),
+    refused(run_module("sample", [f"checkpoint={checkpoint}", "~model", f"+model._target_={__name__}.BagOfTokens"],
+                       cwd=tmp_path),
             f"{checkpoint} holds {__name__}.BagOfTokens, trained with ringtrain.data.tasks.ClassificationTask "
             f"on data of sizes (num_classes, vocab_size): not a language model", "task=language_model")
 

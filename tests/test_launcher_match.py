@@ -122,32 +122,31 @@ def test_one_rank_of_torchrun_keeps_one_process_strategies(monkeypatch):
 
 
 def test_a_self_launched_run_continues_under_torchrun_on_torchruns_ranks(tmp_path, monkeypatch):
-    """A checkpoint of `ringtrain strategy=ddp strategy.nproc_per_node=3` stores that 3; continued
+    """A checkpoint of `ringtrain strategy=ddp strategy.nproc_per_node=3` records that 3; continued
     under torchrun, torchrun's ranks decide, unless the command line types another number."""
-    from hydra import compose, initialize_config_dir
-
-    from conftest import CONF_DIR
-    from ringtrain.config.continuation import CONTINUED, continued_config, read_continued_run
+    from ringtrain.config.app import CommandLine
     from ringtrain.config.schema import validate
+    from ringtrain.tools.train import prepare
 
-    train_in_process(["trainer.max_steps=1", "data.num_samples=16", "data.num_val_samples=8"], tmp_path)
+    train_in_process(["trainer.max_steps=1", "data.num_samples=16", "data.num_val_samples=8", "strategy=ddp",
+                      "strategy.nproc_per_node=1"], tmp_path)
     path = tmp_path / "checkpoints" / "last.pt"
     state = torch.load(path, weights_only=True)
-    state["config"]["strategy"] = {**compose_config(["strategy=ddp"]).strategy, "nproc_per_node": 3}
+    state["job"]["overrides"] = [o.replace("strategy.nproc_per_node=1", "strategy.nproc_per_node=3")
+                                 for o in state["job"]["overrides"]]
     torch.save(state, path)
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():  # torchrun's
         monkeypatch.setenv(key, value)
 
-    def continued(typed: list[str]):  # as train.py composes it: on the options the checkpoint implies
-        resumed = read_continued_run(typed)
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return continued_config(compose(config_name=CONTINUED, overrides=typed), resumed, typed)
+    def replayed(typed: list[str]) -> list[str]:  # as the entry hands them to Hydra
+        return prepare(CommandLine("ringtrain", typed))[0].hydra_args()
 
-    config = continued([f"trainer.resume={path}"])
-    assert config.strategy.nproc_per_node == 1
-    assert validate(config).strategy.spans_processes
+    assert "strategy.nproc_per_node=3" not in replayed([f"trainer.resume={path}"])
+    assert "strategy=ddp" in replayed([f"trainer.resume={path}"])
+    typed = replayed([f"trainer.resume={path}", "strategy.nproc_per_node=3"])
+    assert typed.count("strategy.nproc_per_node=3") == 1 and typed[-1] == "strategy.nproc_per_node=3"
     with pytest.raises(ConfigError, match="strategy.nproc_per_node=3 asks for 3 ranks on this machine, but torchrun started 2"):
-        validate(continued([f"trainer.resume={path}", "strategy.nproc_per_node=3"]))
+        validate(compose_config(["strategy=ddp", "strategy.nproc_per_node=3"]))
 
 
 # --- ringtrain's own ranks on CPU: a warning when they outnumber the cores --------------------------

@@ -154,6 +154,13 @@ def _step_file(run: Path) -> Path:
     return max((run / "checkpoints").glob("step-*.pt"))
 
 
+def _job(user: Path, state: dict, path: str) -> dict:
+    """The job a tool composes from the checkpoint, with the user's own options (--config-dir)."""
+    from ringtrain.tools.app import composed_job
+
+    return composed_job(state, path, config_dir=user / "conf")
+
+
 def _refused(proc, *phrases: str) -> str:
     """Exit 2 and exactly one `error:` line on stderr holding every phrase (no progress bar either)."""
     return refused(proc, *phrases)
@@ -185,20 +192,21 @@ def test_lora_trains_only_the_adapters_and_its_checkpoint_is_a_small_fraction_of
 
     path = str(lora_run / "checkpoints" / "last.pt")
     state = read_checkpoint(path)
+    job = _job(user, state, path)
     # The checkpoint keeps the adapters (the trained ones) and the base's identity, not the base.
     assert sorted(state["model"]) == adapters
     for name in adapters:
         assert torch.equal(state["model"][name], final[name]), name
-    initial = build_checked_model(state, path).state_dict()  # seeded as the run was: its starting adapters
+    initial = build_checked_model(state, path, job).state_dict()  # seeded as the run was: its starting adapters
     for name in adapters:
         assert not torch.equal(initial[name], final[name]), f"{name} did not train"
-    assert state["base"] == base_identity(build_checked_model(state, path))
+    assert state["base"] == base_identity(build_checked_model(state, path, job))
     # Its optimizer state holds only the adapters.
     optimizer = state["optimizer"]
     assert sorted(optimizer["state"]) == adapters
     assert sorted(p for group in optimizer["param_groups"] for p in group["params"]) == adapters
     # The rebuilt model (the tools' and resume's): the pretrained base with the trained adapters.
-    rebuilt = rebuild_model(state, path).state_dict()
+    rebuilt = rebuild_model(state, path, job).state_dict()
     assert rebuilt.keys() == final.keys()
     for name, tensor in rebuilt.items():
         assert torch.equal(tensor, final[name] if _is_adapter(name) else pretrained[_base_name(name)]), name
@@ -267,15 +275,17 @@ def test_peft_and_merged_exports_load_with_their_libraries_and_give_the_checkpoi
 
     checkpoint = lora_run / "checkpoints" / "last.pt"
     adapter_dir, merged_dir = user / "exported-adapter", user / "exported-merged"
-    ok(run_module("ringtrain", ["export", f"checkpoint={checkpoint}", "format=peft", f"output={adapter_dir}"],
-                  cwd=user))
-    export(str(checkpoint), "hf", str(merged_dir))  # `ringtrain export format=hf` in this process (faster)
+    ok(run_module("ringtrain", ["export", "--config-dir", str(user / "conf"), f"checkpoint={checkpoint}", "format=peft",
+                                f"output={adapter_dir}"], cwd=user))
+    state = read_checkpoint(str(checkpoint))
+    job = _job(user, state, str(checkpoint))
+    export(str(checkpoint), "hf", str(merged_dir), job=job)  # `ringtrain export format=hf` in this process (faster)
     assert sorted(p.name for p in adapter_dir.iterdir()) == [".ringtrain-export", "adapter_config.json",
                                                              "adapter_model.safetensors"]
     assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         str(user / "tiny-gpt2")
 
-    ours = rebuild_model(read_checkpoint(str(checkpoint)), str(checkpoint)).eval()
+    ours = rebuild_model(state, str(checkpoint), job).eval()
     with_adapter = PeftModel.from_pretrained(_pretrained(user), adapter_dir).eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     assert type(merged) is transformers.GPT2LMHeadModel
@@ -295,7 +305,8 @@ def test_peft_and_merged_exports_load_with_their_libraries_and_give_the_checkpoi
 
 def _evaluates(user: Path, run: Path) -> None:
     """`ringtrain evaluate` of the run's last.pt gives the run's last validation loss."""
-    proc = ok(run_module("ringtrain", ["evaluate", f"checkpoint={run / 'checkpoints' / 'last.pt'}"], cwd=user))
+    proc = ok(run_module("ringtrain", ["evaluate", "--config-dir", str(user / "conf"),
+                                       f"checkpoint={run / 'checkpoints' / 'last.pt'}"], cwd=user))
     final = json.loads((run / "metrics.json").read_text())["final"]["val/loss"]
     assert proc.stdout.splitlines()[0] == f"val/loss={final:.6g}"
 
@@ -386,7 +397,7 @@ def changed_base(user, tmp_path_factory) -> dict:
     before = _snapshot(folder)
     resumed = run_cli(_args(user, run, overrides), cwd=user)  # the same command again: resume=auto
     return {"folder": folder, "checkpoint": run / "checkpoints" / "last.pt", "before": before,
-            "resumed": resumed, "after": _snapshot(folder)}
+            "resumed": resumed, "after": _snapshot(folder), "conf": user / "conf"}
 
 
 BASE_CHANGED = "holds adapters trained on other base weights than this model's"
@@ -410,9 +421,14 @@ def test_evaluating_or_exporting_over_a_changed_base_directory_is_refused_in_one
 
     folder, checkpoint = changed_base["folder"], changed_base["checkpoint"]
     before = _snapshot(folder)
-    _refused(run_module("ringtrain", ["evaluate", f"checkpoint={checkpoint}"], cwd=folder), BASE_CHANGED)
+    _refused(run_module("ringtrain", ["evaluate", "--config-dir", str(changed_base["conf"]), f"checkpoint={checkpoint}"],
+                        cwd=folder), BASE_CHANGED)
     assert _snapshot(folder) == before  # no eval/ file
+    from ringtrain.tools.app import composed_job
+    from ringtrain.tools.checkpoint_model import read_checkpoint
+
+    job = composed_job(read_checkpoint(str(checkpoint)), str(checkpoint), config_dir=changed_base["conf"])
     for format in ("peft", "hf"):  # `ringtrain export`, in this process
         with pytest.raises(CheckpointError, match=BASE_CHANGED):
-            export(str(checkpoint), format)
+            export(str(checkpoint), format, job=job)
     assert _snapshot(folder) == before  # no export/

@@ -68,8 +68,8 @@ def record(hydra: Any) -> dict[str, Any]:
     # A group's option is in `choices` already (a replayed run's pins among them).
     overrides = [line for line in hydra.overrides.task if not _key_of(line).startswith(("trainer.resume", "hydra"))
                  and not ("." not in _key_of(line) and choices.get(_key_of(line)) == str(line).split("=", 1)[-1])]
-    config_dirs = [str(source.path).removeprefix("file://") for source in hydra.runtime.config_sources
-                   if source.provider == "command-line" and str(source.path).startswith("file://")]
+    config_dirs = [str(source.path) for source in hydra.runtime.config_sources
+                   if source.provider == "command-line" and source.schema == "file"]
     return {"choices": choices, "overrides": [str(line) for line in overrides], "config_dirs": config_dirs}
 
 

@@ -68,16 +68,17 @@ def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) ->
     return commands
 
 
-def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = ()) -> dict:
+def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | Path | None = None) -> dict:
     """The job of a checkpoint as a tool composes it, for a caller in Python (`sample(...)`,
-    `export(...)` without `job`): Hydra's compose API (ringtrain.conf.composed), the checkpoint's
-    recipe replayed before `overrides`; resolved."""
+    `export(...)` without `job`): Hydra's compose API (ringtrain.conf.composed; `config_dir`:
+    your own options, as --config-dir), the checkpoint's recipe replayed before `overrides`;
+    resolved."""
     from ringtrain.config.app import register_resolvers
 
     register_resolvers()
     overrides = list(overrides)
     replayed = replay(state.get("job"), Path(path), overrides, skip=TOOLS_DO_NOT_REPLAY)
-    return resolve(composed(replayed.overrides + overrides))
+    return resolve(composed(replayed.overrides + overrides, config_dir=config_dir))
 
 
 def prepare(command: CommandLine) -> list[CommandLine]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, REPO, run_cli
+from conftest import QUIET, REPO, compose_config, run_cli
 from helpers import (
     TORCHRUN,
     Job,
@@ -546,17 +546,13 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
     assert not (tmp_path / "outputs").exists(), "the continued run started a directory of its own"
     assert "done: 10 steps" in (run_dir / "train.log").read_text()
 
-    # The command line composes on the stored run's options, so a key only they have is an
+    # The checkpoint's options are replayed before the command line, so a key only they have is an
     # override like any other (it used to fail: "not a setting of this data").
-    from hydra import compose, initialize_config_dir
-
-    from conftest import CONF_DIR
-    from ringtrain.config.continuation import CONTINUED, continued_config, read_continued_run
+    from ringtrain.config.app import CommandLine
+    from ringtrain.tools.train import prepare
 
     args = [f"trainer.resume={last}", "data.num_val_tokens=2000"]
-    resumed = read_continued_run(args)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        config = continued_config(compose(config_name=CONTINUED, overrides=args), resumed, args)
+    config = compose_config(prepare(CommandLine("ringtrain", args))[0].hydra_args())
     assert config.data.num_val_tokens == 2000 and config.model._target_ == "ringtrain.models.transformer.Transformer"
 
     job_refused(run_job([f"trainer.resume={last}", "model.n_layers=3"], cwd=tmp_path),
@@ -567,9 +563,8 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
     # +model.in_features=<value>, composed on the checkpoint's data).
     files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
     assert refused(run_cli([f"trainer.resume={last}", "model=mlp"], cwd=tmp_path)) == (
-        f"error: {last} is a checkpoint of ringtrain.models.transformer.Transformer, but model=mlp is "
-        f"ringtrain.models.mlp.MLPClassifier; a continued run keeps its model: drop model=mlp to continue it, "
-        f"or drop trainer.resume to start a new run with model=mlp"
+        f"error: {last} is a checkpoint of model=transformer, but the command line picks model=mlp; a continued "
+        f"run keeps its model: drop model=mlp to continue it, or drop trainer.resume to start a new run with model=mlp"
     )
     assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
     assert not (tmp_path / "outputs").exists()

@@ -7,7 +7,7 @@ writing new ones and keeping the newest few (torchtitan's CheckpointManager is t
     checkpoints.flush()                                   # the last save is on disk
 
 trainer.resume is `auto` (the newest readable checkpoint here, else a fresh start: what a
-restarted job relies on), a path (continue that run; config/continuation.py gives its config)
+restarted job relies on), a path (continue that run; its recipe is replayed, config/recipe.py)
 or null (never; a directory holding checkpoints is refused). An unreadable newest file
 (truncated, checksum mismatch) is named in one line and moved into checkpoints/unreadable/,
 never deleted, and an older one used. The file format is checkpoints/files.py. A save writes `step-<N>.pt` atomically, hard-links `last.pt` (and `best.pt`) to it and keeps

@@ -37,7 +37,20 @@ def prepare(command: CommandLine) -> list[CommandLine]:
             "a multirun (-m) under torchrun would run the whole sweep on every rank; run it without torchrun, "
             "each job starting its own ranks: `ringtrain -m strategy=ddp strategy.nproc_per_node=N ...`")
     skip = _NOT_REPLAYED + (("strategy.nproc_per_node",) if under_torchrun() else ())
-    return with_checkpoint(command, "trainer.resume", skip)
+    commands = with_checkpoint(command, "trainer.resume", skip)
+    for each in commands:
+        for path, given in (each.checkpoint or {}).items():
+            _refuse_another_model_option(each, path, given.state["job"]["choices"].get("model"))
+    return commands
+
+
+def _refuse_another_model_option(command: CommandLine, path: str, kept: str | None) -> None:
+    """`model=<option>` other than the checkpoint's: a continued run keeps its model."""
+    option = next((o.split("=", 1)[1] for o in reversed(command.overrides) if o.split("=", 1)[0] == "model"), None)
+    if option is not None and kept is not None and option != kept:
+        raise ConfigError(f"{path} is a checkpoint of model={kept}, but the command line picks model={option}; a "
+                          f"continued run keeps its model: drop model={option} to continue it, or drop trainer.resume "
+                          f"to start a new run with model={option}")
 
 
 def main(command: CommandLine) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import QUIET, SHAKESPEARE, run_module
-from helpers import ok
+from helpers import ok, refused
 
 TEXT = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(300))
 USER_MODEL = """\
@@ -116,3 +116,33 @@ def test_a_clean_checkpoint_works_from_another_directory_and_resumes_exactly(cas
 
     a, b = checkpoint_weights(straight), checkpoint_weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", [[], ["adapter=lora", "adapter.target_modules=[c_attn,c_fc]", "adapter.r=4"]],
+                         ids=["full", "lora"])
+def test_a_run_whose_config_names_relative_folders_is_used_from_another_directory(adapter, tmp_path, hf_offline):
+    """The run's relative paths (its model folder, its text) are recorded absolute: sample,
+    evaluate and export work from elsewhere; the model folder moved away is one line naming it."""
+    user = _user_folder(tmp_path / "user")
+    _with_pretrained(user)
+    args = ["--config-dir", str(user / "conf"), "model=pretrained_gpt2", "model.pretrained_model_name_or_path=tiny-gpt2",
+            "data.path=input.txt", "optimizer=adamw", "trainer.max_steps=4", *adapter, f"hydra.run.dir={tmp_path / 'run'}"]
+    _train(user, args)
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert torch.load(checkpoint, weights_only=True)["job"]["paths"]["model.pretrained_model_name_or_path"] == \
+        str(user / "tiny-gpt2")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    tool = ["--config-dir", str(user / "conf"), f"checkpoint={checkpoint}"]
+    ok(run_module("ringtrain", ["evaluate", *tool, f"output={elsewhere / 'm.json'}"], cwd=elsewhere))
+    assert ok(run_module("ringtrain", ["sample", *tool, "prompt=line", "max_new_tokens=5"], cwd=elsewhere)).stdout
+    ok(run_module("ringtrain", ["export", *tool, f"format={'peft' if adapter else 'hf'}", f"output={elsewhere / 'out'}"],
+                  cwd=elsewhere))
+    (user / "tiny-gpt2").rename(user / "moved")
+    if adapter:  # the base is read again: its folder named in one line, no Hub retries
+        line = refused(run_module("ringtrain", ["evaluate", *tool, f"output={elsewhere / 'm2.json'}"], cwd=elsewhere),
+                       str(user / "tiny-gpt2"))
+        assert "Retrying" not in line and not (elsewhere / "m2.json").exists()
+    else:  # a full fine-tune is rebuilt from the config its checkpoint keeps
+        ok(run_module("ringtrain", ["evaluate", *tool, f"output={elsewhere / 'm2.json'}"], cwd=elsewhere))

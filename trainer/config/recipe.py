@@ -22,6 +22,7 @@ refusal of it, named as the checkpoint's).
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -61,8 +62,27 @@ class Replay:
                 f"yours here have; pass{where} (the folder that holds {group}/{option}.yaml)")
 
 
-def record(hydra: Any) -> dict[str, Any]:
-    """The recipe of the job Hydra composed (`hydra`: its HydraConfig node): plain data."""
+def local_paths(resolved: Mapping[str, Any]) -> dict[str, str]:
+    """The job's values that name a file or folder by a path relative to this directory, made
+    absolute (`model.pretrained_model_name_or_path: smollm` -> /home/me/proj/smollm): replayed
+    after the overrides, so a command run from elsewhere finds the run's files."""
+    found: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, Mapping):
+            for name, value in node.items():
+                walk(value, f"{key}.{name}")
+        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node and os.path.exists(node):
+            found[key] = os.path.abspath(node)
+
+    for section in ("model", "data", "task", "trainer", "adapter"):
+        walk(resolved.get(section), section)
+    return found
+
+
+def record(hydra: Any, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The recipe of the job Hydra composed (`hydra`: its HydraConfig node; `resolved`: the job
+    as validated, for its local paths): plain data."""
     choices = {group: str(option) for group, option in hydra.runtime.choices.items()
                if group in JOB_GROUPS and isinstance(option, str)}
     # A group's option is in `choices` already (a replayed run's pins among them).
@@ -70,7 +90,8 @@ def record(hydra: Any) -> dict[str, Any]:
                  and not ("." not in _key_of(line) and choices.get(_key_of(line)) == str(line).split("=", 1)[-1])]
     config_dirs = [str(source.path) for source in hydra.runtime.config_sources
                    if source.provider == "command-line" and source.schema == "file"]
-    return {"choices": choices, "overrides": [str(line) for line in overrides], "config_dirs": config_dirs}
+    return {"choices": choices, "overrides": [str(line) for line in overrides], "config_dirs": config_dirs,
+            "paths": local_paths(resolved or {})}
 
 
 def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Iterable[str] = ()) -> Replay:
@@ -107,6 +128,15 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
         if wanted(parsed.key_or_group):  # what is not replayed needs no check
             _check_stored(parsed, source)
             overrides.append(parsed.input_line)
+    for key, path in (recipe.get("paths") or {}).items():  # the run's files, where the run had them
+        line = f"{key}={_quoted(path)}"
+        try:
+            parsed = parser.parse_overrides([line])[0]
+        except OverrideParseException:
+            raise _refusal(source, line, "is not an override Hydra reads") from None
+        if wanted(parsed.key_or_group):
+            _check_stored(parsed, source)
+            overrides.append(line)
     dirs = [str(d) for d in recipe.get("config_dirs") or [] if isinstance(d, str)]
     return Replay(source, overrides, {g: o for g, o in recipe["choices"].items() if wanted(g)}, dirs)
 
@@ -152,6 +182,12 @@ def _refusal(source: Path, line: Any, why: str) -> ConfigError:
     return ConfigError(f"checkpoint {source} stores the override {str(line)!r}, which {why}: a checkpoint is data, so "
                        f"it is not replayed; set what you want in your own config or on the command line, and pass the "
                        f"checkpoint's weights with trainer.init_from=<file> if you trust them")
+
+
+def _quoted(path: Any) -> str:
+    """A path as an override's value: as it is, or in Hydra's quotes when it has other signs."""
+    text = str(path)
+    return text if re.fullmatch(r"[\w./+-]+", text) else "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _key_of(line: str) -> str:

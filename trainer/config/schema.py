@@ -115,10 +115,9 @@ def validate(cfg: Any) -> Job:
     """Check the composed config; return the Job, or raise ConfigError on the first mistake.
     A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
     gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
-    recipe = None
+    hydra = None
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
-        recipe = record(cfg.hydra)
-        cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+        hydra, cfg = cfg.hydra, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         resolved = resolve(cfg)
     except OmegaConfBaseException as err:
@@ -143,7 +142,7 @@ def validate(cfg: Any) -> Job:
     if adapter is not None:
         check(adapter, "adapter")
     return Job(trainer, strategy, task, resolved["model"], resolved["data"], resolved["optimizer"],
-               resolved["scheduler"], callbacks, loggers, adapter, resolved, recipe)
+               resolved["scheduler"], callbacks, loggers, adapter, resolved, record(hydra, resolved) if hydra else None)
 
 
 def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:

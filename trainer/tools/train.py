@@ -88,7 +88,7 @@ def train_job(cfg: Any, command: CommandLine) -> float:
             remove_if_empty(Path(run_dir))  # Hydra made it for the job; it holds nothing yet
             raise
         job.group = Path(hydra.sweep.dir).name if in_sweep else None
-        job.recipe = record(hydra)
+        job.recipe = record(hydra, job.resolved)
         result = launch(job, run_dir, given=given, record=_record(cfg))
         if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:
             raise stopped

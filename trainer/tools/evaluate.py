@@ -5,8 +5,9 @@ lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The
 from the checkpoint's recorded choices and overrides (config/recipe.py: the run's command line is
 not needed, and a file never chooses code) and the command line's, which change it as they would
 training's; the data, model and task are then checked like training's (config/builders.py): a
-mistake is one `error:` line, exit 2, before any data is built. A relative data.path is read from
-the current directory, as the run read it. The run's own strategy is not reused (strategy=auto).
+mistake is one `error:` line, exit 2, before any data is built. The run's relative paths were
+recorded absolute, so its own text is read wherever this runs; a data.path given now is read from
+the current directory. The run's own strategy is not reused (strategy=auto).
 
 The metrics are computed exactly as the loop's validation: the split sharded over the ranks
 without padding, per-batch sums and counts all-reduced (data/tasks.py), autocast per

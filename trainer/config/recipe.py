@@ -1,24 +1,20 @@
 """What a checkpoint records of the job that trained it, as data, and how a command replays it.
 
-A checkpoint never holds a node that is built: it records the option chosen in each config group
-and the overrides the command line gave, and every command that continues or rebuilds the run
-(`trainer.resume=<file>`, `ringtrain evaluate | sample | export | consolidate`) composes the job
-again through Hydra from ringtrain's configs and the user's own (--config-dir and the command
-line of this process), with the recorded choices and overrides before the user's:
+A checkpoint holds no node that is built. It records the option chosen in each config group, the
+overrides given, and the run's relative paths made absolute; every command that continues or
+rebuilds the run (`trainer.resume=<file>`, the tools) has Hydra compose the job again from
+ringtrain's configs and the user's own (--config-dir, the command line), the recorded choices and
+overrides before the user's:
 
-    recipe = {"choices": {"model": "transformer", "data": "text", ...},
-              "overrides": ["model.n_layers=4", "data.path=input.txt", ...],
-              "config_dirs": ["/home/me/my_conf"]}        # named in messages only, never searched
+    {"choices": {"model": "transformer", ...}, "overrides": ["model.n_layers=4", ...],
+     "paths": {"data.path": "/home/me/input.txt"}, "config_dirs": ["/home/me/my_conf"]}  # the last: messages only
     ringtrain evaluate checkpoint=x.pt data.path=other.txt
-      -> Hydra composes: model=transformer data=text ... model.n_layers=4 data.path=other.txt checkpoint=x.pt
+      -> model=transformer ... model.n_layers=4 data.path=/home/me/input.txt checkpoint=x.pt data.path=other.txt
 
-So a `_target_` that runs comes only from a config file of ringtrain's or the user's. A stored
-override is replayed only if it changes a value the composed config has: one that sets or adds a
-`_target_`-like key (`_target_`, `_args_`, `_partial_`, `_recursive_`, `_convert_`), adds a
-key (+, ++), holds an interpolation `${...}`, names a Hydra setting or a package, sweeps, picks
-an option whose name is not a plain name, or sets a keyword that turns on code loading
-(`CODE_LOADING_KEYS`) is refused in one line; so is a key the composed config lacks (Hydra's
-refusal of it, named as the checkpoint's).
+A stored override that adds a key (+, ++), sets an instantiation key (`_target_`, `_args_`, ...)
+or a code-loading keyword (CODE_LOADING_KEYS), holds `${...}`, names a Hydra setting or a package,
+sweeps, or picks an option that is not a plain name is refused in one line; so is a key the
+composed config lacks (Hydra's refusal, named as the checkpoint's).
 """
 from __future__ import annotations
 
@@ -120,7 +116,8 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
             raise _refusal(source, f"{group}={option}", "is not a choice of one of ringtrain's config groups")
         if wanted(group):
             overrides.append(f"{group}={option}")
-    for line in recipe["overrides"]:
+    paths = recipe.get("paths") or {}  # the run's files, where the run had them: after its overrides
+    for line in [*recipe["overrides"], *(f"{key}={_quoted(path)}" for key, path in paths.items())]:
         try:
             parsed = parser.parse_overrides([str(line)])[0]
         except OverrideParseException:
@@ -128,15 +125,6 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
         if wanted(parsed.key_or_group):  # what is not replayed needs no check
             _check_stored(parsed, source)
             overrides.append(parsed.input_line)
-    for key, path in (recipe.get("paths") or {}).items():  # the run's files, where the run had them
-        line = f"{key}={_quoted(path)}"
-        try:
-            parsed = parser.parse_overrides([line])[0]
-        except OverrideParseException:
-            raise _refusal(source, line, "is not an override Hydra reads") from None
-        if wanted(parsed.key_or_group):
-            _check_stored(parsed, source)
-            overrides.append(line)
     dirs = [str(d) for d in recipe.get("config_dirs") or [] if isinstance(d, str)]
     return Replay(source, overrides, {g: o for g, o in recipe["choices"].items() if wanted(g)}, dirs)
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, Unusable, check_file_bytes, save_checkpoint
 from ringtrain.config.app import CommandLine, PrimaryConfig
-from ringtrain.config.recipe import JOB_GROUPS
+from ringtrain.config.recipe import record
 from ringtrain.errors import ConfigError
 from ringtrain.tools.app import run_tool
 
@@ -30,43 +29,28 @@ UPGRADE = PrimaryConfig("upgrade", "ringtrain upgrade",
 
 def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None = None) -> Path:
     """Rewrite the format-2 `checkpoint` as format 3; returns the file written."""
+    from omegaconf import OmegaConf
+
     path = Path(checkpoint)
+    run_record = path.absolute().parent.parent / ".hydra" / "hydra.yaml"  # the run's own, as Hydra wrote it
     if not trust_checkpoint:
         raise ConfigError(f"upgrading {checkpoint} keeps what its run's record says it was trained with; add "
                           f"trust_checkpoint=true if you trust the file and its run directory")
     try:
         check_file_bytes(path)
         state = torch.load(path, map_location="cpu", weights_only=True)
+        hydra = OmegaConf.load(run_record).hydra
     except (Unusable, OSError, RuntimeError) as err:
-        raise ConfigError(f"checkpoint {checkpoint} cannot be read ({str(err).splitlines()[0][:200]}); pass an intact "
-                          f"copy") from None
+        raise ConfigError(f"{checkpoint} or its run's record {run_record} cannot be read ({str(err).splitlines()[0][:200]}); "
+                          f"run upgrade on a checkpoint inside its run directory (<run>/checkpoints/)") from None
     if not isinstance(state, dict) or state.get("format") != 2:
-        raise ConfigError(f"checkpoint {checkpoint} is not of format 2 (it has {state.get('format')!r}): nothing to "
-                          f"upgrade")
-    state["job"], state["format"] = _recipe_from_run_record(path), CHECKPOINT_FORMAT
+        raise ConfigError(f"checkpoint {checkpoint} is not of format 2 (it has {state.get('format')!r}): nothing to upgrade")
+    state["job"], state["format"] = record(hydra), CHECKPOINT_FORMAT
     target = Path(output) if output else path
-    if target.resolve() == path.resolve():
-        kept = path.with_name(path.name + ".format2")
-        if not kept.exists():
-            os.link(path, kept)  # the old bytes stay, under another name
+    if target.resolve() == path.resolve() and not (kept := path.with_name(path.name + ".format2")).exists():
+        os.link(path, kept)  # the old bytes stay, under another name
     save_checkpoint(target, state)
     return target
-
-
-def _recipe_from_run_record(path: Path) -> dict[str, Any]:
-    """The groups' choices and the overrides of the run whose checkpoints/ holds `path`."""
-    from omegaconf import OmegaConf
-
-    record = path.absolute().parent.parent / ".hydra" / "hydra.yaml"
-    if not record.is_file():
-        raise ConfigError(f"{record} is missing, so what {path} was trained with is unknown; run upgrade on the "
-                          f"checkpoint inside its run directory (<run>/checkpoints/)")
-    hydra = OmegaConf.load(record).hydra
-    choices = {group: str(option) for group, option in hydra.runtime.choices.items()
-               if group in JOB_GROUPS and isinstance(option, str)}
-    overrides = [str(line) for line in hydra.overrides.task
-                 if not str(line).lstrip("+~").startswith(("trainer.resume", "hydra"))]
-    return {"choices": choices, "overrides": overrides, "config_dirs": []}
 
 
 def prepare(command: CommandLine) -> list[CommandLine]:

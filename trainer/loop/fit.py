@@ -219,9 +219,9 @@ class StepLoss:
         sizes = [samples_in(target) for target in targets]
         self.samples = sum(sizes)
         self.tokens = sum(target.numel() for target in targets if target.dim() == 2 and not target.is_floating_point())
-        self.plain = len(micro_batches) == 1 and not dist.is_distributed
-        self.counts = sizes if self.plain else [counted(task, t) for t in targets]
-        self.summed = any(isinstance(count, torch.Tensor) for count in self.counts)
+        plain = len(micro_batches) == 1 and not dist.is_distributed
+        self.counts = sizes if plain else [counted(task, t) for t in targets]
+        self.summed = not plain and any(isinstance(count, torch.Tensor) for count in self.counts)
         if self.summed:  # at least 1: a step with nothing to count trains on nothing, not on NaN
             self.total = all_reduce_sum(dist, sum(self.counts).float()).clamp(min=1)
         else:

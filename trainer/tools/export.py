@@ -77,7 +77,7 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
                           f"(adapter=lora); use format=safetensors or format=hf")
     model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint)
     if format == "peft":
-        lora, task_type = build(adapter, "adapter"), peft_task_type((state.get("config") or {}).get("task"))
+        lora, task_type = build(adapter, "adapter"), peft_task_type(job.get("task"))  # the composed job's, never the file's
         write_directory(target, lambda d: save_peft_adapter(model, lora, d, node.get("pretrained_model_name_or_path"),
                                                             task_type), overwrite)
         return target

@@ -28,13 +28,14 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 QUIET = ["trainer.progress_bar=false"]
 
 
-def compose_config(overrides: list[str]):
+def compose_config(overrides: list[str], hydra: bool = False):
+    """conf/train.yaml composed with `overrides`; `hydra`: with Hydra's settings, from which
+    validate() takes the job's recipe (config/recipe.py), as a command's job has it."""
     from ringtrain.config.app import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        # With Hydra's settings: the job records its groups' choices and overrides (config/recipe.py).
-        return compose(config_name="train", overrides=QUIET + list(overrides), return_hydra_config=True)
+        return compose(config_name="train", overrides=QUIET + list(overrides), return_hydra_config=hydra)
 
 
 def train_in_process(overrides: list[str], run_dir: Path):
@@ -42,7 +43,7 @@ def train_in_process(overrides: list[str], run_dir: Path):
     from ringtrain.config.schema import validate
     from ringtrain.run import train_rank
 
-    return train_rank(validate(compose_config(overrides)), str(run_dir))
+    return train_rank(validate(compose_config(overrides, hydra=True)), str(run_dir))
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None):

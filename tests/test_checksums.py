@@ -34,7 +34,7 @@ def why_unusable(path: Path) -> str | None:
 def _state(step: int, numel: int = 4096) -> dict:
     """A minimal ringtrain checkpoint whose weights (16 KiB) say which step wrote it."""
     return {"format": CHECKPOINT_FORMAT, "model": {"w": torch.full((numel,), float(step))}, "optimizer": {},
-            "scheduler": {}, "progress": {"step": step}, "rng": [], "config": {}}
+            "scheduler": {}, "progress": {"step": step}, "rng": [], "job": None, "config": {}}
 
 
 def _store_of_three(directory: Path) -> CheckpointStore:

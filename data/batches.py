@@ -21,10 +21,9 @@ element). A task with `model_loss=True` trains on the loss the model computes it
 given the target as `labels=` (Hugging Face models shift it for causal language modelling),
 and validates with its own metrics on the logits.
 
-Every caller (the training step, validation, `ringtrain evaluate`, `ringtrain sample`, the
-pre-check's dry step) goes through `training_loss`, `eval_sums` or `logits`, so a batch or
-an output the task cannot use is one ConfigError naming the keys and the fix, the same
-everywhere. A task object (ringtrain's own or a user's) may leave these settings out: then the
+Every caller (the training step, validation, `ringtrain evaluate`, `ringtrain sample`) goes
+through `training_loss`, `eval_sums` or `logits`, so a batch or an output the task cannot use
+is one ConfigError naming the keys and the fix, the same everywhere. A task object (ringtrain's own or a user's) may leave these settings out: then the
 defaults above apply.
 """
 from __future__ import annotations

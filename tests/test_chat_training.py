@@ -269,14 +269,27 @@ def test_chat_samples_end_at_the_templates_end_of_turn_token(user):
 
 @pytest.fixture(scope="module")
 def chat_lora_checkpoint(user, tmp_path_factory) -> Path:
-    """LoRA on the local tiny GPT-2, two steps on the chats: a chat fine-tune to export."""
+    """LoRA on the local tiny GPT-2 (an option of the user's config folder), two steps on the
+    chats: a chat fine-tune to export."""
+    (user / "conf" / "model").mkdir(parents=True, exist_ok=True)
+    (user / "conf" / "model" / "tiny_gpt2.yaml").write_text(
+        f"_target_: transformers.AutoModelForCausalLM.from_pretrained\npretrained_model_name_or_path: {user / 'tiny-gpt2'}\n")
     run = tmp_path_factory.mktemp("chat_lora") / "run"
     train_in_process(chat(user, packing=False) + [
-        "model=hf_gpt2", "~data.seq_len", "~model.config", "model._target_=transformers.AutoModelForCausalLM.from_pretrained",
-        f"+model.pretrained_model_name_or_path={user / 'tiny-gpt2'}", f"data.max_length={MAX_LENGTH}",
+        f"hydra.searchpath=[file://{user / 'conf'}]", "model=tiny_gpt2", f"data.max_length={MAX_LENGTH}",
         "adapter=lora", "adapter.target_modules=[c_attn]", "adapter.r=4", "trainer.max_steps=2", "trainer.batch_size=4",
         "trainer.limit_val_batches=1"], run)
     return run / "checkpoints" / "last.pt"
+
+
+def export_chat(user: Path, checkpoint: Path, format: str, output: Path, **settings) -> Path:  # noqa: A002
+    """`ringtrain export --config-dir <user>/conf checkpoint=... format=... output=...`, in this process."""
+    from ringtrain.tools.app import composed_job
+    from ringtrain.tools.checkpoint_model import read_checkpoint
+    from ringtrain.tools.export import export
+
+    job = composed_job(read_checkpoint(str(checkpoint)), str(checkpoint), config_dir=user / "conf")
+    return export(str(checkpoint), format, str(output), job=job, **settings)
 
 
 def test_exports_of_a_chat_fine_tune_keep_its_template_and_name_the_causal_lm_task(user, chat_lora_checkpoint, tmp_path):
@@ -285,10 +298,8 @@ def test_exports_of_a_chat_fine_tune_keep_its_template_and_name_the_causal_lm_ta
     task_type CAUSAL_LM, so PeftModel.from_pretrained gives a model that can generate."""
     from peft import PeftModel, PeftModelForCausalLM
 
-    from ringtrain.tools.export import export
-
-    merged, adapter = export(str(chat_lora_checkpoint), "hf", str(tmp_path / "merged")), \
-        export(str(chat_lora_checkpoint), "peft", str(tmp_path / "adapter"))
+    merged, adapter = export_chat(user, chat_lora_checkpoint, "hf", tmp_path / "merged"), \
+        export_chat(user, chat_lora_checkpoint, "peft", tmp_path / "adapter")
     assert json.loads((merged / "tokenizer_config.json").read_text())["chat_template"] == CHATML
     messages = [{"role": "user", "content": "echo ab"}]
     loaded = transformers.AutoTokenizer.from_pretrained(merged)
@@ -301,21 +312,19 @@ def test_exports_of_a_chat_fine_tune_keep_its_template_and_name_the_causal_lm_ta
 
 
 @pytest.mark.parametrize("format", ["hf", "peft"])
-def test_an_export_into_an_earlier_exports_folder_replaces_only_what_an_export_wrote(chat_lora_checkpoint, tmp_path,
+def test_an_export_into_an_earlier_exports_folder_replaces_only_what_an_export_wrote(user, chat_lora_checkpoint, tmp_path,
                                                                                      format):
     """A user's notes and data folder added to an exported folder survive the next export into
     it; a folder no export wrote is refused before anything is built, and so is a user's file
     that the export would replace, unless overwrite=true."""
     from ringtrain.errors import ConfigError
-    from ringtrain.tools.export import export
-
-    folder = export(str(chat_lora_checkpoint), format, str(tmp_path / "out"))
+    folder = export_chat(user, chat_lora_checkpoint, format, tmp_path / "out")
     exported = {p.name: p.read_bytes() for p in folder.iterdir()}
     (folder / "NOTES.md").write_text("my notes")
     (folder / "data").mkdir()
     (folder / "data" / "eval.jsonl").write_text("{}\n")
     (folder / "config.json" if format == "hf" else folder / "adapter_config.json").write_text("stale")  # an export's file
-    export(str(chat_lora_checkpoint), format, str(folder))
+    export_chat(user, chat_lora_checkpoint, format, folder)
     assert (folder / "NOTES.md").read_text() == "my notes" and (folder / "data" / "eval.jsonl").read_text() == "{}\n"
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name in exported} == exported
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no partial or previous folder left
@@ -323,13 +332,13 @@ def test_an_export_into_an_earlier_exports_folder_replaces_only_what_an_export_w
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "NOTES.md").write_text("mine")
     with pytest.raises(ConfigError, match=f"output={tmp_path / 'mine'} exists and was not written by ringtrain export"):
-        export(str(chat_lora_checkpoint), format, str(tmp_path / "mine"))
+        export_chat(user, chat_lora_checkpoint, format, tmp_path / "mine")
     clash, mark = sorted(exported)[-1], folder / ".ringtrain-export"
     mark.write_text(mark.read_text().replace(f"\n{clash}\n", "\n"))  # as if the user had put it there
     with pytest.raises(ConfigError, match=f"output={folder} holds {clash}, which ringtrain export did not write"):
-        export(str(chat_lora_checkpoint), format, str(folder))
+        export_chat(user, chat_lora_checkpoint, format, folder)
     assert (folder / clash).read_bytes() == exported[clash] and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]
-    export(str(chat_lora_checkpoint), format, str(tmp_path / "mine"), overwrite=True)
+    export_chat(user, chat_lora_checkpoint, format, tmp_path / "mine", overwrite=True)
     assert (tmp_path / "mine" / "NOTES.md").read_text() == "mine" and (tmp_path / "mine" / clash).is_file()
 
 

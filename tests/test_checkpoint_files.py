@@ -31,6 +31,7 @@ def _state(step: int, numel: int = 4) -> dict:
         "scheduler": {},
         "progress": {"step": step},
         "rng": [],
+        "job": None,
         "config": {},
     }
 

@@ -34,7 +34,7 @@ def why_unusable(path: Path) -> str | None:
 def _state(step: int, numel: int = 4096) -> dict:
     """A minimal ringtrain checkpoint whose weights (16 KiB) say which step wrote it."""
     return {"format": CHECKPOINT_FORMAT, "model": {"w": torch.full((numel,), float(step))}, "optimizer": {},
-            "scheduler": {}, "progress": {"step": step}, "rng": [], "config": {}}
+            "scheduler": {}, "progress": {"step": step}, "rng": [], "job": None, "config": {}}
 
 
 def _store_of_three(directory: Path) -> CheckpointStore:
@@ -213,3 +213,43 @@ def test_every_tool_refuses_a_corrupted_checkpoint_in_one_line(tmp_path, tiny_ru
     record = corrupt_tensor_bytes(path)
     refused(run_module(tool, [f"checkpoint={path}"]),
             f"checkpoint '{path}' is corrupt: its record {record} does not match its checksum")
+
+
+# --- every way in: the Python API, trainer.resume=<file>, the same command (auto) ----------------
+# The command line's trainer.resume=<file> with changed bytes is in tests/test_one_line_refusals.py
+# (one line, exit 2, nothing on disk changed); the same command run again on a run directory whose
+# last.pt has changed bytes falls back and ends bit-identical in tests/test_resilience.py.
+
+
+def test_python_api_resume_from_a_file_with_changed_bytes_is_refused_before_any_step(tmp_path):
+    """Trainer(resume=<last.pt>) whose weights' bytes changed on disk (zip intact, torch.load
+    would return them): CheckpointError naming the record, no run directory left, the file as it was."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from ringtrain import Trainer
+    from ringtrain.data.tasks import RegressionTask
+
+    x = torch.randn(64, 1, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, 2 * x + 3)
+
+    def model() -> nn.Module:  # its 8 KiB weight matrices are the file's largest records
+        return nn.Sequential(nn.Linear(1, 2048), nn.Linear(2048, 1))
+
+    settings = dict(batch_size=16, progress_bar=False, async_checkpoint=False)
+    Trainer(tmp_path / "first", max_steps=2, **settings).fit(model(), data, data, task=RegressionTask())
+    last = tmp_path / "first" / "checkpoints" / "last.pt"
+    written = torch.load(last, weights_only=True)["model"]
+    record = corrupt_tensor_bytes(last)
+    loaded = torch.load(last, weights_only=True)["model"]
+    assert [name for name in written if not torch.equal(written[name], loaded[name])] == ["0.weight"]
+    damaged = _contents(tmp_path)
+
+    with pytest.raises(CheckpointError) as refusal:
+        Trainer(tmp_path / "continued", max_steps=4, resume=str(last), **settings).fit(
+            model(), data, data, task=RegressionTask())
+    assert str(refusal.value) == (
+        f"checkpoint '{last}' is corrupt: its record {record} does not match its checksum; use another checkpoint "
+        f"of that run (an older step-*.pt, or best.pt) or a copy of this one from elsewhere")
+    assert not (tmp_path / "continued").exists()
+    assert _contents(tmp_path) == damaged

@@ -236,7 +236,7 @@ def test_the_pre_check_calls_no_function_target_and_the_run_builds_it(tmp_path):
 @pytest.mark.parametrize("args,line", [
     (["trainer.precision=fp8"], "error: trainer.precision='fp8' is not supported; use one of 32, bf16-mixed, 16-mixed"),
     (["strategy=ddp", "strategy.timeout_minutes=0"], "error: strategy.timeout_minutes=0 must be positive"),
-    # Only the data knows this (the dry step sets it up ahead): still before the run directory.
+    # Only the data knows this: refused as the run builds it, before its first step.
     (["trainer.batch_size=1000000", "trainer.drop_last=true"],
      "error: trainer.drop_last=true drops every batch: the training set has 10000 samples, too few for one batch of "
      "trainer.batch_size=1000000; set trainer.batch_size=10000 or lower, or trainer.drop_last=false (a step then "

@@ -1,6 +1,7 @@
 """strategy=ddp for real: 2-rank gloo jobs in subprocesses, under torchrun and self-launched."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -149,6 +150,59 @@ def test_ddp_wrapper_takes_every_option_from_the_strategy_config(one_rank_group)
         assert not defaults.find_unused_parameters and defaults.gradient_as_bucket_view
     finally:
         teardown_distributed()
+
+
+# Each rank wraps a model whose buffer starts at 10 * (rank + 1) and adds each input (rank + 1)
+# in forward, under strategy.forward_sync_buffers=true, then false, and writes the buffer after
+# the wrap and after each of two training steps to <argv[1]>/rank-<R>.json.
+BUFFERS_WORKER = """
+import json, sys, warnings
+import torch
+from torch import nn
+from ringtrain.config.schema import strategy_option
+from ringtrain.distributed import join_process_group, teardown_distributed
+
+class Seen(nn.Module):
+    def __init__(self, start):
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+        self.register_buffer("seen", torch.tensor(start))
+
+    def forward(self, x):
+        self.seen += x.sum()
+        return self.linear(x)
+
+info = join_process_group("gloo", "cpu", 1.0)
+warnings.simplefilter("error", FutureWarning)  # a deprecated DDP argument fails the job
+seen = {}
+for sync in ("true", "false"):
+    ddp = strategy_option("ddp", forward_sync_buffers=sync == "true").wrap(Seen(10.0 * (info.rank + 1)), info)
+    seen[sync] = [ddp.module.seen.item()]
+    for _ in range(2):
+        ddp(torch.full((1, 1), info.rank + 1.0)).sum().backward()
+        seen[sync].append(ddp.module.seen.item())
+with open(f"{sys.argv[1]}/rank-{info.rank}.json", "w") as file:
+    json.dump(seen, file)
+teardown_distributed()
+"""
+
+
+def test_forward_sync_buffers_on_two_ranks_syncs_buffers_at_every_forward_or_only_at_the_start(tmp_path):
+    """strategy.forward_sync_buffers=true: every forward starts from rank 0's buffers (DDP's
+    default). false: each rank's forwards change only its own buffers; at the start they are
+    rank 0's on torch >= 2.13 (DDP's forward_sync_buffers=False), each rank's own before it
+    (broadcast_buffers=False synced none), as strategies/ddp.py says."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    script = tmp_path / "buffers.py"
+    script.write_text(BUFFERS_WORKER)
+    ok(subprocess.run(TORCHRUN + [str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    first, second = (json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1))
+    # true: rank 0's buffer (10, then 11) before each forward, plus the rank's own input.
+    assert (first["true"], second["true"]) == ([10, 11, 12], [10, 12, 13])
+    synced_at_start = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    assert (first["false"], second["false"]) == ([10, 11, 12], [10, 12, 14] if synced_at_start else [20, 22, 24])
 
 
 def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, tmp_path, monkeypatch):

@@ -58,16 +58,17 @@ def test_format_hf_of_a_model_that_is_not_a_transformers_model_is_one_line(check
 
 
 def test_export_never_replaces_what_it_did_not_write(checkpoint, tmp_path):
+    """A file; a folder of the user's, with an HF and a PEFT export that would otherwise go
+    ahead, is in tests/test_chat_training.py (this checkpoint's format=hf is refused anyway)."""
     from ringtrain.errors import ConfigError
     from ringtrain.tools.export import export
 
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     (tmp_path / "theirs.safetensors").write_bytes(b"someone else's weights")
-    for format, output in (("hf", "mine"), ("safetensors", "theirs.safetensors")):
-        with pytest.raises(ConfigError, match=f"output={tmp_path / output} exists and was not written by ringtrain "
-                                              f"export; choose another output, or pass overwrite=true to replace it"):
-            export(str(checkpoint), format, str(tmp_path / output))
+    with pytest.raises(ConfigError, match=f"output={tmp_path / 'theirs.safetensors'} exists and was not written by "
+                                          f"ringtrain export; choose another output, or pass overwrite=true to replace it"):
+        export(str(checkpoint), "safetensors", str(tmp_path / "theirs.safetensors"))
     with pytest.raises(ConfigError, match="is a directory; name the .safetensors file to write"):
         export(str(checkpoint), "safetensors", str(tmp_path / "mine"))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

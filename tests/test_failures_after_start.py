@@ -34,7 +34,7 @@ class FailsOnRankOne(nn.Module):
 
     def forward(self, x):
         # Data that differs by rank: only rank 1 meets it, and only in the job (the process group
-        # is up), not in the dry step on a sample before work.
+        # is up).
         if os.environ.get("RANK") == "1" and torch.distributed.is_initialized():
             raise ValueError("a sample on rank 1 has no label")
         return self.linear(x)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import QUIET, run_cli, run_module, train_in_process
-from helpers import ok, refused
+from helpers import corrupt_tensor_bytes, ok, refused
 
 # A small MLP classifier run (8 features, hidden layer of 4).
 MLP = ["model=mlp", "data.num_features=8", "data.num_samples=64", "data.num_val_samples=16",
@@ -181,14 +181,16 @@ def _truncate(path: Path) -> None:
 @pytest.mark.parametrize("damage, into", [
     ("truncated", "own"),
     pytest.param("truncated", "new", marks=pytest.mark.slow),
+    ("changed bytes", "own"),
     ("other size", "own"),
     ("other size", "new"),
 ])
 def test_resume_from_an_unusable_checkpoint_is_one_line_and_leaves_everything_as_it_was(tmp_path, mlp_run, damage,
                                                                                           into):
     """`own`: trainer.resume=<file> alone, the run continues in the checkpoint's run directory;
-    `new`: with hydra.run.dir=<a directory that does not exist>. `other size`: the MLP's
-    checkpoint with data of 16 features (its first layer has 8)."""
+    `new`: with hydra.run.dir=<a directory that does not exist>. `changed bytes`: bytes inside
+    a tensor record, its length and zip intact (torch.load would return them). `other size`: the
+    MLP's checkpoint with data of 16 features (its first layer has 8)."""
     run_dir = tmp_path / "run"
     shutil.copytree(mlp_run, run_dir)
     last = run_dir / "checkpoints" / "last.pt"
@@ -196,6 +198,8 @@ def test_resume_from_an_unusable_checkpoint_is_one_line_and_leaves_everything_as
     if damage == "truncated":
         _truncate(last)
         phrases = [f"checkpoint '{last}' is truncated or corrupt"]
+    elif damage == "changed bytes":
+        phrases = [f"checkpoint '{last}' is corrupt: its record {corrupt_tensor_bytes(last)} does not match its checksum"]
     else:
         args.append("data.num_features=16")
         phrases = [f"checkpoint '{last}' does not fit this model", "size mismatch for layers.0.weight"]

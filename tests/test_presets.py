@@ -69,6 +69,22 @@ def test_experiment_presets_keep_their_shapes():
     assert compose_config(["experiment=linear_regression"]).optimizer.lr == 0.01
 
 
+def test_the_gpu_shakespeare_preset_trains_on_a_window_at_every_offset(tmp_path):
+    """Its data.stride: 1 (nanoGPT's random windows; fixed non-overlapping ones overfit): the
+    composed preset's data holds one 257-character window per start in the training text."""
+    from ringtrain.config.builders import build_data
+    from ringtrain.config.schema import validate
+
+    text = tmp_path / "tiny.txt"
+    text.write_text("".join(chr(ord("a") + i % 26) for i in range(3000)), encoding="utf-8")
+    cfg = compose_config(["experiment=shakespeare_char_gpu", f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert cfg.data.stride == 1 and cfg.data.seq_len == cfg.model.block_size == 256
+    train = build_data(validate(cfg).data).train
+    training_characters = int(3000 * 0.9)  # data.val_fraction: 0.1
+    assert len(train) == training_characters - 256
+    assert torch.equal(train[1][0][:-1], train[0][0][1:])  # each window starts one character after the one before
+
+
 def test_debug_fast_dev_run_trains_three_steps_and_writes_no_checkpoint(tmp_path):
     result = train_in_process(["model=transformer", "debug=fast_dev_run", "data.num_train_tokens=4096"], tmp_path)
     assert result.steps == 3 and "val/loss" in result.metrics

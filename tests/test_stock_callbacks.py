@@ -344,8 +344,25 @@ def test_early_stopping_interrupted_mid_patience_and_resumed_stops_at_the_same_s
     assert summary(run_dir)["stopped"] == summary(early_run)["stopped"]
 
 
+def test_the_same_command_on_a_run_early_stopping_ended_resumes_at_its_stop_step_and_ends_there(early_run, tmp_path):
+    """Run again, as a restart loop or a requeued job does: it resumes from the checkpoint of the
+    validation that ended it and ends at once, for the same reason, training and validating nothing."""
+    import shutil
+
+    stop = assert_stopped_early(early_run)
+    run_dir = tmp_path / "run"
+    shutil.copytree(early_run, run_dir)
+    proc = ok(run_cli(EARLY + ["trainer.batch_size=16", f"hydra.run.dir={run_dir}"]))
+    assert resumed_from(proc.stdout + proc.stderr) == stop
+    assert summary(run_dir)["steps"] == stop and summary(run_dir)["stopped"] == summary(early_run)["stopped"]
+    assert validations(run_dir) == validations(early_run)
+    assert checkpoint(run_dir / "checkpoints" / "last.pt")["progress"]["step"] == stop
+
+
 @pytest.mark.slow
 def test_early_stopping_interrupted_at_its_stop_step_and_resumed_ends_there(early_run, tmp_path):
+    """The stop signal arrives during the step early stopping ends the run at (the fast case,
+    the same command on the ended run, is the test above)."""
     stop, _, _ = expected_stop(validations(early_run), PATIENCE)
     run_dir = tmp_path / "run"
     args = EARLY + ["trainer.batch_size=16", f"hydra.run.dir={run_dir}"]

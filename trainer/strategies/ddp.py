@@ -51,9 +51,13 @@ class DDP(ProcessGroupStrategy):
     def wrap(self, module: nn.Module, dist: DistInfo) -> DistributedDataParallel:
         """`module` in DDP with this strategy's options (the bare model stays `.module`)."""
         on_cuda = dist.device.type == "cuda"
-        # Syncing buffers from rank 0 in every forward is DDP's default. torch 2.13 renamed the
-        # flag (broadcast_buffers -> forward_sync_buffers) and warns on the old name; older
-        # torch only knows the old one. Either way it is passed only to turn syncing off.
+        # Syncing buffers from rank 0 in every forward is DDP's default; strategy.forward_sync_buffers
+        # =false turns it off. It is not only a rename: torch >= 2.13's forward_sync_buffers=False
+        # still broadcasts rank 0's buffers once in DDP's constructor (with the parameters), while
+        # the broadcast_buffers=False of older torch (its only name) broadcasts none, so each rank
+        # starts from the buffers it built; on 2.13 that name is deprecated (a FutureWarning). The
+        # ranks build the same model from the same seed, so the start differs only for buffers a
+        # model makes differ per rank (tests/test_distributed.py runs both on 2 ranks).
         buffers = {}
         if not self.forward_sync_buffers:
             new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters

@@ -33,7 +33,7 @@ def test_every_group_has_its_expected_options():
                                 "stream", "text", "token_file", "token_shards", "tokens"]
     assert _options("callbacks") == ["best_checkpoints", "default", "early_stopping", "ema", "lr_monitor", "metrics",
                                      "model_summary", "none", "profiler", "progress_bar", "stream_metrics", "throughput"]
-    assert _options("logger") == ["csv", "mlflow", "tensorboard", "wandb"]  # none: logger=null
+    assert _options("logger") == ["csv", "mlflow", "tensorboard", "wandb"]  # none: ~logger
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
     assert _options("strategy") == ["ddp", "dp", "fsdp", "single"]
@@ -281,7 +281,7 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
         (["callbacks=[default,early_stoping]"], "(did you mean early_stopping?)"),
         (["logger=tensorbord"], "choose one of csv, mlflow, tensorboard, wandb (did you mean tensorboard?)"),
         (["logger=none"], "logger=none is not an option of logger; choose one of csv, mlflow, tensorboard, wandb; "
-                          "logger=null turns logging off"),
+                          "~logger turns logging off"),
         (["model=small_cnn"], "choose one of hf_gpt2, linear, mlp, transformer; your own? put model/small_cnn.yaml in a "
                               "config folder and pass --config-dir <folder>"),
         (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are callbacks, data,"),

@@ -18,6 +18,7 @@ composed config lacks (Hydra's refusal, named as the checkpoint's).
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -68,12 +69,17 @@ def local_paths(resolved: Mapping[str, Any]) -> dict[str, str]:
         if isinstance(node, Mapping):
             for name, value in node.items():
                 walk(value, f"{key}.{name}")
-        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node and os.path.exists(node):
+        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node and _names_files(node):
             found[key] = os.path.abspath(node)
 
     for section in ("model", "data", "task", "trainer", "adapter"):
         walk(resolved.get(section), section)
     return found
+
+
+def _names_files(path: str) -> bool:
+    """A file, a folder, or a glob that matches some (data=stream's `corpus/*.jsonl`)."""
+    return os.path.exists(path) or (any(sign in path for sign in "*?[") and bool(glob.glob(path)))
 
 
 def record(hydra: Any, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -12,3 +12,12 @@ def test_relative_files_folders_and_matching_globs_are_recorded_absolute(tmp_pat
     assert local_paths(job) == {"data.path": str(tmp_path / "corpus" / "*.jsonl"),
                                 "data.val_path": str(tmp_path / "input.txt"),
                                 "data.tokenizer": str(tmp_path / "corpus")}
+
+
+def test_paths_are_read_relative_to_the_directory_the_run_started_in(tmp_path, monkeypatch):
+    """`ringtrain upgrade` records an old run's paths from wherever it is run: its record names the run's cwd."""
+    (tmp_path / "smollm").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert local_paths({"data": {"tokenizer": "smollm"}}, base=str(tmp_path)) == {"data.tokenizer": str(tmp_path / "smollm")}

@@ -292,6 +292,10 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
         (["seed=42"], "seed is not a setting here; use trainer.seed"),
         (["model.widht=3"], "model.widht is not set by this model (ringtrain.models.linear.LinearRegression); to pass "
                             "a new argument write +model.widht=<value>"),
+        # Any component's node says the same, a callback's too (its known keys may be none: a user's own callback).
+        (["callbacks=[default,early_stopping]", "callbacks.early_stopping.patiense=3"],
+         "callbacks.early_stopping.patiense is not set by callbacks.early_stopping (ringtrain.callbacks.early_stopping."
+         "EarlyStopping); did you mean patience? to pass a new argument write +callbacks.early_stopping.patiense=<value>"),
         (["+trainer.seed=3"], "An item is already at 'trainer.seed'; Either remove + prefix"),
         (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' lists several values: add -m to sweep them"),
         (["optimizer.lr=["], "cannot read the override 'optimizer.lr=[' (no viable alternative at input '[')"),

@@ -298,9 +298,11 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
     if owners:
         picks = " or ".join(f"{section}={option}" for option in owners)
         return f"{key} is not a setting of this {section}; it belongs to {picks}: choose that option or drop the override"
-    if section in COMPONENT_SECTIONS and owner == section:
-        target = parent.get("_target_", "?") if parent is not None else "?"
-        return (f"{key} is not set by this {section} ({target}); to pass a new argument write +{key}=<value>, "
-                f"or check the spelling (set now: {', '.join(known) or 'nothing'})")
     close = difflib.get_close_matches(name, known, n=1)
-    return f"{key} is not a setting of {owner}; {f'did you mean {close[0]}? ' if close else ''}known: {', '.join(known)}"
+    mean = f"did you mean {close[0]}? " if close else ""
+    if (section in COMPONENT_SECTIONS and owner == section) or (parent is not None and "_target_" in parent):
+        target = parent.get("_target_", "?") if parent is not None else "?"
+        this = f"this {section}" if owner == section else owner  # a callback's or logger's node: callbacks.target
+        return (f"{key} is not set by {this} ({target}); {mean}to pass a new argument write +{key}=<value>, "
+                f"or check the spelling (set now: {', '.join(known) or 'nothing'})")
+    return f"{key} is not a setting of {owner}; {mean}known: {', '.join(known)}"

@@ -1,8 +1,10 @@
 """Several text streams mixed by weight: `data=mixture`.
 
-    python train.py model=transformer data=mixture data.tokenizer=my_tokens/tokenizer.json \
-        +data.sources.web.path='web/*.parquet' +data.sources.code.path='code/*.jsonl' \
-        +data.sources.code.text_column=content +data.weights.web=0.7 +data.weights.code=0.3
+    ringtrain --config-dir my_conf model=transformer data=web_code
+
+with my_conf/data/web_code.yaml (`defaults: [mixture]`, `data.sources`, `data.weights`: README,
+Data); sources added with `+data.sources...` train too, but the tools do not replay a
+checkpoint's added keys.
 
 conf/data/mixture.yaml builds `StreamMixture`: each source is a data/streams.py `StreamText`
 (its options; the tokenizer and seq_len are the mixture's) and `train` is a `MixedStream`: each
@@ -151,7 +153,8 @@ class StreamMixture(DataModule):
     def __init__(self, sources: Mapping[str, Any], weights: Mapping[str, Any], tokenizer: str, seq_len: int = 64,
                  seed: int = 0):
         if not isinstance(sources, Mapping) or not sources:
-            raise DataError("data.sources is empty; name at least one stream, e.g. +data.sources.web.path=web/*.jsonl")
+            raise DataError("data.sources is empty; name at least one stream in a data option of yours (defaults: "
+                            "[mixture], data.sources.web.path: web/*.jsonl)")
         self.weights, self.seed = check_weights(weights, list(sources)), seed
         self.streams = {name: self._source(name, node, tokenizer, seq_len) for name, node in sources.items()}
         first = next(iter(self.streams.values()))

@@ -33,7 +33,7 @@ def test_every_group_has_its_expected_options():
                                 "stream", "text", "token_file", "token_shards", "tokens"]
     assert _options("callbacks") == ["best_checkpoints", "default", "early_stopping", "ema", "lr_monitor", "metrics",
                                      "model_summary", "none", "profiler", "progress_bar", "stream_metrics", "throughput"]
-    assert _options("logger") == ["csv", "mlflow", "tensorboard", "wandb"]  # none: logger=null
+    assert _options("logger") == ["csv", "mlflow", "tensorboard", "wandb"]  # none: ~logger
     assert _options("optimizer") == ["adam", "adamw", "sgd"]
     assert _options("scheduler") == ["constant", "cosine"]
     assert _options("strategy") == ["ddp", "dp", "fsdp", "single"]
@@ -281,7 +281,7 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
         (["callbacks=[default,early_stoping]"], "(did you mean early_stopping?)"),
         (["logger=tensorbord"], "choose one of csv, mlflow, tensorboard, wandb (did you mean tensorboard?)"),
         (["logger=none"], "logger=none is not an option of logger; choose one of csv, mlflow, tensorboard, wandb; "
-                          "logger=null turns logging off"),
+                          "~logger turns logging off"),
         (["model=small_cnn"], "choose one of hf_gpt2, linear, mlp, transformer; your own? put model/small_cnn.yaml in a "
                               "config folder and pass --config-dir <folder>"),
         (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are callbacks, data,"),
@@ -292,6 +292,10 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
         (["seed=42"], "seed is not a setting here; use trainer.seed"),
         (["model.widht=3"], "model.widht is not set by this model (ringtrain.models.linear.LinearRegression); to pass "
                             "a new argument write +model.widht=<value>"),
+        # Any component's node says the same, a callback's too (its known keys may be none: a user's own callback).
+        (["callbacks=[default,early_stopping]", "callbacks.early_stopping.patiense=3"],
+         "callbacks.early_stopping.patiense is not set by callbacks.early_stopping (ringtrain.callbacks.early_stopping."
+         "EarlyStopping); did you mean patience? to pass a new argument write +callbacks.early_stopping.patiense=<value>"),
         (["+trainer.seed=3"], "An item is already at 'trainer.seed'; Either remove + prefix"),
         (["optimizer.lr=0.1,0.2"], "'optimizer.lr=0.1,0.2' lists several values: add -m to sweep them"),
         (["optimizer.lr=["], "cannot read the override 'optimizer.lr=[' (no viable alternative at input '[')"),

@@ -204,7 +204,7 @@ def _callbacks(job: Job, dist: DistInfo) -> Callbacks:
     def built(section: str, name: str, node: Any) -> Any:
         if not is_node(node):  # the Python API's object
             return node
-        fix = f"fix {section}.{name}.* or leave it out (~{section}.{name}" + (", or logger=null)" if section == "logger" else ")")
+        fix = f"fix {section}.{name}.* or leave it out (~{section}.{name}" + (", or ~logger)" if section == "logger" else ")")
         with failures_reported_as_mistakes(f"building {section}.{name}", fix, dist):
             return build(node, f"{section}.{name}")
 

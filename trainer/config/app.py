@@ -254,8 +254,9 @@ def _group_options(group: str, command: CommandLine) -> list[str]:
     return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
 
 
-# Groups whose null is a choice, and what it does: what a user who types `none` means.
-TURNED_OFF_BY_NULL = {"logger": "logger=null turns logging off", "adapter": "adapter=null trains without an adapter"}
+# Groups a run may go without (Hydra removes a default with ~group; group=null is not an override), and what
+# that does: what a user who types `none` means.
+TURNED_OFF_BY_REMOVAL = {"logger": "~logger turns logging off", "adapter": "~adapter trains without an adapter"}
 
 
 def _missing_option_message(missing: str, options: list[str], command: CommandLine) -> str:
@@ -264,8 +265,8 @@ def _missing_option_message(missing: str, options: list[str], command: CommandLi
         return hint
     close = difflib.get_close_matches(option, options, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
-    if group in TURNED_OFF_BY_NULL and option.lower() in ("none", "off", "false", "no", "disabled"):
-        hint = f"; {TURNED_OFF_BY_NULL[group]}"
+    if group in TURNED_OFF_BY_REMOVAL and option.lower() in ("none", "off", "false", "no", "disabled"):
+        hint = f"; {TURNED_OFF_BY_REMOVAL[group]}"
     elif group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
         hint = " (Optuna and joblib come with pip install 'ringtrain[sweep]', submitit with 'ringtrain[slurm]')"
     elif not close and not command.gives_config_dir:  # most likely the user's own, folder not given
@@ -297,9 +298,11 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
     if owners:
         picks = " or ".join(f"{section}={option}" for option in owners)
         return f"{key} is not a setting of this {section}; it belongs to {picks}: choose that option or drop the override"
-    if section in COMPONENT_SECTIONS and owner == section:
-        target = parent.get("_target_", "?") if parent is not None else "?"
-        return (f"{key} is not set by this {section} ({target}); to pass a new argument write +{key}=<value>, "
-                f"or check the spelling (set now: {', '.join(known) or 'nothing'})")
     close = difflib.get_close_matches(name, known, n=1)
-    return f"{key} is not a setting of {owner}; {f'did you mean {close[0]}? ' if close else ''}known: {', '.join(known)}"
+    mean = f"did you mean {close[0]}? " if close else ""
+    if (section in COMPONENT_SECTIONS and owner == section) or (parent is not None and "_target_" in parent):
+        target = parent.get("_target_", "?") if parent is not None else "?"
+        this = f"this {section}" if owner == section else owner  # a callback's or logger's node: callbacks.target
+        return (f"{key} is not set by {this} ({target}); {mean}to pass a new argument write +{key}=<value>, "
+                f"or check the spelling (set now: {', '.join(known) or 'nothing'})")
+    return f"{key} is not a setting of {owner}; {mean}known: {', '.join(known)}"

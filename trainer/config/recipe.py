@@ -18,6 +18,7 @@ composed config lacks (Hydra's refusal, named as the checkpoint's).
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -58,22 +59,29 @@ class Replay:
                 f"yours here have; pass{where} (the folder that holds {group}/{option}.yaml)")
 
 
-def local_paths(resolved: Mapping[str, Any]) -> dict[str, str]:
-    """The job's values that name a file or folder by a path relative to this directory, made
-    absolute (`model.pretrained_model_name_or_path: smollm` -> /home/me/proj/smollm): replayed
-    after the overrides, so a command run from elsewhere finds the run's files."""
+def local_paths(resolved: Mapping[str, Any], base: str = ".") -> dict[str, str]:
+    """The job's values that name a file or folder by a path relative to `base` (the directory
+    the run started in), made absolute (`model.pretrained_model_name_or_path: smollm` ->
+    /home/me/proj/smollm): replayed after the overrides, so a command run from elsewhere finds
+    the run's files."""
     found: dict[str, str] = {}
 
     def walk(node: Any, key: str) -> None:
         if isinstance(node, Mapping):
             for name, value in node.items():
                 walk(value, f"{key}.{name}")
-        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node and os.path.exists(node):
-            found[key] = os.path.abspath(node)
+        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node \
+                and _names_files(os.path.join(base, node)):
+            found[key] = os.path.abspath(os.path.join(base, node))
 
     for section in ("model", "data", "task", "trainer", "adapter"):
         walk(resolved.get(section), section)
     return found
+
+
+def _names_files(path: str) -> bool:
+    """A file, a folder, or a glob that matches some (data=stream's `corpus/*.jsonl`)."""
+    return os.path.exists(path) or (any(sign in path for sign in "*?[") and bool(glob.glob(path)))
 
 
 def record(hydra: Any, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -87,7 +95,7 @@ def record(hydra: Any, resolved: Mapping[str, Any] | None = None) -> dict[str, A
     config_dirs = [str(source.path) for source in hydra.runtime.config_sources
                    if source.provider == "command-line" and source.schema == "file"]
     return {"choices": choices, "overrides": [str(line) for line in overrides], "config_dirs": config_dirs,
-            "paths": local_paths(resolved or {})}
+            "paths": local_paths(resolved or {}, str(hydra.runtime.cwd))}
 
 
 def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Iterable[str] = ()) -> Replay:

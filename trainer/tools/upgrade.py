@@ -45,7 +45,9 @@ def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None 
                           f"run upgrade on a checkpoint inside its run directory (<run>/checkpoints/)") from None
     if not isinstance(state, dict) or state.get("format") != 2:
         raise ConfigError(f"checkpoint {checkpoint} is not of format 2 (it has {state.get('format')!r}): nothing to upgrade")
-    state["job"], state["format"] = record(hydra), CHECKPOINT_FORMAT
+    # The run's resolved config, kept by format 2, names its files relative to where the run started.
+    resolved = state.get("config") if isinstance(state.get("config"), dict) else None
+    state["job"], state["format"] = record(hydra, resolved), CHECKPOINT_FORMAT
     target = Path(output) if output else path
     if target.resolve() == path.resolve() and not (kept := path.with_name(path.name + ".format2")).exists():
         os.link(path, kept)  # the old bytes stay, under another name

@@ -131,6 +131,12 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
         except (ConfigCompositionException, MissingConfigException, OverrideParseException,
                 SearchPathException, YAMLError) as err:
             raise ConfigError(composition_message(err, primary, command)) from None
+        except ValueError as err:  # Hydra's word for `group=null` on the command line
+            nulled = [o.split("=", 1)[0] for o in command.overrides if o.endswith("=null") and "." not in o]
+            if jobs_started or "Config group override must be" not in str(err) or not nulled:
+                raise
+            raise ConfigError(f"{nulled[0]}=null cannot remove a group's option on the command line; write "
+                              f"~{nulled[0]} instead") from None
         except OSError as err:
             if jobs_started or not err.filename:
                 raise

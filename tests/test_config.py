@@ -301,6 +301,7 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
         (["optimizer.lr=["], "cannot read the override 'optimizer.lr=[' (no viable alternative at input '[')"),
         # A sweep's jobs are composed one at a time, as they run: the second model has no d_model.
         (["-m", "model=transformer,mlp", "model.d_model=64"], "model.d_model is not a setting of this model"),
+        (["logger=null"], "logger=null cannot remove a group's option on the command line; write ~logger instead"),
     ],
 )
 def test_command_line_mistakes_are_one_line_from_hydras_own_exception(args, message, capsys, tmp_path):

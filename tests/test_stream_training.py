@@ -222,9 +222,9 @@ def test_a_mixture_validates_each_source_and_the_whole_set_as_evaluate_does(corp
         max(losses["val/web/loss"], losses["val/books/loss"])
     logged = [row for row in csv.DictReader((corpus / "run" / "metrics.csv").open()) if row.get("val/web/loss")]
     assert [float(row["val/web/loss"]) for row in logged][-1] == pytest.approx(losses["val/web/loss"])
-    # The sources were added on the command line (+data.sources.*): a checkpoint replays no added
+    # The sources were added on the command line (+data.sources.*, +data.weights.*): a checkpoint replays no added
     # key, so they are given again (README: a data option of your own holds them once).
-    sources = [o for o in mixture(corpus) if o.startswith("+data.sources")]
+    sources = [o for o in mixture(corpus) if o.startswith("+data.")]
     proc = ok(run_module("evaluate", [f"checkpoint={corpus / 'run' / 'checkpoints' / 'last.pt'}", *sources]))
     assert proc.stdout.splitlines() == [f"{name}={value:.6g}" for name, value in result.metrics.items()]
 

@@ -1,11 +1,8 @@
 """What the tools' Hydra apps share: the checkpoint a command names, read once before Hydra
-composes (its recorded choices and overrides replayed, config/recipe.py), and the composed config
-as the keyword arguments of the tool's function, each checked against its parameter. Each tool's
-primary config conf/<tool>.yaml (its settings, defaults and --help) composes the job
-(conf/job.yaml) and starts from conf/hydra/tool.yaml (nothing written into the current
-directory). The function's signature is the schema: a key it does not take, a required setting
-left `???`, a value not of its parameter's type are each one line; the job's sections reach its
-`job` parameter, resolved.
+composes (its recipe replayed, config/recipe.py), and the composed config as the keyword
+arguments of the tool's function. The function's signature is the schema: a key it does not
+take, a required setting left `???`, a value not of its parameter's type are each one line; the
+job's sections (conf/job.yaml) reach its `job` parameter, resolved.
 """
 from __future__ import annotations
 
@@ -69,10 +66,8 @@ def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) ->
 
 
 def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | Path | None = None) -> dict:
-    """The job of a checkpoint as a tool composes it, for a caller in Python (`sample(...)`,
-    `export(...)` without `job`): Hydra's compose API (ringtrain.conf.composed; `config_dir`:
-    your own options, as --config-dir), the checkpoint's recipe replayed before `overrides`;
-    resolved."""
+    """The job of a checkpoint as a tool composes it, for a caller in Python (`sample(...)` without
+    `job`): its recipe replayed before `overrides` (`config_dir`: as --config-dir); resolved."""
     from ringtrain.config.app import register_resolvers
 
     register_resolvers()
@@ -82,17 +77,15 @@ def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), c
 
 
 def prepare(command: CommandLine) -> list[CommandLine]:
-    """A tool's command: the checkpoint `checkpoint=` names, its recipe replayed except where
-    the run ran (its strategy: the tool's own), how it searched, the file it resumed, and what a
-    tool does not use (callbacks, loggers)."""
+    """A tool's command: the checkpoint `checkpoint=` names, its recipe replayed but for
+    TOOLS_DO_NOT_REPLAY (the tool's own strategy; what a tool does not use)."""
     return with_checkpoint(command, "checkpoint", skip=TOOLS_DO_NOT_REPLAY)
 
 
 def run_tool(primary: PrimaryConfig, tool: Callable[..., Any], command: CommandLine,
              show: Callable[[Any], None] = print) -> None:
-    """`ringtrain <tool>`: every job the command line asks for (a multirun has several) is
-    `tool(**settings)`, its result `show`n; a `command` parameter gets the command line (and
-    the checkpoints it read)."""
+    """`ringtrain <tool>`: each job of the command line is `tool(**settings)`, its result `show`n;
+    a `command` parameter gets the command line (and the checkpoints it read)."""
     # `_target_: my_pkg.MyNet` in your own config imports from where you run, as for training.
     sys.path.insert(1, os.getcwd())
 

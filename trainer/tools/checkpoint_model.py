@@ -1,13 +1,8 @@
 """A trained model back from its checkpoint, for `ringtrain sample`, `evaluate`, `consolidate` and
-`export`.
-
-The model is built from the job the command composed (the checkpoint's recorded choices and
-overrides replayed through Hydra, config/recipe.py, so every `_target_` is ringtrain's or the
-user's own) with the data's sizes the checkpoint keeps (`data_dims`). A Hugging Face model the
-run read with `from_pretrained` is built from the config the checkpoint keeps (`architecture`),
-by the class the user's model node names, so its directory is not needed again. A run with
-adapters only names its frozen base (checkpoints/frozen_base.py), rebuilt as the run built it.
-Then the weights: the model's, a callback's such as the EMA's, or a sharded directory read whole.
+`export`: built from the job the command composed (the checkpoint's recipe replayed, so every
+`_target_` is ringtrain's or the user's own) with the data's sizes the checkpoint keeps. A Hugging
+Face model is built from the config the checkpoint keeps (`architecture`), so its directory is not
+needed again; a run with adapters only names its frozen base (checkpoints/frozen_base.py).
 """
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ from ringtrain.checkpoints.files import CheckpointError, load_checkpoint
 from ringtrain.checkpoints.frozen_base import load_over_base
 from ringtrain.checkpoints.initial_weights import load_initial_weights
 from ringtrain.checkpoints.sharded import load_sharded
-from ringtrain.components import build, locate
+from ringtrain.components import build, is_node, locate
 from ringtrain.config.builders import build_model, check_model
 from ringtrain.errors import ConfigError, UserError, component_failed
 from ringtrain.loop.precision import Precision
@@ -32,8 +27,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def read_checkpoint(path: str, loaded: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The checkpoint at `path`: as the command line's read left it (`loaded`, by path), else
-    read now (weights_only, on the CPU, its tensors mapped, its checksums checked)."""
+    """The checkpoint at `path`: as the command line's read left it (`loaded`, by path), else read now."""
     if loaded and path in loaded:
         return loaded[path].state
     if not Path(path).is_file():
@@ -44,8 +38,7 @@ def read_checkpoint(path: str, loaded: Mapping[str, Any] | None = None) -> dict[
 
 def build_checked_model(state: Mapping[str, Any], path: str, job: Mapping[str, Any] | None = None,
                         trusted: bool = False) -> nn.Module:
-    """The model of `job` (the composed job's sections; None: composed now from the checkpoint's
-    recipe, tools/app.py) with fresh weights, its adapters applied."""
+    """The model of `job` (None: composed now from the checkpoint's recipe) with fresh weights, its adapters applied."""
     if job is None:
         from ringtrain.tools.app import composed_job
 
@@ -76,8 +69,8 @@ def build_checked_model(state: Mapping[str, Any], path: str, job: Mapping[str, A
 
 def rebuild_model(state: Mapping[str, Any], path: str, job: Mapping[str, Any] | None = None, weights: str = "model",
                   trusted: bool = False) -> nn.Module:
-    """The checkpoint's model with its weights: the model's own, or the ones a callback kept
-    (`weights=ema`: the EMA callback's average). With a process group every rank calls it."""
+    """The checkpoint's model with its weights: the model's own, or a callback's (`weights=ema`).
+    With a process group every rank calls it."""
     model = build_checked_model(state, path, job, trusted)
     try:
         if "shards" in state:
@@ -116,9 +109,19 @@ def choose_device(name: str) -> torch.device:
 
 
 def inference_precision(stored: Any, device: torch.device) -> Precision:
-    """The run's `trainer.precision` for the forward passes; float16 needs CUDA, so a 16-mixed
-    model runs in float32 on the CPU."""
+    """The run's `trainer.precision`, but a 16-mixed model in float32 on the CPU (float16 needs CUDA)."""
     name = str(stored) if stored is not None else "32"
     if name == "16-mixed" and device.type != "cuda":
         name = "32"
     return Precision(name, device)
+
+
+def task_kind(node: Any) -> Any:
+    """What the job's task node builds (a class, or a function), None for no node or a target not
+    importable here."""
+    if not is_node(node):
+        return None
+    try:
+        return locate(node["_target_"], "task")
+    except ConfigError:
+        return None

@@ -1,14 +1,9 @@
-"""One plain checkpoint file from a sharded one: `ringtrain consolidate checkpoint=...`.
+"""One plain checkpoint file from a sharded one: `ringtrain consolidate checkpoint=... [output=FILE]`.
 
-    ringtrain consolidate checkpoint=outputs/runs/<run>/checkpoints/last.pt [output=FILE]
-
-A `strategy.state_dict_type=sharded` run keeps its weights and optimizer state in
-`step-<N>.shards/`, one file per rank. This reads them whole into one process (CPU memory must
-hold the full state), model and optimizer rebuilt from the job composed from the checkpoint's
-recorded choices and overrides (tools/checkpoint_model.py, config/recipe.py), and writes the file `state_dict_type=full` would have: loadable
-into a bare model, resumable under any strategy. Without `output` it is
+The `step-<N>.shards/` of a `strategy.state_dict_type=sharded` run are read whole into one process
+(CPU memory must hold the full state) and written as the file `state_dict_type=full` would have:
+loadable into a bare model, resumable under any strategy. Without `output` it is
 `consolidated-step-<N>.pt` beside `checkpoints/`, where rotation and auto-resume never touch it.
-Settings: conf/consolidate.yaml (`ringtrain consolidate --help`).
 """
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ CONSOLIDATE = PrimaryConfig(
 
 def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bool = False,
                 job: dict | None = None, command: Any = None) -> Path:
-    """Write the sharded `checkpoint` as one plain checkpoint file (`job`: the composed job's
-    sections); returns its path."""
+    """Write the sharded `checkpoint` as one plain checkpoint file; returns its path."""
     state = read_checkpoint(checkpoint, command.checkpoint if command else None)
     job = job if job is not None else composed_job(state, checkpoint)
     if "shards" not in state:

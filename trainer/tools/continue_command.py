@@ -1,16 +1,10 @@
 """The command that continues a run a stop signal ended, printed as the run's last line.
 
-Auto-resume (checkpoints/manager.py) continues last.pt only when the job lands in the same run
-directory, and the same command does so only where the job names it (hydra.run.dir, SLURM's
-job id, torchrun's --rdzv-id): a plain `python train.py` gets a new time-stamped directory
-(checkpoints/rundir.py) and would start from step 0. So the line is the exact command:
-
-  program     as this process was started (`python train.py`, `python -m ringtrain`,
-              `ringtrain`); under torchrun the torchrun command (the parent's command line,
-              which ends with this worker's arguments)
-  arguments   the user's, with `hydra.run.dir=<this run's directory>` (absolute) in place of
-              any given; trainer.resume=<path> pointing at this run's last.pt (a step file would
-              go back to that step), trainer.resume=null made auto (null refuses checkpoints)
+Auto-resume continues last.pt only when the job lands in the same run directory, but a plain
+`python train.py` gets a new time-stamped one (checkpoints/rundir.py). So the line is the exact
+command: the program as this process (or its torchrun) was started, and the user's arguments
+with `hydra.run.dir=<this run's directory>` and trainer.resume pointing at this run's last.pt
+(a step file would go back to that step; null, which refuses checkpoints, made auto).
 """
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ log = logging.getLogger("ringtrain")
 @contextlib.contextmanager
 def told_how_to_continue(argv: list[str], run_dir: str, resume: Any, checkpointing: bool) -> Iterator[None]:
     """Around one run: when a stop signal ends it after last.pt was saved, rank 0 logs the
-    command that continues it (`argv`: the command line as the user gave it)."""
+    command that continues it."""
     try:
         yield
     except TrainingStopped as stopped:
@@ -42,26 +36,19 @@ def told_how_to_continue(argv: list[str], run_dir: str, resume: Any, checkpointi
 
 
 def continue_command(argv: list[str], run_dir: str, resume: Any) -> str:
-    """The shell command that continues, from its last.pt, the run in `run_dir` that this
-    process's command line `argv` started."""
+    """The shell command that continues, from its last.pt, the run in `run_dir` that `argv` started."""
     arguments = argv[1:]
     return shlex.join(_launcher(argv[0], arguments) + _continuing(arguments, Path(run_dir).resolve(), resume))
 
 
 def _continuing(arguments: list[str], run_dir: Path, resume: Any) -> list[str]:
     replaced = {"hydra.run.dir"} | ({"trainer.resume"} if resume != "auto" else set())
-    kept = [a for a in arguments if _key(a) not in replaced]
+    kept = [a for a in arguments if a.startswith("-") or "=" not in a or a.split("=", 1)[0].lstrip("+~") not in replaced]
     if resume is None:
         kept.append("trainer.resume=auto")
     elif resume != "auto":
         kept.append(f"trainer.resume={run_dir / 'checkpoints' / 'last.pt'}")
     return kept + [f"hydra.run.dir={run_dir}"]
-
-
-def _key(argument: str) -> str | None:
-    if argument.startswith("-") or "=" not in argument:
-        return None
-    return argument.split("=", 1)[0].lstrip("+~")
 
 
 def _launcher(program: str, arguments: list[str]) -> list[str]:

@@ -1,26 +1,17 @@
-"""A trained model's metrics on a split: `ringtrain evaluate checkpoint=...`; README.md "Using
-what you trained" and conf/evaluate.yaml (`ringtrain evaluate --help`) hold examples and settings.
+"""A trained model's metrics on a split: `ringtrain evaluate checkpoint=...` (README.md "Using
+what you trained"; settings: conf/evaluate.yaml).
 
-lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The job is composed
-from the checkpoint's recorded choices and overrides (config/recipe.py: the run's command line is
-not needed, and a file never chooses code) and the command line's, which change it as they would
-training's; the data, model and task are then checked like training's (config/builders.py): a
-mistake is one `error:` line, exit 2, before any data is built. The run's relative paths were
-recorded absolute, so its own text is read wherever this runs; a data.path given now is read from
-the current directory. The run's own strategy is not reused (strategy=auto).
-
-The metrics are computed exactly as the loop's validation: the split sharded over the ranks
-without padding, per-batch sums and counts all-reduced (data/tasks.py), autocast per
-trainer.precision, trainer.limit_val_batches=K one process's first K batches shared among the
-ranks; so the checkpoint gives the val/loss the run logged at that step, for any number of
-ranks. Rank 0 prints one `name=value` line per metric and writes the output file: {"checkpoint",
-"step", "split", "strategy", "overrides", "output", "world_size", "metrics"}.
+lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model and
+task of the composed job are checked as training's (config/builders.py) before any data is built;
+the run's own strategy is not reused (strategy=auto). The metrics are computed exactly as the
+loop's validation (the split sharded without padding, sums all-reduced, data/tasks.py), so the
+checkpoint gives the val/loss the run logged at that step, for any number of ranks. Rank 0 prints
+one `name=value` line per metric and writes the output file.
 """
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +35,6 @@ from ringtrain.strategies.base import Strategy
 from ringtrain.tools.app import prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
-_UNUSED = "evaluation trains nothing, so the {} is not used: drop the override"
 EVALUATE = PrimaryConfig(
     "evaluate", "ringtrain evaluate", usage="ringtrain evaluate checkpoint=<run>/checkpoints/last.pt",
 )
@@ -52,7 +42,7 @@ EVALUATE = PrimaryConfig(
 
 @dataclass
 class EvalJob:
-    """Everything a rank needs, plain and picklable (it travels to spawned ranks)."""
+    """Everything a rank needs, picklable (it travels to spawned ranks)."""
 
     checkpoint: Resumed  # the file, read once per process (a spawned rank reads its own)
     split: str
@@ -67,23 +57,31 @@ class EvalJob:
 
 def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None, job: dict, command: CommandLine,
              weights: str = "model", trust_checkpoint: bool = False) -> tuple[dict, EvalResult | None]:
-    """Evaluate `checkpoint` as conf/evaluate.yaml composed says (`job`: the job's sections, its
-    recipe replayed); return what the metrics file records and rank 0's result (None on the
-    other ranks)."""
+    """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
+    records and rank 0's result (None on the other ranks)."""
     from hydra.core.hydra_config import HydraConfig
 
-    for override in command.overrides:
-        if (section := override.lstrip("+~").split("=", 1)[0].split(".")[0]) in ("optimizer", "scheduler"):
-            raise ConfigError(_UNUSED.format(section))
+    keys = [override.lstrip("+~").split("=", 1)[0] for override in command.overrides]
+    for section in (key.split(".")[0] for key in keys):
+        if section in ("optimizer", "scheduler"):
+            raise ConfigError(f"evaluation trains nothing, so the {section} is not used: drop the override")
     state = read_checkpoint(checkpoint, command.checkpoint)
     strategy_name = str(HydraConfig.get().runtime.choices.get("strategy"))
     if strategy_name == "auto":  # the option it stands for
         strategy_name = "ddp" if under_torchrun() else "single"
     eval_job, record = plan(checkpoint, state, split, output, job, strategy_name, weights, trust_checkpoint)
-    record["overrides"] = section_overrides(command.overrides)
-    result = launch(eval_job)
+    # The command line's changes of the job (data.path=..., +data.x=1, ~data.x, strategy.nproc_per_node=2).
+    record["overrides"] = [o for o, key in zip(command.overrides, keys)
+                           if "." in key and key.split(".")[0] in (*SECTIONS, "adapter")]
+    result = eval_job.strategy.launch(evaluate_worker, eval_job, accelerator=eval_job.trainer.accelerator)
+    result = result if int(os.environ.get("RANK", "0")) == 0 else None  # rank 0's alone
     if result is not None:
-        write_metrics(Path(record["output"]), {**record, "world_size": result.world_size, "metrics": result.metrics})
+        path = Path(record["output"])
+        try:  # replaced atomically (a reader never sees half a file); a NaN metric as null
+            write_text_atomically(path, json_text({**record, "world_size": result.world_size,
+                                                   "metrics": result.metrics}, indent=2) + "\n")
+        except OSError as err:
+            raise ConfigError(f"cannot write {path} ({err.strerror or err}); pass output=<a writable file>") from None
     return record, result
 
 
@@ -93,7 +91,10 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     # The run's trainer settings (precision, val_batch_size, ...), but never its resume file
     # nor its starting weights: the checkpoint's own weights are evaluated.
     trainer_settings = typed_section({**job["trainer"], "resume": None, "init_from": None}, TrainerConfig, "trainer")
-    strategy = evaluation_strategy(job["strategy"], strategy_name)
+    strategy = build_strategy(job["strategy"])
+    if under_torchrun() and not strategy.spans_processes:
+        raise ConfigError(f"strategy={strategy_name} under torchrun would evaluate on every rank alone; use "
+                          f"strategy=ddp (or auto)")
     check_options(trainer_settings, strategy)
     check_model(job["model"], check_data(job["data"]), "the data")
     check_task(build(job["task"], "task"))
@@ -112,36 +113,11 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
 
 
 def default_output(checkpoint: str, split: str, weights: str = "model") -> Path:
-    """<run dir>/eval/<checkpoint>-<split>.json, or <checkpoint>-<weights>-<split>.json for
-    weights other than the model's own (ema): evaluating the train split, best.pt after last.pt,
-    or the EMA average after the weights, writes a file of its own (one eval/metrics.json for
-    all lost the earlier result)."""
+    """<run dir>/eval/<checkpoint>[-<weights>]-<split>.json: each checkpoint, split and weights
+    (ema) a file of its own (one eval/metrics.json for all lost the earlier result)."""
     path = Path(checkpoint).absolute()
     which = "" if weights == "model" else f"-{weights}"
     return path.parent.parent / "eval" / f"{path.stem}{which}-{split}.json"
-
-
-def evaluation_strategy(section: dict, name: str) -> Strategy:
-    """The strategy of strategy=auto|single|dp|ddp|fsdp with its keys (strategy.nproc_per_node=2)."""
-    strategy = build_strategy(section)
-    if under_torchrun() and not strategy.spans_processes:
-        raise ConfigError(f"strategy={name} under torchrun would evaluate on every rank alone; use strategy=ddp (or auto)")
-    return strategy
-
-
-def section_overrides(overrides: Sequence[str]) -> list[str]:
-    """The command line's changes of the job (data.path=..., +data.x=1, ~data.x,
-    strategy.nproc_per_node=2), for metrics.json."""
-    keys = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
-    return [o for o, key in zip(overrides, keys) if "." in key and key.split(".")[0] in (*SECTIONS, "adapter")]
-
-
-def register_auto_strategy() -> None:
-    """strategy=auto, evaluate's default: the option ddp under torchrun, else single."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(group="strategy", name="auto",
-                                 node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
 
 
 @dataclass
@@ -182,7 +158,7 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
 
 
 def check_data_fits(data: DataBundle, job: EvalJob) -> None:
-    """The data must be what the model was trained on in kind: the same sizes and vocabulary."""
+    """The data must give the sizes and vocabulary the model was trained with."""
     for name, value in data.dims.items():
         trained = job.data_dims.get(name)
         if value is not None and trained is not None and value != trained:
@@ -197,20 +173,6 @@ def check_data_fits(data: DataBundle, job: EvalJob) -> None:
         )
 
 
-def launch(job: EvalJob) -> EvalResult | None:
-    """The result on rank 0 (None on the other ranks of a torchrun job)."""
-    result = job.strategy.launch(evaluate_worker, job, accelerator=job.trainer.accelerator)
-    return result if int(os.environ.get("RANK", "0")) == 0 else None
-
-
-def write_metrics(path: Path, record: dict) -> None:
-    """metrics.json, replaced atomically (a reader never sees half a file)."""
-    try:
-        write_text_atomically(path, json_text(record, indent=2) + "\n")  # a NaN metric as null
-    except OSError as err:
-        raise ConfigError(f"cannot write {path} ({err.strerror or err}); pass output=<a writable file>") from None
-
-
 def show(evaluated: tuple[dict, EvalResult | None]) -> None:
     record, result = evaluated
     if result is not None:
@@ -222,7 +184,11 @@ def show(evaluated: tuple[dict, EvalResult | None]) -> None:
 
 
 def main(command: CommandLine) -> None:
-    register_auto_strategy()
+    from hydra.core.config_store import ConfigStore
+
+    # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
+    ConfigStore.instance().store(group="strategy", name="auto",
+                                 node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
     run_tool(EVALUATE, evaluate, command, show)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)

@@ -1,34 +1,15 @@
-"""A checkpoint's trained weights in the formats the rest of the field loads: `ringtrain export`.
+"""A checkpoint's trained weights in the formats the rest of the field loads: `ringtrain export`
+(README.md "Exporting"; settings: conf/export.yaml).
 
-    ringtrain export checkpoint=<run>/checkpoints/best.pt                       # format=safetensors
-    ringtrain export checkpoint=<run>/checkpoints/best.pt format=hf             # a from_pretrained directory
-    ringtrain export checkpoint=... output=model.safetensors
+format=safetensors is one file (safetensors.torch's `save_model`: a tensor tied to another is
+stored once, the other name in the metadata, as safetensors requires); format=hf the directory a
+`transformers` model's `save_pretrained` writes, with the vocabulary's tokenizer; format=peft a
+LoRA run's adapters alone (a run with adapters exports merged otherwise).
 
-format=safetensors writes the model's weights as one `.safetensors` file (safetensors.torch's
-`save_model`): a tensor tied to another (a language model's output layer and its token
-embedding) is stored once, under one name, with the other name in the file's metadata, as
-safetensors requires; `safetensors.torch.load_model` and `trainer.init_from=` load it back.
-format=hf is for a Hugging Face model (a `transformers` model, built from a config node or
-`from_pretrained`): the model's own `save_pretrained` writes its config and weights, so
-`AutoModelForCausalLM.from_pretrained(<output>)` loads it; a tokenizer goes with it when the
-data's vocabulary has one (a character or byte vocabulary has none: a note says so).
-`weights=ema` exports the EMA callback's average instead of the weights. A run with adapters
-(adapter=lora) exports merged (the update folded into the weights: the model's own classes and
-names again) under format=safetensors|hf, or as the adapters alone under format=peft
-(adapter_config.json + adapter_model.safetensors, `peft.PeftModel.from_pretrained` loads it).
-
-An export replaces only what an earlier export wrote: a safetensors file with ringtrain's mark
-in its metadata, or in a directory the files its .ringtrain-export file lists; what a user put
-there besides is kept (the new directory links it), and anything else at `output` is left
-alone unless `overwrite=true`.
-
-The model is rebuilt from the job composed from the checkpoint's recorded choices and overrides
-(tools/checkpoint_model.py, config/recipe.py), so a sharded fsdp
-checkpoint exports too (its shards are read whole into this process's CPU memory). Without
-`output` the result goes to `<run dir>/export/step-<N>.safetensors` or `<run dir>/export/step-<N>/`,
-beside checkpoints/, where rotation never touches it. The file or directory appears complete
-or not at all (written under a temporary name, fsynced, renamed). A Hydra app like every
-ringtrain command; its settings are conf/export.yaml (`ringtrain export --help`).
+An export replaces only what an earlier export wrote (ringtrain's mark in a file's metadata, or
+the files a directory's .ringtrain-export lists; a user's other files there are kept), and appears
+complete or not at all. Without `output` it goes to `<run dir>/export/step-<N>[.safetensors]`,
+beside checkpoints/, where rotation never touches it.
 """
 from __future__ import annotations
 
@@ -44,13 +25,13 @@ from typing import Any, Literal
 from torch import nn
 
 from ringtrain.checkpoints.atomic import fsync_directory, replace_atomically, replace_directory
-from ringtrain.components import build, is_node, locate
+from ringtrain.components import build
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
 from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
-from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
+from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
 EXPORT = PrimaryConfig(
     "export", "ringtrain export", usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors",
@@ -96,20 +77,18 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
 
 
 def peft_task_type(task: Any) -> str | None:
-    """PEFT's name for what the run trained, from its task: a language model is CAUSAL_LM (which
-    PeftModel.from_pretrained loads as PeftModelForCausalLM, with generate), a classifier
-    SEQ_CLS; None (PEFT's plain PeftModel) for a task it has no name for."""
-    try:
-        kind = locate(task["_target_"], "task") if is_node(task) else None
-    except ConfigError:
-        return None
+    """PEFT's name for the run's task (CAUSAL_LM loads as PeftModelForCausalLM, with generate);
+    None (PEFT's plain PeftModel) for a task it has no name for."""
+    kind = task_kind(task)
     kinds = ((LanguageModelTask, "CAUSAL_LM"), (ClassificationTask, "SEQ_CLS"))
     return next((name for base, name in kinds if inspect.isclass(kind) and issubclass(kind, base)), None)
 
 
 def write_safetensors(model: nn.Module, target: Path) -> None:
-    """`model`'s weights as a safetensors file at `target`, tied tensors stored once."""
-    save_model = _safetensors().save_model
+    try:
+        from safetensors.torch import save_model
+    except ImportError:
+        raise ConfigError("format=safetensors needs safetensors: pip install 'ringtrain[hf]' (or safetensors)") from None
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def write(temp: Path) -> None:
@@ -127,11 +106,8 @@ def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, t
 
 
 def write_directory(target: Path, fill: Callable[[Path], Any], overwrite: bool = False) -> None:
-    """What `fill` writes into a new directory, replacing `target` once complete. The new
-    directory's mark lists the files the export wrote; what `target` holds besides the files its
-    own mark lists (a user's notes, a data folder) is linked into the new directory, so the
-    replacement keeps it. A file of the user's that the export would write is refused unless
-    `overwrite`."""
+    """What `fill` writes into a new directory, its mark listing those files, replacing `target`
+    once complete; what `target` holds besides the files its own mark lists is kept."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by a killed export
@@ -180,11 +156,9 @@ def _manifest(directory: Path) -> list[str]:
 
 
 def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
-    """A `bpe` vocabulary is a `tokenizers` tokenizer: saved as transformers' fast tokenizer,
-    so AutoTokenizer.from_pretrained(directory) encodes as the run did, with the chat template
-    and end-of-text token of a chat fine-tune. The template goes into tokenizer_config.json,
-    where every version of transformers and the tools that read its files look (transformers 5
-    would write chat_template.jinja, which older readers skip)."""
+    """A `bpe` vocabulary as transformers' fast tokenizer, with a chat fine-tune's template and
+    end-of-text token. The template goes into tokenizer_config.json, where every version of
+    transformers looks (transformers 5 would write chat_template.jinja, which older readers skip)."""
     kind = (vocab or {}).get("kind")
     if kind == "bpe":
         from tokenizers import Tokenizer
@@ -243,14 +217,6 @@ def _finish_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise ConfigError("format=safetensors needs safetensors: pip install 'ringtrain[hf]' (or safetensors)") from None
-    return safetensors.torch
 
 
 def main(command: Any) -> None:

@@ -1,16 +1,10 @@
-"""Text from a trained language model: `ringtrain sample checkpoint=... prompt=...`; the
-settings are conf/sample.yaml (`ringtrain sample --help`), examples in README.md.
+"""Text from a trained language model: `ringtrain sample checkpoint=... prompt=...` (settings:
+conf/sample.yaml, examples: README.md).
 
-nanoGPT's sample.py for ringtrain's checkpoints: the model is rebuilt from the job composed from
-the checkpoint's recorded choices and overrides (tools/checkpoint_model.py, config/recipe.py),
-and the text encoded and decoded with the vocabulary it keeps
-(characters, bytes, or a BPE tokenizer.json; data/vocab.py), so neither the run's command line
-nor its data file is needed. The prompt and generated text go to stdout (samples separated by
-dashes), all else to stderr. The forward passes run under the run's `trainer.precision`
-(float32 on the CPU for a 16-mixed run).
-
-`generate()` works for any model mapping (B, T) token ids to (B, T, vocab) logits, as a tensor
-or the output the run's task reads (a Hugging Face model's `logits`, data/batches.py).
+nanoGPT's sample.py for ringtrain's checkpoints: the text is encoded and decoded with the
+vocabulary the checkpoint keeps (data/vocab.py), so neither the run's command line nor its data
+file is needed. The prompt and generated text go to stdout (samples separated by dashes), all
+else to stderr.
 """
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import BPEVocab, CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError
 from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
-from ringtrain.tools.checkpoint_model import read_checkpoint, choose_device, inference_precision, rebuild_model
+from ringtrain.tools.checkpoint_model import choose_device, inference_precision, read_checkpoint, rebuild_model, task_kind
 
 SAMPLE = PrimaryConfig(
     "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
@@ -48,11 +42,10 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
              top_k: int | None = None, generator: torch.Generator | None = None, task: Any = None,
              until: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Continue the (B, T) token ids `idx` by up to `max_new_tokens` tokens; returns (B, T + new).
-    Each step feeds the last tokens the model has positions for, takes the last position's
-    logits (`task.output_key` of its output) and picks the argmax (`temperature` 0) or a draw
-    from softmax(logits / temperature) over the `top_k` likeliest, in eval mode; `until(new)`,
-    given the (B, new) ids drawn so far, ends it early when true (a stop token or text). No KV
-    cache: recomputing the whole context each step is what a model of any architecture supports."""
+    Each step picks the argmax (`temperature` 0) or a draw over the `top_k` likeliest, in eval
+    mode; `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model
+    mapping (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache,
+    the whole context is recomputed each step."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
     if top_k is not None and top_k < 1:
@@ -112,33 +105,20 @@ def read_prompt(prompt: str) -> str:
 
 
 def refuse_a_model_that_is_not_a_language_model(state: dict, job: dict, checkpoint: str) -> None:
-    """Only a run trained with a language-model task (data/tasks.py LanguageModelTask, or a
-    subclass: data=text, token_file, hf_text, hf_gpt2 with shift_labels) predicts next tokens. A
-    classifier's data may still keep a vocabulary (hf_rows with a tokenizer), so the task
-    decides; only a checkpoint whose task cannot be read is judged by its data's vocabulary."""
-    config = job
-    verdict = _trained_as_a_language_model(config.get("task"))
+    """Only a run trained with a LanguageModelTask (or a subclass) predicts next tokens: a
+    classifier's data may keep a vocabulary too, so the task decides; only a task that cannot be
+    read here is judged by the data's vocabulary."""
+    kind = task_kind(job.get("task"))
+    verdict = None if kind is None else inspect.isclass(kind) and issubclass(kind, LanguageModelTask)
     if verdict or (verdict is None and (state.get("vocab") or "vocab_size" in (state.get("data_dims") or {}))):
         return
-    model = (config.get("model") or {}).get("_target_", "its model")
-    task = (config.get("task") or {}).get("_target_", "its task")
+    model = (job.get("model") or {}).get("_target_", "its model")
+    task = (job.get("task") or {}).get("_target_", "its task")
     sizes = ", ".join(sorted(state.get("data_dims") or {}))
     data = f"on data of sizes ({sizes})" if verdict is False else f"on data that gives no vocabulary ({sizes or 'no sizes'})"
     raise ConfigError(f"{checkpoint} holds {model}, trained with {task} {data}: not a language model, so there is no "
                       f"text to sample (sample needs a run of task=language_model: {LANGUAGE_MODEL_DATA}); "
                       f"`ringtrain evaluate checkpoint=...` reports its metrics")
-
-
-def _trained_as_a_language_model(node: Any) -> bool | None:
-    """Whether the stored task node is a LanguageModelTask (or a subclass); None when it
-    cannot tell (no node, or a class not importable here)."""
-    if not is_node(node):
-        return None
-    try:
-        kind = locate(node["_target_"], "task")
-    except ConfigError:
-        return None
-    return inspect.isclass(kind) and issubclass(kind, LanguageModelTask)
 
 
 def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, temperature: float = 0.8,
@@ -240,7 +220,6 @@ def job_task(node: Any) -> Any:
     """The job's task, for which output of the model it reads; None (the defaults) when a
     function builds it, which is not called here."""
     if not is_node(node) or not inspect.isclass(locate(node["_target_"], "task")):
-
         return None
     return build(node, "task")
 

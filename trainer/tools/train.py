@@ -2,9 +2,7 @@
 it, train, return the metric (README.md "Usage" has the command lines).
 
 `trainer.resume=<file>` continues that run in its own directory: the checkpoint is read once,
-before Hydra composes, and the choices and overrides it records are replayed before the command
-line's (config/recipe.py), so the run keeps its config, changed only where the command line says.
-A different model is refused (checkpoints/manager.py): the weights and optimizer state belong to it.
+before Hydra composes, and its recipe is replayed before the command line's (config/recipe.py).
 """
 from __future__ import annotations
 
@@ -29,8 +27,8 @@ _NOT_REPLAYED = ("trainer.resume", "trainer.trust_checkpoint", "hparams_search")
 
 
 def prepare(command: CommandLine) -> list[CommandLine]:
-    """The command line as Hydra will read it: torch.distributed.launch's `--local-rank N` taken
-    out, and the checkpoint trainer.resume=<file> names read with its recipe to replay."""
+    """The command line as Hydra will read it: `--local-rank N` taken out, and the checkpoint
+    trainer.resume=<file> names read with its recipe to replay."""
     command.args = _without_legacy_local_rank(command.args)
     if under_torchrun() and command.multirun:
         raise ConfigError(
@@ -45,7 +43,6 @@ def prepare(command: CommandLine) -> list[CommandLine]:
 
 
 def _refuse_another_model_option(command: CommandLine, path: str, kept: str | None) -> None:
-    """`model=<option>` other than the checkpoint's: a continued run keeps its model."""
     option = next((o.split("=", 1)[1] for o in reversed(command.overrides) if o.split("=", 1)[0] == "model"), None)
     if option is not None and kept is not None and option != kept:
         raise ConfigError(f"{path} is a checkpoint of model={kept}, but the command line picks model={option}; a "
@@ -54,7 +51,6 @@ def _refuse_another_model_option(command: CommandLine, path: str, kept: str | No
 
 
 def main(command: CommandLine) -> None:
-    """Hand the command line to Hydra; on a torchrun rank, exit as a rank does."""
     # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
     # script or `python train.py` puts only its own folder on the path).
     sys.path.insert(1, os.getcwd())
@@ -96,8 +92,7 @@ def train_job(cfg: Any, command: CommandLine) -> float:
 
 
 def _record(cfg: Any) -> dict[str, str]:
-    """The job's .hydra/ files as Hydra writes them (it is told not to, conf/train.yaml: the run
-    writes them once the directory is its own, checkpoints/rundir.py)."""
+    """The job's .hydra/ files as Hydra writes them (the run writes them once the directory is its own)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 

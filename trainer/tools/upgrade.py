@@ -3,12 +3,10 @@
     ringtrain upgrade checkpoint=<run>/checkpoints/last.pt trust_checkpoint=true [output=FILE]
 
 Format 2 kept the run's config as nodes that the tools built again, so a file could choose the
-code that ran; this ringtrain refuses such files (checkpoints/files.py). A file you trust is
-rewritten with what format 3 records instead (config/recipe.py): the option chosen in each
-config group and the overrides given, read from the run's own record beside it
-(`<run>/.hydra/hydra.yaml`, as Hydra wrote it when the run started). The weights and the rest
-of the state are kept as they are. Without `output` the file is replaced in place (atomically),
-its old bytes kept as `<name>.format2` beside it. Settings: conf/upgrade.yaml.
+code that ran; this ringtrain refuses such files. A file you trust gets the recipe format 3
+records instead (config/recipe.py), read from the run's own `<run>/.hydra/hydra.yaml`; the rest
+of the state is kept. Without `output` the file is replaced in place, its old bytes kept as
+`<name>.format2` beside it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The commands, each a Hydra app with its own primary config in conf/: train, evaluate,
-sample, consolidate, export, prepare_tokens; `ringtrain <tool> ...` reaches each
-(ringtrain/__main__.py). Also what the tools share: rebuilding a model from a checkpoint.
-
-May import anything in ringtrain; nothing in ringtrain imports them.
+"""The commands (`ringtrain <tool> ...`, ringtrain/__main__.py), each a Hydra app with its primary
+config in conf/, and what they share (app.py, checkpoint_model.py). May import anything in
+ringtrain; nothing in ringtrain imports them.
 """

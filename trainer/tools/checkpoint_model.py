@@ -20,10 +20,7 @@ from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.components import build, is_node, locate
 from ringtrain.config.builders import build_model, check_model
 from ringtrain.errors import ConfigError, UserError, component_failed
-from ringtrain.loop.precision import Precision
 from ringtrain.models.pretrained import from_architecture
-
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def read_checkpoint(path: str, loaded: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -80,40 +77,17 @@ def rebuild_model(state: Mapping[str, Any], path: str, job: Mapping[str, Any] | 
         else:
             model.load_state_dict(state["model"])
         if weights != "model":
-            model.load_state_dict(_callback_weights(state, weights, path), strict=False)
+            kept = (state.get("callbacks") or {}).get(weights) or {}
+            if not isinstance(kept.get("weights"), Mapping):
+                holders = [n for n, s in (state.get("callbacks") or {}).items() if isinstance(s, Mapping) and "weights" in s]
+                raise ConfigError(f"weights={weights}: checkpoint {path} keeps no weights of a callback {weights!r} (it "
+                                  f"keeps {', '.join(['model', *holders])}); pass weights=model or one of those")
+            model.load_state_dict(dict(kept["weights"]), strict=False)
     except RuntimeError as err:
         detail = " ".join(str(err).split())[:300]
         raise CheckpointError(f"the weights in {path!r} do not fit the model built from its config ({detail}); drop the "
                               f"model.* overrides that change its shape") from None
     return model
-
-
-def _callback_weights(state: Mapping[str, Any], name: str, path: str) -> dict[str, torch.Tensor]:
-    kept = (state.get("callbacks") or {}).get(name) or {}
-    if not isinstance(kept.get("weights"), Mapping):
-        holders = [n for n, s in (state.get("callbacks") or {}).items() if isinstance(s, Mapping) and "weights" in s]
-        raise ConfigError(f"weights={name}: checkpoint {path} keeps no weights of a callback {name!r} (it keeps "
-                          f"{', '.join(['model', *holders])}); pass weights=model or one of those")
-    return dict(kept["weights"])
-
-
-def choose_device(name: str) -> torch.device:
-    """`auto`: the GPU when there is one, else the CPU; `cuda` without a GPU is refused."""
-    if name not in DEVICES:
-        raise ConfigError(f"device={name!r} is unknown; use one of {', '.join(DEVICES)}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu (or auto)")
-    if name == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def inference_precision(stored: Any, device: torch.device) -> Precision:
-    """The run's `trainer.precision`, but a 16-mixed model in float32 on the CPU (float16 needs CUDA)."""
-    name = str(stored) if stored is not None else "32"
-    if name == "16-mixed" and device.type != "cuda":
-        name = "32"
-    return Precision(name, device)
 
 
 def task_kind(node: Any) -> Any:

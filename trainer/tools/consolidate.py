@@ -1,9 +1,9 @@
 """One plain checkpoint file from a sharded one: `ringtrain consolidate checkpoint=... [output=FILE]`.
 
-The `step-<N>.shards/` of a `strategy.state_dict_type=sharded` run are read whole into one process
-(CPU memory must hold the full state) and written as the file `state_dict_type=full` would have:
-loadable into a bare model, resumable under any strategy. Without `output` it is
-`consolidated-step-<N>.pt` beside `checkpoints/`, where rotation and auto-resume never touch it.
+A sharded run's `step-<N>.shards/` are read whole into one process (CPU memory must hold the full
+state) and written as the file `strategy.state_dict_type=full` would have: loadable into a bare
+model, resumable under any strategy. Without `output` it is `consolidated-step-<N>.pt` beside
+`checkpoints/`, where rotation and auto-resume never touch it.
 """
 from __future__ import annotations
 

@@ -54,7 +54,11 @@ def _continuing(arguments: list[str], run_dir: Path, resume: Any) -> list[str]:
 def _launcher(program: str, arguments: list[str]) -> list[str]:
     """The words before the arguments: how this process, or its torchrun, was started."""
     if under_torchrun():
-        parent = _parent_command_line()
+        try:  # its parent's command line, which ends with this worker's arguments
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+            parent = [os.fsdecode(word) for word in raw.split(b"\0")[:-1]]
+        except OSError:
+            parent = []
         if parent and parent[len(parent) - len(arguments):] == arguments and len(parent) > len(arguments):
             return _readable(parent[:len(parent) - len(arguments)])
         # No /proc, or a launcher that is not torchrun: the torchrun command that would do.
@@ -83,14 +87,6 @@ def _readable(words: list[str]) -> list[str]:
             return [_by_name(words[1]), *words[2:]]
         return words
     return [_by_name(words[0]), *words[1:]]
-
-
-def _parent_command_line() -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return [os.fsdecode(word) for word in raw.split(b"\0")[:-1]] or None
 
 
 def _python() -> str:

@@ -1,12 +1,9 @@
 """A trained model's metrics on a split: `ringtrain evaluate checkpoint=...` (README.md "Using
-what you trained"; settings: conf/evaluate.yaml).
-
-lightning-hydra-template's eval.py for ringtrain: no optimizer, no training. The data, model and
-task of the composed job are checked as training's (config/builders.py) before any data is built;
-the run's own strategy is not reused (strategy=auto). The metrics are computed exactly as the
-loop's validation (the split sharded without padding, sums all-reduced, data/tasks.py), so the
-checkpoint gives the val/loss the run logged at that step, for any number of ranks. Rank 0 prints
-one `name=value` line per metric and writes the output file.
+what you trained"; settings: conf/evaluate.yaml). No optimizer, no training: the composed job's
+data, model and task are checked as training's before any data is built, on the tool's own
+strategy (strategy=auto), and the metrics are computed exactly as the loop's validation (the
+split sharded without padding, sums all-reduced, data/tasks.py), so the checkpoint gives the
+val/loss the run logged at that step, on any number of ranks.
 """
 from __future__ import annotations
 
@@ -99,25 +96,20 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     check_model(job["model"], check_data(job["data"]), "the data")
     check_task(build(job["task"], "task"))
 
+    path = Path(checkpoint).absolute()
     eval_job = EvalJob(
-        checkpoint=Resumed(Path(checkpoint).absolute(), state), split=split, job=job,
+        checkpoint=Resumed(path, state), split=split, job=job,
         data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
         trainer=trainer_settings, strategy=strategy, weights=weights, trusted=trusted,
     )
-    metrics_file = Path(output) if output else default_output(checkpoint, split, weights)
+    # One file per checkpoint, weights and split: <run dir>/eval/<checkpoint>[-<weights>]-<split>.json.
+    which = "" if weights == "model" else f"-{weights}"
+    metrics_file = Path(output) if output else path.parent.parent / "eval" / f"{path.stem}{which}-{split}.json"
     record = {
         "checkpoint": str(eval_job.checkpoint.path), "step": (state.get("progress") or {}).get("step"), "weights": weights,
         "split": split, "strategy": strategy_name, "overrides": [], "output": str(metrics_file),
     }
     return eval_job, record
-
-
-def default_output(checkpoint: str, split: str, weights: str = "model") -> Path:
-    """<run dir>/eval/<checkpoint>[-<weights>]-<split>.json: each checkpoint, split and weights
-    (ema) a file of its own (one eval/metrics.json for all lost the earlier result)."""
-    path = Path(checkpoint).absolute()
-    which = "" if weights == "model" else f"-{weights}"
-    return path.parent.parent / "eval" / f"{path.stem}{which}-{split}.json"
 
 
 @dataclass

@@ -1,15 +1,11 @@
 """A checkpoint's trained weights in the formats the rest of the field loads: `ringtrain export`
 (README.md "Exporting"; settings: conf/export.yaml).
 
-format=safetensors is one file (safetensors.torch's `save_model`: a tensor tied to another is
-stored once, the other name in the metadata, as safetensors requires); format=hf the directory a
-`transformers` model's `save_pretrained` writes, with the vocabulary's tokenizer; format=peft a
-LoRA run's adapters alone (a run with adapters exports merged otherwise).
-
-An export replaces only what an earlier export wrote (ringtrain's mark in a file's metadata, or
-the files a directory's .ringtrain-export lists; a user's other files there are kept), and appears
-complete or not at all. Without `output` it goes to `<run dir>/export/step-<N>[.safetensors]`,
-beside checkpoints/, where rotation never touches it.
+format=safetensors is one file, a tied tensor stored once (safetensors requires it); format=hf
+what a `transformers` model's `save_pretrained` writes, with the tokenizer; format=peft a LoRA
+run's adapters alone. An export replaces only what an earlier export wrote (ringtrain's mark in
+a file's metadata, or the files a directory's .ringtrain-export lists), and appears complete or
+not at all. Without `output` it goes beside checkpoints/, where rotation never touches it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A token directory for data=token_file: `ringtrain prepare_tokens input=... output=...`; the
-settings and examples are conf/prepare_tokens.yaml (`ringtrain prepare_tokens --help`).
-
-Writes train.bin, val.bin and meta.json into `output`, from a UTF-8 text (data/prepare_tokens.py)
-or as random ids. vocab=bpe trains a byte-level BPE tokenizer of vocab_size ids on the input
-(data/bpe.py), or uses the given tokenizer.json, and writes it into `output` too.
+"""A token directory for data=token_file: `ringtrain prepare_tokens input=... output=...`
+(settings and examples: conf/prepare_tokens.yaml). The work is data/prepare_tokens.py's.
 """
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ def prepare_tokens(output: str, input: str | None = None,  # noqa: A002 - the se
 
 
 def notice_replaced_files(output: str, writes_tokenizer: bool) -> None:
-    """One line on stderr when `output` already holds token files: they are replaced (each
-    atomically), and a run of data=token_file on that folder reads the new ones; an earlier
+    """One line on stderr when `output` already holds token files, which are replaced; an earlier
     tokenizer.json that this vocabulary does not replace is named as stale."""
     folder = Path(output)
     present = [name for name in ("train.bin", "val.bin", "meta.json") if (folder / name).is_file()]

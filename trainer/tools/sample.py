@@ -1,10 +1,7 @@
 """Text from a trained language model: `ringtrain sample checkpoint=... prompt=...` (settings:
-conf/sample.yaml, examples: README.md).
-
-nanoGPT's sample.py for ringtrain's checkpoints: the text is encoded and decoded with the
-vocabulary the checkpoint keeps (data/vocab.py), so neither the run's command line nor its data
-file is needed. The prompt and generated text go to stdout (samples separated by dashes), all
-else to stderr.
+conf/sample.yaml, examples: README.md), nanoGPT's sample.py for ringtrain's checkpoints. The text
+is encoded and decoded with the vocabulary the checkpoint keeps (data/vocab.py); the samples go
+to stdout, separated by dashes, all else to stderr.
 """
 from __future__ import annotations
 
@@ -26,12 +23,14 @@ from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import BPEVocab, CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError
 from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
-from ringtrain.tools.checkpoint_model import choose_device, inference_precision, read_checkpoint, rebuild_model, task_kind
+from ringtrain.loop.precision import Precision
+from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
 SAMPLE = PrimaryConfig(
     "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
 )
 SEPARATOR = "\n---------------\n"
+DEVICES = ("auto", "cpu", "cuda")
 # The data whose checkpoints keep a vocabulary to decode with (data/vocab.py), for messages.
 LANGUAGE_MODEL_DATA = ("data=text, token_file, hf_text, stream, chat, or hf_rows or token_shards with "
                        "data.tokenizer")
@@ -159,8 +158,13 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
     ids = encode_prompt(vocab, text)
     target = choose_device(device)
     model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint).to(target)
-    precision = inference_precision((job.get("trainer") or {}).get("precision"), target)
-    task = job_task(job.get("task"))
+    # The run's precision, but a 16-mixed model in float32 on the CPU (float16 needs CUDA).
+    stored = (job.get("trainer") or {}).get("precision")
+    name = str(stored) if stored is not None else "32"
+    precision = Precision("32" if name == "16-mixed" and target.type != "cuda" else name, target)
+    # The task, for which output of the model it reads; a function that builds one is not called here.
+    node = job.get("task")
+    task = build(node, "task") if is_node(node) and inspect.isclass(locate(node["_target_"], "task")) else None
 
     stopping = Stopping(vocab, stop_token_ids(vocab, chat), stop_texts)
     generator = torch.Generator(device=target).manual_seed(seed)
@@ -168,9 +172,20 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
     for _ in range(num_samples):
         with precision.autocast():
             out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task,
-                           until=stopping.ended if stopping else None)
+                           until=stopping.ended)
         texts.append(stopping.text(out[0].tolist(), len(ids)))
     return texts
+
+
+def choose_device(name: str) -> torch.device:
+    """`auto`: the GPU when there is one, else the CPU; `cuda` without a GPU is refused."""
+    if name not in DEVICES:
+        raise ConfigError(f"device={name!r} is unknown; use one of {', '.join(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu (or auto)")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def unescape(text: str) -> str:
@@ -195,9 +210,6 @@ class Stopping:
     ids: set[int]
     texts: list[str]
 
-    def __bool__(self) -> bool:
-        return bool(self.ids or self.texts)
-
     def ended(self, new: torch.Tensor) -> bool:
         """Whether the one sample's (1, new) drawn ids end it."""
         drawn = new[0].tolist()
@@ -214,14 +226,6 @@ class Stopping:
             where, length = min(found)
             text = text[: where + length]
         return text
-
-
-def job_task(node: Any) -> Any:
-    """The job's task, for which output of the model it reads; None (the defaults) when a
-    function builds it, which is not called here."""
-    if not is_node(node) or not inspect.isclass(locate(node["_target_"], "task")):
-        return None
-    return build(node, "task")
 
 
 def show(texts: list[str]) -> None:

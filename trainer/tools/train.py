@@ -37,17 +37,14 @@ def prepare(command: CommandLine) -> list[CommandLine]:
     skip = _NOT_REPLAYED + (("strategy.nproc_per_node",) if under_torchrun() else ())
     commands = with_checkpoint(command, "trainer.resume", skip)
     for each in commands:
+        option = next((o.split("=", 1)[1] for o in reversed(each.overrides) if o.split("=", 1)[0] == "model"), None)
         for path, given in (each.checkpoint or {}).items():
-            _refuse_another_model_option(each, path, given.state["job"]["choices"].get("model"))
+            kept = given.state["job"]["choices"].get("model")
+            if option is not None and kept is not None and option != kept:  # a continued run keeps its model
+                raise ConfigError(f"{path} is a checkpoint of model={kept}, but the command line picks model={option}; "
+                                  f"a continued run keeps its model: drop model={option} to continue it, or drop "
+                                  f"trainer.resume to start a new run with model={option}")
     return commands
-
-
-def _refuse_another_model_option(command: CommandLine, path: str, kept: str | None) -> None:
-    option = next((o.split("=", 1)[1] for o in reversed(command.overrides) if o.split("=", 1)[0] == "model"), None)
-    if option is not None and kept is not None and option != kept:
-        raise ConfigError(f"{path} is a checkpoint of model={kept}, but the command line picks model={option}; a "
-                          f"continued run keeps its model: drop model={option} to continue it, or drop trainer.resume "
-                          f"to start a new run with model={option}")
 
 
 def main(command: CommandLine) -> None:
@@ -72,6 +69,7 @@ def train_job(cfg: Any, command: CommandLine) -> float:
     """One job of the command (a multirun has several): check it, train it on its ranks."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf import OmegaConf
 
     hydra = HydraConfig.get()
     run_dir, in_sweep = hydra.runtime.output_dir, hydra.mode == RunMode.MULTIRUN
@@ -85,37 +83,28 @@ def train_job(cfg: Any, command: CommandLine) -> float:
             raise
         job.group = Path(hydra.sweep.dir).name if in_sweep else None
         job.recipe = record(hydra, job.resolved)
-        result = launch(job, run_dir, given=given, record=_record(cfg))
+        # The job's .hydra/ files as Hydra writes them (the run writes them once the directory is its own).
+        hydra_cfg = OmegaConf.to_container(HydraConfig.instance().cfg, enum_to_str=True)
+        files = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+                 "overrides.yaml": OmegaConf.to_yaml(hydra_cfg["hydra"]["overrides"]["task"])}
+        result = launch(job, run_dir, given=given, record=files)
         if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:
             raise stopped
         return sweep_value(result)
 
 
-def _record(cfg: Any) -> dict[str, str]:
-    """The job's .hydra/ files as Hydra writes them (the run writes them once the directory is its own)."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
-
-    hydra = OmegaConf.to_container(HydraConfig.instance().cfg, enum_to_str=True)
-    return {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra),
-            "overrides.yaml": OmegaConf.to_yaml(hydra["hydra"]["overrides"]["task"])}
-
-
 def _without_legacy_local_rank(args: list[str]) -> list[str]:
     """torch.distributed.launch passes `--local-rank N` (the seed tutorial's launcher), which is
     not Hydra's; its value belongs in LOCAL_RANK, where torchrun puts it."""
-    kept, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if arg in ("--local-rank", "--local_rank") and i + 1 < len(args):
-            os.environ.setdefault("LOCAL_RANK", args[i + 1])
-            i += 2
-            continue
-        if arg.startswith(("--local-rank=", "--local_rank=")):
-            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
-        else:
+    kept, words = [], iter(args)
+    for arg in words:
+        name, joined, value = arg.partition("=")
+        if name not in ("--local-rank", "--local_rank"):
             kept.append(arg)
-        i += 1
+        elif joined or (value := next(words, None)) is not None:  # --local-rank=N, or --local-rank N
+            os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            kept.append(arg)  # the last word, without its value
     return kept
 
 

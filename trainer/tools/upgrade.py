@@ -1,7 +1,5 @@
 """A checkpoint of an older ringtrain (format 2) rewritten as data: `ringtrain upgrade`.
 
-    ringtrain upgrade checkpoint=<run>/checkpoints/last.pt trust_checkpoint=true [output=FILE]
-
 Format 2 kept the run's config as nodes that the tools built again, so a file could choose the
 code that ran; this ringtrain refuses such files. A file you trust gets the recipe format 3
 records instead (config/recipe.py), read from the run's own `<run>/.hydra/hydra.yaml`; the rest

@@ -236,7 +236,7 @@ def test_a_run_stopped_without_hydra_run_dir_prints_the_command_that_continues_i
 
 
 def test_the_continuing_command_points_resume_at_this_runs_last_pt_and_keeps_everything_else(tmp_path, monkeypatch):
-    from ringtrain.tools.continue_command import continue_command
+    from ringtrain.tools.train import continue_command
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys.modules["__main__"], "__spec__", None)  # as `python train.py` (not pytest's -m)

@@ -54,7 +54,10 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
                           f"(adapter=lora); use format=safetensors or format=hf")
     model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint)
     if format == "peft":
-        lora, task_type = build(adapter, "adapter"), peft_task_type(job.get("task"))  # the composed job's, never the file's
+        # PEFT's name for the task (CAUSAL_LM loads as PeftModelForCausalLM, with generate); None: its plain PeftModel.
+        lora, kind = build(adapter, "adapter"), task_kind(job.get("task"))  # the composed job's, never the file's
+        kinds = ((LanguageModelTask, "CAUSAL_LM"), (ClassificationTask, "SEQ_CLS"))
+        task_type = next((name for base, name in kinds if inspect.isclass(kind) and issubclass(kind, base)), None)
         write_directory(target, lambda d: save_peft_adapter(model, lora, d, node.get("pretrained_model_name_or_path"),
                                                             task_type), overwrite)
         return target
@@ -70,14 +73,6 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
             )
         write_pretrained_directory(model, state.get("vocab"), target, overwrite)
     return target
-
-
-def peft_task_type(task: Any) -> str | None:
-    """PEFT's name for the run's task (CAUSAL_LM loads as PeftModelForCausalLM, with generate);
-    None (PEFT's plain PeftModel) for a task it has no name for."""
-    kind = task_kind(task)
-    kinds = ((LanguageModelTask, "CAUSAL_LM"), (ClassificationTask, "SEQ_CLS"))
-    return next((name for base, name in kinds if inspect.isclass(kind) and issubclass(kind, base)), None)
 
 
 def write_safetensors(model: nn.Module, target: Path) -> None:

@@ -3,10 +3,19 @@ it, train, return the metric (README.md "Usage" has the command lines).
 
 `trainer.resume=<file>` continues that run in its own directory: the checkpoint is read once,
 before Hydra composes, and its recipe is replayed before the command line's (config/recipe.py).
+
+A run a stop signal ended logs, as its last line, the exact command that continues it: auto-resume
+continues last.pt only in the same run directory, and a plain `python train.py` would get a new
+time-stamped one (checkpoints/rundir.py). So: the program as this process (or its torchrun) was
+started, the user's arguments with `hydra.run.dir=<this run's directory>`, and trainer.resume at
+this run's last.pt (a step file would go back to that step; null, which refuses checkpoints, auto).
 """
 from __future__ import annotations
 
+import logging
 import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,12 +24,12 @@ from ringtrain.checkpoints.rundir import remove_if_empty
 from ringtrain.config.app import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate
-from ringtrain.distributed import exit_rank, under_torchrun
-from ringtrain.errors import ConfigError, UserError, exit_on_user_error
+from ringtrain.distributed import env_rank, exit_rank, under_torchrun
+from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, UserError, exit_on_user_error
 from ringtrain.run import launch, stopped_error, sweep_value
 from ringtrain.tools.app import with_checkpoint
-from ringtrain.tools.continue_command import told_how_to_continue
 
+log = logging.getLogger("ringtrain")
 # What a continued run decides anew rather than replays: which file it resumes from, how a
 # sweep searched, and, under torchrun, its ranks (torchrun's, not the ones the run started).
 _NOT_REPLAYED = ("trainer.resume", "trainer.trust_checkpoint", "hparams_search")
@@ -73,9 +82,9 @@ def train_job(cfg: Any, command: CommandLine) -> float:
 
     hydra = HydraConfig.get()
     run_dir, in_sweep = hydra.runtime.output_dir, hydra.mode == RunMode.MULTIRUN
-    given = (command.checkpoint or {}).get(str(cfg.trainer.resume))
-    argv = [command.program, *command.args]
-    with exit_on_user_error(), told_how_to_continue(argv, run_dir, cfg.trainer.resume, cfg.trainer.checkpoint):
+    resume, checkpointing = cfg.trainer.resume, cfg.trainer.checkpoint
+    given = (command.checkpoint or {}).get(str(resume))
+    with exit_on_user_error():
         try:
             job = validate(cfg)
         except UserError:
@@ -87,10 +96,85 @@ def train_job(cfg: Any, command: CommandLine) -> float:
         hydra_cfg = OmegaConf.to_container(HydraConfig.instance().cfg, enum_to_str=True)
         files = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
                  "overrides.yaml": OmegaConf.to_yaml(hydra_cfg["hydra"]["overrides"]["task"])}
-        result = launch(job, run_dir, given=given, record=files)
-        if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:
-            raise stopped
+        try:
+            result = launch(job, run_dir, given=given, record=files)
+            if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:
+                raise stopped
+        except TrainingStopped as stopped:  # by a stop signal, after last.pt: rank 0 says how to continue
+            if stopped.exit_code != NONFINITE_EXIT and checkpointing and env_rank() == 0:
+                argv = [command.program, *command.args]
+                log.info(f"to continue this run, in {os.getcwd()}: {continue_command(argv, run_dir, resume)}")
+            raise
         return sweep_value(result)
+
+
+def continue_command(argv: list[str], run_dir: str, resume: Any) -> str:
+    """The shell command that continues, from its last.pt, the run in `run_dir` that `argv` started."""
+    arguments = argv[1:]
+    return shlex.join(_launcher(argv[0], arguments) + _continuing(arguments, Path(run_dir).resolve(), resume))
+
+
+def _continuing(arguments: list[str], run_dir: Path, resume: Any) -> list[str]:
+    replaced = {"hydra.run.dir"} | ({"trainer.resume"} if resume != "auto" else set())
+    kept = [a for a in arguments if a.startswith("-") or "=" not in a or a.split("=", 1)[0].lstrip("+~") not in replaced]
+    if resume is None:
+        kept.append("trainer.resume=auto")
+    elif resume != "auto":
+        kept.append(f"trainer.resume={run_dir / 'checkpoints' / 'last.pt'}")
+    return kept + [f"hydra.run.dir={run_dir}"]
+
+
+def _launcher(program: str, arguments: list[str]) -> list[str]:
+    """The words before the arguments: how this process, or its torchrun, was started."""
+    if under_torchrun():
+        try:  # its parent's command line, which ends with this worker's arguments
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+            parent = [os.fsdecode(word) for word in raw.split(b"\0")[:-1]]
+        except OSError:
+            parent = []
+        if parent and parent[len(parent) - len(arguments):] == arguments and len(parent) > len(arguments):
+            return _readable(parent[:len(parent) - len(arguments)])
+        # No /proc, or a launcher that is not torchrun: the torchrun command that would do.
+        script = _this_program(program)
+        script = script[1:] if script[0] == _python() else ["--no-python", *script]
+        return ["torchrun", f"--nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '1')}", *script]
+    return _this_program(program)
+
+
+def _this_program(program: str) -> list[str]:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:  # python -m ringtrain, python -m ringtrain.tools.train
+        return [_python(), "-m", spec.name.removesuffix(".__main__")]
+    if program.endswith(".py"):
+        return [_python(), program]
+    return [_by_name(program)]  # the `ringtrain` console script
+
+
+def _readable(words: list[str]) -> list[str]:
+    """A command line as /proc has it (`/venv/bin/python /venv/bin/torchrun ...`) as it was
+    typed (`torchrun ...`) where the short names find the same programs."""
+    if len(words) > 1 and os.path.basename(words[0]).startswith("python"):
+        if os.path.abspath(words[0]) == os.path.abspath(sys.executable):
+            words = [_python(), *words[1:]]
+        if not words[1].startswith("-") and not words[1].endswith(".py"):  # a console script
+            return [_by_name(words[1]), *words[2:]]
+        return words
+    return [_by_name(words[0]), *words[1:]]
+
+
+def _python() -> str:
+    """`python` (or `python3`) when that finds this interpreter, else its path."""
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        if found and os.path.abspath(found) == os.path.abspath(sys.executable):
+            return name
+    return sys.executable
+
+
+def _by_name(path: str) -> str:
+    name = os.path.basename(path)
+    found = shutil.which(name)
+    return name if found and os.path.abspath(found) == os.path.abspath(path) else path
 
 
 def _without_legacy_local_rank(args: list[str]) -> list[str]:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ringtrain.callbacks.base import Callback, Run, monitored
-from ringtrain.checkpoints.atomic import remove_if_present
+from ringtrain.storage.atomic import remove_if_present
 from ringtrain.checkpoints.files import link_checkpoint, step_checkpoint_name
 
 log = logging.getLogger("ringtrain")

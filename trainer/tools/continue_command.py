@@ -3,7 +3,7 @@
 Auto-resume (checkpoints/manager.py) continues last.pt only when the job lands in the same run
 directory, and the same command does so only where the job names it (hydra.run.dir, SLURM's
 job id, torchrun's --rdzv-id): a plain `python train.py` gets a new time-stamped directory
-(checkpoints/rundir.py) and would start from step 0. So the line is the exact command:
+(storage/rundir.py) and would start from step 0. So the line is the exact command:
 
   program     as this process was started (`python train.py`, `python -m ringtrain`,
               `ringtrain`); under torchrun the torchrun command (the parent's command line,

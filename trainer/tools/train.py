@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoints.rundir import remove_if_empty
+from ringtrain.storage.rundir import remove_if_empty
 from ringtrain.config.app import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate
@@ -97,7 +97,7 @@ def train_job(cfg: Any, command: CommandLine) -> float:
 
 def _record(cfg: Any) -> dict[str, str]:
     """The job's .hydra/ files as Hydra writes them (it is told not to, conf/train.yaml: the run
-    writes them once the directory is its own, checkpoints/rundir.py)."""
+    writes them once the directory is its own, storage/rundir.py)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 

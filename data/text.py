@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ringtrain.checkpoints.atomic import open_atomically
+from ringtrain.storage.atomic import open_atomically
 from ringtrain.data.bpe import read_tokenizer
 from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.tensors import SequenceDataset, windows_of
@@ -148,7 +148,7 @@ def _cache_path(file: Path, cache_dir: str, tokenizer: BPEVocab | None) -> Path 
 
 
 def _write_cache(cache: Path, state: dict) -> None:
-    """Atomic (ringtrain.checkpoints.atomic), so ranks writing at once never see half a file."""
+    """Atomic (ringtrain.storage.atomic), so ranks writing at once never see half a file."""
     try:
         with open_atomically(cache) as file:
             torch.save(state, file)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.storage.atomic import write_text_atomically
 from ringtrain.data.bundle import DataError, DataModule
 from ringtrain.data.token_ids import largest_token_id
 from ringtrain.data.vocab import vocab_from_state

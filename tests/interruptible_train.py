@@ -79,7 +79,7 @@ def _fill_the_disk_after(limit: int) -> None:
     deleted checkpoints freed: a full file system, where a test cannot mount a small one."""
     import errno
 
-    import ringtrain.checkpoints.atomic as atomic
+    import ringtrain.storage.atomic as atomic
     import ringtrain.checkpoints.manager as manager
 
     written = {"bytes": 0}

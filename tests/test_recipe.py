@@ -21,3 +21,19 @@ def test_paths_are_read_relative_to_the_directory_the_run_started_in(tmp_path, m
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert local_paths({"data": {"tokenizer": "smollm"}}, base=str(tmp_path)) == {"data.tokenizer": str(tmp_path / "smollm")}
+
+
+def test_relative_paths_in_a_list_are_recorded_by_index_and_replayed_into_the_list(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from ringtrain.config.recipe import replay
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "b.txt").write_text("text")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "job.yaml").write_text("data:\n  files: [not_here.txt, b.txt]\n")
+    paths = local_paths({"data": {"files": ["not_here.txt", "b.txt"]}})
+    assert paths == {"data.files.1": str(tmp_path / "b.txt")}
+    replayed = replay({"choices": {}, "overrides": [], "paths": paths}, tmp_path / "x.pt", [])
+    with initialize_config_dir(str(tmp_path / "conf"), version_base="1.3"):
+        assert compose("job", overrides=replayed.overrides).data.files == ["not_here.txt", str(tmp_path / "b.txt")]

@@ -435,6 +435,38 @@ def test_best_k_removes_what_a_stop_between_saves_left_when_the_run_resumes(tmp_
     assert _best_files(run_dir) == [f"best-val_loss-{step:08d}.pt" for step in best_two]
 
 
+def _best_two(run_dir: Path) -> list[str]:
+    """The names of the two best validations the run logged."""
+    logged = dict(validations(run_dir))  # a step validated again after a resume: its last value
+    return [f"best-val_loss-{step:08d}.pt" for step in sorted(sorted(logged, key=logged.get)[:2])]
+
+
+def test_best_k_leaves_the_k_best_after_sigterm_and_after_the_run_is_continued(tmp_path):
+    run_dir = tmp_path / "run"
+    args = BEST_TWO + ["trainer.max_steps=24", f"hydra.run.dir={run_dir}"]
+    status, output = sigterm_at(args, 14, 1, tmp_path)  # after the validations of steps 4, 8 and 12
+    assert status == 143, output[-4000:]
+    assert _best_files(run_dir) == _best_two(run_dir) and len(dict(validations(run_dir))) == 3
+    job_ok(run_job(args))
+    assert _best_files(run_dir) == _best_two(run_dir) and len(dict(validations(run_dir))) == 6
+
+
+def test_best_k_leaves_at_most_k_after_a_kill_9_during_a_save_and_the_k_best_once_continued(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    args = BEST_TWO + ["trainer.max_steps=24", f"hydra.run.dir={run_dir}"]
+    # The save of step 16's validation holds after its bytes, before its rename: killed there.
+    monkeypatch.setenv("RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP", "16")
+    with training_job(args) as job:
+        job.wait_for_line(r"interruptible: writing step=16")
+        os.kill(job.proc.pid, signal.SIGKILL)
+        status, output = job.finish(120)
+    assert status == -signal.SIGKILL, output[-4000:]
+    assert len(_best_files(run_dir)) <= 2
+    monkeypatch.delenv("RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP")
+    assert resumed_from(job_ok(run_job(args))) == 12
+    assert _best_files(run_dir) == _best_two(run_dir) and len(dict(validations(run_dir))) == 6
+
+
 def test_a_callback_whose_state_is_not_data_is_refused_at_the_first_save_and_nothing_unreadable_is_written(tmp_path):
     module = """
         from ringtrain.callbacks.base import Callback

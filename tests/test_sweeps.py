@@ -144,7 +144,7 @@ def test_a_real_tensorboard_server_serves_every_runs_scalars(sweep_2x2):
 @pytest.mark.slow
 def test_a_sweep_job_refused_in_a_directory_leaves_its_owners_record_as_it_was(tmp_path):
     """Each job writes its .hydra/ record once it owns its directory, as a single run does
-    (checkpoints/rundir.py): Hydra wrote it as the job started, so a second sweep into the same
+    (storage/rundir.py): Hydra wrote it as the job started, so a second sweep into the same
     job directories replaced the record of the run whose checkpoints are there."""
     common = ["-m", "hydra.sweep.subdir=${hydra.job.num}", f"hydra.sweep.dir={tmp_path}", "trainer.max_steps=2"]
     ok(run_cli(common + ["optimizer.lr=0.01,0.02"]))

@@ -88,23 +88,13 @@ def resolve_device(accelerator: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    if requested == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if requested == "nccl" and device.type != "cuda":
-        raise DistributedSetupError(
-            "strategy.backend=nccl needs a CUDA device on every rank and this rank has none; "
-            "use strategy.backend=gloo (or auto)"
-        )
-    return requested
-
-
 def join_process_group(backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
     """Join the process group the launcher described in the environment; return this rank's place in it."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = resolve_device(accelerator, local_rank)
-    backend = resolve_backend(backend, device)
+    if backend == "auto":  # strategy.check refused nccl for ranks without a CUDA device
+        backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=timeout_minutes)
     restarted = _store_for_restarted_workers(rank, world_size, timeout)
     dist.init_process_group(

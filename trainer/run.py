@@ -7,7 +7,7 @@ rank 0 reports.
 
 A job refused before it trained (a mistake found once it runs: a checkpoint of another model,
 a component that fails to build or to take its first step) takes back what it put into its run
-directory, and the directory when nothing else is there (checkpoints/rundir.py).
+directory, and the directory when nothing else is there (storage/rundir.py).
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ from torch import nn
 
 from ringtrain.callbacks.base import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
-from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.storage.atomic import write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
 from ringtrain.checkpoints.initial_weights import load_initial_weights
-from ringtrain.checkpoints.json_text import json_text
+from ringtrain.storage.json_text import json_text
 from ringtrain.checkpoints.manager import CheckpointManager, Resumed
-from ringtrain.checkpoints.restart_notes import forget_restart_note, leave_restart_note
-from ringtrain.checkpoints.rundir import RunDirectory
+from ringtrain.storage.restart_notes import forget_restart_note, leave_restart_note
+from ringtrain.storage.rundir import RunDirectory
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.components import build, is_node
 from ringtrain.config.builders import build_data, build_model, check_task

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ringtrain.callbacks.base import Callback, Run, monitored
-from ringtrain.checkpoints.atomic import remove_if_present
+from ringtrain.storage.atomic import remove_if_present
 from ringtrain.checkpoints.files import link_checkpoint, step_checkpoint_name
 
 log = logging.getLogger("ringtrain")
@@ -57,11 +57,13 @@ class BestCheckpoints(Callback):
         mode = self.mode or run.task.mode
         entries = {name: (value, step, name) for value, step, name in self.best + new}  # one per step
         ranked = sorted(entries.values(), key=lambda item: item[0] if mode == "min" else -item[0])
+        # The one that drops out goes before the new link is made: a kill -9 between the two
+        # leaves k-1 files, never k+1 (the new one is linked when the run resumes: on_fit_start).
+        for _, _, dropped in ranked[self.k:]:
+            remove_if_present(run.run_dir / "checkpoints" / dropped)
         for value, step, name in new:
             if (value, step, name) in ranked[: self.k] and path is not None and path.is_file():
                 link_checkpoint(path, path.parent / name)
-        for _, _, dropped in ranked[self.k:]:
-            remove_if_present(run.run_dir / "checkpoints" / dropped)
         self.best = ranked[: self.k]
 
     def _name(self, run: Run, step: int) -> str:

@@ -1,18 +1,14 @@
-"""Checkpoints and run directories.
+"""Checkpoints (run directories and atomic file writing are ringtrain.storage).
 
   manager.py   CheckpointManager: which checkpoint a run continues from (read once), writing
                new ones atomically (in the background), rotation, setting unreadable ones aside
   files.py     one checkpoint file: its format and names, writing it, reading it against its
                checksums, links and moving a file aside
-  atomic.py    replacing any file atomically and durably; imports nothing of ringtrain
   background.py  the copy of a state and the thread that writes it
   state_dicts.py model and optimizer state in ringtrain's plain format under every strategy
   sharded.py   each rank's shards with torch.distributed.checkpoint (fsdp, state_dict_type=sharded)
   initial_weights.py  trainer.init_from: a new run's starting weights
   frozen_base.py      adapters' checkpoints: the frozen base named by a CRC-32, not copied
-  rundir.py    run directory names that survive restarts, and one job's claim on its directory
-  restart_notes.py    how a restarted torchrun job finds its directory again
-  json_text.py JSON any parser reads (metrics.json, eval/*.json, sweep_summary.json)
 
-May import: ringtrain.errors, ringtrain.distributed. Never the strategies, config, loop or tools.
+May import: ringtrain.errors, ringtrain.distributed, ringtrain.storage. Never the strategies, config, loop or tools.
 """

@@ -18,7 +18,7 @@ Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.check
 beside the file (`step-<N>.shards/`, that name and no other) instead of `model` and `optimizer`,
 and `shard_checksums` holds the CRC-32 of each of its files.
 
-A file is written atomically and durably (checkpoints/atomic.py), read with weights_only (a
+A file is written atomically and durably (storage/atomic.py), read with weights_only (a
 pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
 every zip record, which torch.load never compares: changed bytes make the file unusable like a
 truncated one, never silently wrong weights. CRC-32 catches every burst up to 32 bits and all
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.checkpoints.atomic import fsync_directory, open_atomically, replace_atomically
+from ringtrain.storage.atomic import fsync_directory, open_atomically, replace_atomically
 from ringtrain.errors import UserError
 
 CHECKPOINT_FORMAT = 3  # 2 kept the config as nodes that were built again (before config/recipe.py)

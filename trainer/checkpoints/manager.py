@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ringtrain.checkpoints.atomic import remove_if_present, temp_name_pattern
+from ringtrain.storage.atomic import remove_if_present, temp_name_pattern
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
 from ringtrain.checkpoints.files import (
     BEST_NAME, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,

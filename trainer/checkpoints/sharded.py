@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from ringtrain.checkpoints.atomic import replace_directory
+from ringtrain.storage.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
 

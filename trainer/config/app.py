@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoints.rundir import log_file, rank_tag, run_directory, run_name
+from ringtrain.storage.rundir import log_file, rank_tag, run_directory, run_name
 from ringtrain.conf import CONF_DIR, options_defining
 from ringtrain.config.recipe import Replay
 from ringtrain.errors import ConfigError, exit_on_user_error

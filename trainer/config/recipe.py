@@ -67,8 +67,8 @@ def local_paths(resolved: Mapping[str, Any], base: str = ".") -> dict[str, str]:
     found: dict[str, str] = {}
 
     def walk(node: Any, key: str) -> None:
-        if isinstance(node, Mapping):
-            for name, value in node.items():
+        if isinstance(node, (Mapping, list)):  # a list's items by index: data.files.1=/home/me/b.txt
+            for name, value in (node.items() if isinstance(node, Mapping) else enumerate(node)):
                 walk(value, f"{key}.{name}")
         elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node \
                 and _names_files(os.path.join(base, node)):

@@ -14,9 +14,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ringtrain.checkpoints.atomic import write_text_atomically
-from ringtrain.checkpoints.json_text import json_text
-from ringtrain.checkpoints.rundir import RECORD_SUBDIR
+from ringtrain.storage.atomic import write_text_atomically
+from ringtrain.storage.json_text import json_text
+from ringtrain.storage.rundir import RECORD_SUBDIR
 
 log = logging.getLogger("ringtrain")
 

@@ -15,7 +15,7 @@ import csv
 import io
 from pathlib import Path
 
-from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.storage.atomic import write_text_atomically
 from ringtrain.loggers.base import Logger, final_and_best, flatten
 
 

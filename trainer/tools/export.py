@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ringtrain.checkpoints.atomic import fsync_directory, replace_atomically, replace_directory
+from ringtrain.storage.atomic import fsync_directory, replace_atomically, replace_directory
 from ringtrain.components import build
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask

@@ -6,7 +6,7 @@ before Hydra composes, and its recipe is replayed before the command line's (con
 
 A run a stop signal ended logs, as its last line, the exact command that continues it: auto-resume
 continues last.pt only in the same run directory, and a plain `python train.py` would get a new
-time-stamped one (checkpoints/rundir.py). So: the program as this process (or its torchrun) was
+time-stamped one (storage/rundir.py). So: the program as this process (or its torchrun) was
 started, the user's arguments with `hydra.run.dir=<this run's directory>`, and trainer.resume at
 this run's last.pt (a step file would go back to that step; null, which refuses checkpoints, auto).
 """
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoints.rundir import remove_if_empty
+from ringtrain.storage.rundir import remove_if_empty
 from ringtrain.config.app import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate

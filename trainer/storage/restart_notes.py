@@ -1,7 +1,7 @@
 """How a torchrun worker restarted after a failure finds the run directory its job used.
 
 Without an id (`--rdzv-id`, or the one `--standalone` makes up) the run directory is named by
-the clock (checkpoints/rundir.py), and torchrun restarts its workers (`--max-restarts`) with a
+the clock (storage/rundir.py), and torchrun restarts its workers (`--max-restarts`) with a
 new clock. So rank 0 leaves a note naming its directory, and a restarted rank 0 reads it.
 
 A note belongs to one torchrun agent (the workers' parent, living across their restarts),
@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ringtrain.checkpoints.atomic import write_text_atomically
+from ringtrain.storage.atomic import write_text_atomically
 
 NOTES_DIRECTORY = "ringtrain-restart-notes-{user}"  # under tempfile.gettempdir()
 _PREFIX = "torchrun-"  # a note: torchrun-<agent pid>-<agent start>-<run id>.dir

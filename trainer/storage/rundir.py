@@ -8,7 +8,7 @@ claim one job holds on it.
   SLURM (sbatch, submitit)   outputs/runs/slurm-<job id>[_<array task>]: kept across requeues
   torchrun, --rdzv-id=X      outputs/runs/torchrun-X (--standalone makes up an id: each start
                              of the command is a new run, restarts within it keep the id)
-  a torchrun restart         the directory rank 0 noted before (checkpoints/restart_notes.py)
+  a torchrun restart         the directory rank 0 noted before (storage/restart_notes.py)
   anything else              outputs/runs/<date>_<time>_<pid>
 Ranks other than 0 under torchrun resolve to "." and write nothing there: rank 0's directory
 reaches them once the process group is up (run.py).
@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ringtrain.checkpoints.atomic import write_text_atomically
-from ringtrain.checkpoints.restart_notes import directory_before_restart
+from ringtrain.storage.atomic import write_text_atomically
+from ringtrain.storage.restart_notes import directory_before_restart
 from ringtrain.distributed import env_rank, under_torchrun
 
 try:

@@ -23,6 +23,7 @@ from ringtrain.checkpoints.manager import CheckpointManager
 from ringtrain.data.batches import counted, samples_in, split_batch, summed_training_loss, training_loss
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, all_reduce_sum
+from ringtrain.loop.decide import NONFINITE, StepEnds
 from ringtrain.loop.evaluation import Evaluator
 from ringtrain.loop.failures import failures_reported_as_mistakes
 from ringtrain.loop.nonfinite import NonFiniteWatch
@@ -39,87 +40,30 @@ FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check
 
 def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: DataBundle, task: Any,
         callbacks: Callbacks, checkpoints: CheckpointManager, stop: StopSignals, watchdog: Watchdog) -> FitResult:
-    """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes)."""
-    cfg = job.trainer
-    progress = parts.progress
-    evaluator = Evaluator(cfg, parts, task, dist, watchdog)
-    nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None)
+    """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes):
+    each step, then what follows it as loop/decide.py `StepEnds.decide` decides, then that."""
+    cfg, progress = job.trainer, parts.progress
     run = Run(model=parts.model, module=parts.module, optimizer=parts.optimizer, scheduler=parts.scheduler,
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
               total_steps=parts.total_steps, train_loader=parts.train_loader, group=job.group)
     run.step, run.skipped_steps = progress.step, progress.skipped_steps
-    # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
-    # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
-    description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
-                   "vocab": data.vocab, "architecture": architecture(parts.model)}
-
-    def checkpoint_state(shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
-        state = {**parts.checkpoint_state(dist, shards_path), "callbacks": callbacks.state_dict(), **description}
-        callbacks.call("on_save_checkpoint", run, state)
-        return state if dist.is_main else {}
-
-    def save(best: bool) -> None:
-        watchdog.feed(SAVING, progress.step)
-        checkpoints.save(progress.step, checkpoint_state, best)
-        report_saved()
-
-    def report_saved() -> None:  # the saves now on disk (a background save is, once written)
-        for step, path in checkpoints.written():
-            callbacks.call("on_checkpoint_saved", run, step, path)
-
-    def where() -> str:
-        """How far training is: the epoch, or for a stream, which has none, the samples drawn
-        (every step draws a full global batch, on as many ranks as saved a resumed run)."""
-        if evaluator.epoch_length:
-            return f"epoch {run.epoch:.2f}"
-        return f"({progress.step * cfg.batch_size * cfg.accumulate_grad_batches * dist.world_size} samples)"
-
-    def validate() -> bool:
-        """Validation metrics into run.metrics; whether the monitored one is the best so far."""
-        callbacks.call("on_validation_start", run)
-        run.metrics = evaluator.run()
-        run.log(run.metrics)
-        log.info(f"step {progress.step} {where()}: " + _format(run.metrics))  # rank 0 logs INFO
-        callbacks.call("on_validation_end", run, run.metrics)
-        return progress.improves(run.metrics.get(task.monitor), task.mode)
-
-    stopped = stop_kind = None
-
-    def stops_nonfinite(grad_norm: torch.Tensor | None) -> bool:
-        """on_nonfinite=stop: a non-finite value found before it is logged, evaluated or saved stops the run."""
-        nonlocal stopped, stop_kind
-        if not nonfinite.check(progress.step, grad_norm, lambda: parts.strategy.weight_norm(parts.params)):
-            return False
-        if dist.is_main:
-            log.error(nonfinite.stop_message(progress.step, checkpoints.last))
-        run.metrics = {task.monitor: float("nan")}
-        stopped, stop_kind = "non-finite", "non-finite"
-        return True
-
+    evaluator = Evaluator(cfg, parts, task, dist, watchdog)
+    nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None,
+                               weight_norm=lambda: parts.strategy.weight_norm(parts.params))
+    saves = Saves(job, parts, data, run, callbacks, checkpoints, watchdog)
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
+        ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop)
         try:
             _report_start(parts, dist, job)
             stop.lag_steps = agreement.lag_steps
             callbacks.call("on_fit_start", run)
-            if run.control.stop_reason:  # e.g. a run resumed from the checkpoint of early stopping's last step
-                stopped, stop_kind = run.control.stop_reason, "requested"
-                log.info(f"stopped by {stopped} before training step {progress.step + 1}")
-            elif agreement.agree_now(stop.poll(progress.step)):  # a signal during set-up: before any step
-                stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
-                log.info(f"stopped by {stopped} before training step {progress.step + 1}; nothing new to save"
-                         + (f": the checkpoint it resumed from (step {progress.step}) is where the run stands"
-                            if progress.step else ""))
-            elif progress.step >= parts.total_steps:  # a finished run started again (a requeue, the same command)
-                validate()
-                log.info(f"nothing to train: the checkpoint is at step {progress.step} of {parts.total_steps} (raise "
-                         f"trainer.max_steps or trainer.max_epochs to continue)")
+            decision = ends.before_training()
             started, first_step = time.perf_counter(), progress.step
-            position = progress.samples_into_epoch
-            steps = parts.batches(watchdog, cfg.accumulate_grad_batches) if stopped is None else ()
+            steps = parts.batches(watchdog, cfg.accumulate_grad_batches) if decision.stop is None else ()
             # Where a model, task and data that do not fit each other fail: one line, exit 2.
             with failures_reported_as_mistakes("the first training step", FIRST_STEP_FIX, dist,
                                                armed=lambda: progress.step == first_step):
-                for micro_batches, position_after, epoch_done in steps:
+                for micro_batches, position, epoch_done in steps:
                     step = progress.step + 1
                     watchdog.feed(TRAINING, step)
                     callbacks.call("on_step_start", run, step)
@@ -132,7 +76,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                             share = losses.forward(i, parts.module, batch)
                         parts.precision.backward(share)
                     # Clip, step (unless the non-finite watch skips it), schedule.
-                    logging_step = step % cfg.log_every_n_steps == 0 or step == parts.total_steps
+                    logging_step = ends.logs(step)
                     parts.precision.unscale_(parts.optimizer)
                     if cfg.grad_clip_norm > 0:
                         grad_norm = parts.strategy.clip_gradients(parts.params, cfg.grad_clip_norm)
@@ -147,56 +91,61 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                         param.grad = None
                     if not applied and not progress.skipped_steps and dist.is_main:
                         _report_first_skip(nonfinite, step)
-                    progress.finish_step(position_after, epoch_done, applied)
+                    progress.finish_step(position, epoch_done, applied)
                     run.step, run.skipped_steps = progress.step, progress.skipped_steps
                     run.epoch = progress.epoch + progress.samples_into_epoch / max(evaluator.epoch_length, 1)
-
-                    # What is due after the step, by the schedules; nothing non-finite is logged,
-                    # evaluated or saved (on_nonfinite=stop reads the step's values here, only then).
-                    evaluate = evaluator.due(step, position, position_after, epoch_done)
-                    saving = checkpoints.due(step, evaluate, last=step == parts.total_steps)
-                    position = position_after
-                    if (logging_step or evaluate or saving) and stops_nonfinite(grad_norm):
-                        break
-                    callbacks.call("on_step_end", run, StepEnd(
-                        step, run.epoch, losses.detached, losses.summed, losses.samples, losses.tokens, lr, grad_norm,
-                        applied, logging_step, {name for name, due in (("validate", evaluate), ("save", saving)) if due}))
-                    # What was asked: by callbacks now, and by any rank a step ago (a stop signal,
-                    # a rank-0 callback, eval_every_minutes), which every rank now agrees on.
-                    local = run.control.take_local()
-                    agreed = agreement.exchange(stop_signal=stop.poll(step), stop_request=bool(local.get("stop_reason")),
-                                                validate=bool(local.get("validate")) or evaluator.time_is_up(),
-                                                save=bool(local.get("save")))
-                    if (run.control.validate or agreed["validate"]) and not evaluate:
-                        evaluate = True
-                        if stops_nonfinite(grad_norm):
-                            break
-                    improved = validate() if evaluate else False
-                    if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
-                        stopped, stop_kind = run.control.stop_reason or local.get("stop_reason") or "a callback on rank 0", "requested"
-                    elif agreed["stop_signal"]:
-                        stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
-                        callbacks.call("on_stop_signal", run, stopped)
-                    if cfg.checkpoint and (saving or evaluate or stopped or run.control.save or agreed["save"]):
-                        if not saving and not evaluate and stops_nonfinite(grad_norm=None):
-                            break
-                        save(best=improved)
-                    run.control.validate = run.control.save = False
-                    if stopped:
-                        saved = "; last.pt saved" if cfg.checkpoint else " (trainer.checkpoint=false: nothing saved)"
-                        log.info(f"stopped by {stopped} after step {progress.step}{saved}")
+                    # Decide what follows, then do it.
+                    decision = ends.decide(StepEnd(step, run.epoch, losses.detached, losses.summed, losses.samples,
+                                                   losses.tokens, lr, grad_norm, applied, logging_step),
+                                           position, epoch_done)
+                    if decision.save:
+                        saves.save(progress.step, decision.best)
+                    if decision.stop:
+                        if decision.stop_kind != NONFINITE:  # whose line the decision logged
+                            saved = "; last.pt saved" if cfg.checkpoint else " (trainer.checkpoint=false: nothing saved)"
+                            log.info(f"stopped by {decision.stop} after step {progress.step}{saved}")
                         break
             checkpoints.flush()  # the final save, or a stop's, is on disk before fit returns
-            report_saved()
+            saves.report()
             result = FitResult(
                 metrics=run.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,
-                steps=progress.step, train_seconds=time.perf_counter() - started, stopped=stopped,
-                stop_kind=stop_kind, skipped_steps=progress.skipped_steps)
+                steps=progress.step, train_seconds=time.perf_counter() - started, stopped=decision.stop,
+                stop_kind=decision.stop_kind, skipped_steps=progress.skipped_steps)
             callbacks.call("on_fit_end", run, result)
             return result
         except BaseException as err:
             callbacks.call("on_exception", run, err)
             raise
+
+
+class Saves:
+    """A run's saves: every rank gathers its part of the state, rank 0 writes it
+    (checkpoints/manager.py); callbacks hear of each once it is on disk (a background save is,
+    once written)."""
+
+    def __init__(self, job: Any, parts: TrainingParts, data: DataBundle, run: Run, callbacks: Callbacks,
+                 checkpoints: CheckpointManager, watchdog: Watchdog):
+        self.parts, self.run, self.callbacks, self.checkpoints, self.watchdog = parts, run, callbacks, checkpoints, watchdog
+        # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
+        # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
+        self.description = {"job": job.recipe, "config": job.resolved, "monitor": run.task.monitor,
+                            "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": architecture(parts.model)}
+
+    def save(self, step: int, best: bool) -> None:
+        self.watchdog.feed(SAVING, step)
+        self.checkpoints.save(step, self._state, best)
+        self.report()
+
+    def report(self) -> None:
+        for step, path in self.checkpoints.written():
+            self.callbacks.call("on_checkpoint_saved", self.run, step, path)
+
+    def _state(self, shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
+        dist = self.run.dist
+        state = {**self.parts.checkpoint_state(dist, shards_path), "callbacks": self.callbacks.state_dict(),
+                 **self.description}
+        self.callbacks.call("on_save_checkpoint", self.run, state)
+        return state if dist.is_main else {}
 
 
 class StepLoss:
@@ -277,7 +226,3 @@ def _report_first_skip(nonfinite: NonFiniteWatch, step: int) -> None:
     else:  # 16-mixed: GradScaler's own skip, which it makes now and then by design
         log.info(f"step {step}: update skipped by GradScaler (float16 gradients overflowed; it lowers its loss "
                  f"scale and goes on); {counted_later}")
-
-
-def _format(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.5g}" for k, v in metrics.items())

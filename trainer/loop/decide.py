@@ -97,7 +97,7 @@ class StepEnds:
         self.callbacks.call("on_step_end", run, end)
         # What was asked: by callbacks now, and by any rank a step ago (a stop signal, a rank-0
         # callback, eval_every_minutes), which every rank now agrees on.
-        local = run.control.take_local()
+        local, run.control.local = run.control.local, {}
         agreed = self.agreement.exchange(
             stop_signal=self.stop.poll(step), stop_request=bool(local.get("stop_reason")),
             validate=bool(local.get("validate")) or self.evaluator.time_is_up(), save=bool(local.get("save")))

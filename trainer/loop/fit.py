@@ -1,12 +1,9 @@
-"""The training loop of one rank, top to bottom: forward, backward, clip, step, then what is due
-(log, evaluate, save, stop), nanoGPT's order. Every optional behaviour is a callback
-(ringtrain/callbacks/: logging, speed, the progress bar, early stopping, EMA, ...) or a
-component that decides when it is due (the Evaluator, the CheckpointManager); the step itself,
-with the non-finite watch that decides whether its update is applied, stays here, in sight.
-
-The components arrive built (ringtrain/run.py builds them from the config, ringtrain/trainer.py
-takes them from Python). The loop never asks which strategy it has: the strategy object does
-what differs.
+"""The training loop of one rank, top to bottom in nanoGPT's order: forward, backward, clip and
+step (with the non-finite watch that decides whether the update is applied) in sight here, then
+what follows the step, as one decision says (loop/decide.py), and that. Every optional behaviour
+is a callback (ringtrain/callbacks/). The components arrive built (ringtrain/run.py builds them
+from the config, ringtrain/trainer.py takes them from Python); the loop never asks which
+strategy it has: the strategy object does what differs.
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from ringtrain.strategies.base import Strategy
 
 log = logging.getLogger("ringtrain")
 
+
 class Evaluator:
     """Validation of one run: when it is due and what it measures. Due at the last step, when a
     callback asks, every eval_every_n_steps, at every eval_every_fraction of an epoch (by the
@@ -52,20 +53,17 @@ class Evaluator:
         """eval_every_minutes have passed on this rank's clock (rank 0's decides)."""
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
-    def run(self) -> dict[str, float]:
-        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of
-        named parts), identical for any number of ranks."""
+    def validate(self, run: Run, callbacks: Callbacks) -> bool:
+        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of named
+        parts; identical for any number of ranks) into run.metrics, logged; whether the monitored
+        one is the best so far."""
         parts = self.parts
+        callbacks.call("on_validation_start", run)
         metrics = evaluate_parts(parts.model, parts.val_sources or {"": parts.val_loader}, self.task, parts.precision,
                                  self.dist, parts.strategy, self.watchdog)
         parts.model.train()
         self.since = time.monotonic()
-        return {f"val/{k}": v for k, v in metrics.items()}
-
-    def validate(self, run: Run, callbacks: Callbacks) -> bool:
-        """Validation metrics into run.metrics, logged; whether the monitored one is the best so far."""
-        callbacks.call("on_validation_start", run)
-        run.metrics = self.run()
+        run.metrics = {f"val/{k}": v for k, v in metrics.items()}
         run.log(run.metrics)
         # How far training is: the epoch, or for a stream, which has none, the samples drawn
         # (every step draws a full global batch, on as many ranks as saved a resumed run).

@@ -1,14 +1,15 @@
 """The training loop of one rank, top to bottom in nanoGPT's order: forward, backward, clip and
-step (with the non-finite watch that decides whether the update is applied) in sight here, then
-what follows the step, as one decision says (loop/decide.py), and that. Every optional behaviour
-is a callback (ringtrain/callbacks/). The components arrive built (ringtrain/run.py builds them
-from the config, ringtrain/trainer.py takes them from Python); the loop never asks which
-strategy it has: the strategy object does what differs.
+step (with the non-finite watch that decides whether the update is applied), in sight in `fit`;
+then what follows the step, as one decision says (`StepEnds.decide`), and that. Every optional
+behaviour is a callback (ringtrain/callbacks/). The components arrive built (ringtrain/run.py
+builds them from the config, ringtrain/trainer.py takes them from Python); the loop never asks
+which strategy it has: the strategy object does what differs.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ from ringtrain.checkpoints.manager import CheckpointManager
 from ringtrain.data.batches import counted, samples_in, split_batch, summed_training_loss, training_loss
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, all_reduce_sum
-from ringtrain.loop.decide import NONFINITE, StepEnds
 from ringtrain.loop.evaluation import Evaluator
 from ringtrain.loop.failures import failures_reported_as_mistakes
 from ringtrain.loop.nonfinite import NonFiniteWatch
@@ -31,6 +31,7 @@ from ringtrain.loop.watchdog import SAVING, TRAINING, Watchdog
 from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
+NONFINITE = "non-finite"
 FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check model.*, task.* and data.*), "
                   "or one of them has a bug")
 
@@ -38,7 +39,7 @@ FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check
 def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: DataBundle, task: Any,
         callbacks: Callbacks, checkpoints: CheckpointManager, stop: StopSignals, watchdog: Watchdog) -> FitResult:
     """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes):
-    each step, then what follows it as loop/decide.py `StepEnds.decide` decides, then that."""
+    each step, then what follows it as `StepEnds.decide` decides, then that."""
     cfg, progress = job.trainer, parts.progress
     run = Run(model=parts.model, module=parts.module, optimizer=parts.optimizer, scheduler=parts.scheduler,
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
@@ -113,6 +114,104 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
         except BaseException as err:
             callbacks.call("on_exception", run, err)
             raise
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the loop does after a step: save (`best`: as best.pt too), then stop or go on."""
+
+    save: bool = False
+    best: bool = False
+    stop: str | None = None  # why the run stops here, and which kind of stop that is, as FitResult says
+    stop_kind: str | None = None
+
+
+@dataclass
+class StepEnds:
+    """What follows each step of one run, decided in one place (`decide`). Each component keeps
+    its own schedule and says whether it is due: the logging cadence (`logs`), `Evaluator.due`,
+    `CheckpointManager.due`, the callbacks' requests (made in their hooks), eval_every_minutes
+    (`Evaluator.time_is_up`) and stop signals. What a component says is due happens, unless the
+    decision says why not: a non-finite value stops the run first."""
+
+    trainer: Any
+    run: Run
+    callbacks: Callbacks
+    evaluator: Evaluator
+    checkpoints: CheckpointManager
+    nonfinite: NonFiniteWatch
+    agreement: Agreement
+    stop: StopSignals
+
+    def logs(self, step: int) -> bool:
+        """The logging cadence: every trainer.log_every_n_steps, and the last step. Asked before
+        the update too, which measures the gradient norm only where it is logged (or watched)."""
+        return step % self.trainer.log_every_n_steps == 0 or step == self.run.total_steps
+
+    def before_training(self) -> Decision:
+        """Before the first step (after on_fit_start): a callback's stop (a run resumed from the
+        checkpoint of early stopping's last step), a signal during set-up on any rank (agreed at
+        once, so no rank trains), or a finished run started again, which validates only."""
+        run, step = self.run, self.run.step
+        if run.control.stop_reason:
+            log.info(f"stopped by {run.control.stop_reason} before training step {step + 1}")
+            return Decision(stop=run.control.stop_reason, stop_kind="requested")
+        if self.agreement.agree_now(self.stop.poll(step)):
+            stopped = self.stop.received or "a stop signal on another rank"
+            log.info(f"stopped by {stopped} before training step {step + 1}; nothing new to save"
+                     + (f": the checkpoint it resumed from (step {step}) is where the run stands" if step else ""))
+            return Decision(stop=stopped, stop_kind="signal")
+        if step >= run.total_steps:  # a requeue, the same command
+            self.evaluator.validate(run, self.callbacks)
+            log.info(f"nothing to train: the checkpoint is at step {step} of {run.total_steps} (raise "
+                     f"trainer.max_steps or trainer.max_epochs to continue)")
+        return Decision()
+
+    def decide(self, end: StepEnd, position: int, epoch_done: bool) -> Decision:
+        """After step `end.step` (which brought the epoch to `position`): asks every component,
+        gives on_step_end what the schedules made due, makes the step's one cross-rank agreement
+        (`Agreement.exchange`) and its one non-finite check (`NonFiniteWatch.check`, before any
+        value is logged, evaluated or saved), validates when due (a callback may stop the run
+        then: early stopping), and says whether to save and whether to stop."""
+        run, step = self.run, end.step
+
+        def stops_nonfinite(grad_norm: Any) -> bool:
+            """on_nonfinite=stop: a value about to be logged, evaluated or saved is checked first."""
+            if not self.nonfinite.check(step, grad_norm):
+                return False
+            if run.dist.is_main:
+                log.error(self.nonfinite.stop_message(step, self.checkpoints.last))
+            run.metrics = {run.task.monitor: float("nan")}
+            return True
+
+        validate = self.evaluator.due(step, position, epoch_done)
+        saving = self.checkpoints.due(step, validate, last=step == run.total_steps)
+        if (end.logging or validate or saving) and stops_nonfinite(end.grad_norm):
+            return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+        end.due = {name for name, due in (("validate", validate), ("save", saving)) if due}
+        self.callbacks.call("on_step_end", run, end)
+        # What was asked: by callbacks now, and by any rank a step ago (a stop signal, a rank-0
+        # callback, eval_every_minutes), which every rank now agrees on.
+        local, run.control.local = run.control.local, {}
+        agreed = self.agreement.exchange(
+            stop_signal=self.stop.poll(step), stop_request=bool(local.get("stop_reason")),
+            validate=bool(local.get("validate")) or self.evaluator.time_is_up(), save=bool(local.get("save")))
+        if (run.control.validate or agreed["validate"]) and not validate:
+            validate = True
+            if stops_nonfinite(end.grad_norm):
+                return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+        best = self.evaluator.validate(run, self.callbacks) if validate else False
+        stop = kind = None
+        if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
+            stop, kind = run.control.stop_reason or local.get("stop_reason") or "a callback on rank 0", "requested"
+        elif agreed["stop_signal"]:
+            stop, kind = self.stop.received or "a stop signal on another rank", "signal"
+            self.callbacks.call("on_stop_signal", run, stop)
+        save = bool(self.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
+        if save and not saving and not validate and stops_nonfinite(None):
+            return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+        run.control.validate = run.control.save = False
+        return Decision(save=save, best=best, stop=stop, stop_kind=kind)
 
 
 class Saves:

@@ -27,9 +27,15 @@ MAX_MODULE_LINES = 350
 MAX_FUNCTION_LINES = 60
 # Modules or functions over those sizes, each with the reason it is one piece.
 SIZE_EXCEPTIONS: dict[str, str] = {
-    "ringtrain.loop.fit.fit": "the loop, read top to bottom in one place: forward, backward, clip, step, then what "
-                              "is due (log, evaluate, save, stop), as nanoGPT's train.py reads",
+    "ringtrain.loop.fit.fit": "the loop, read top to bottom in one place: forward, backward, clip, step in sight, "
+                              "as nanoGPT's train.py reads, then decide and act (at most MAX_FIT_LINES)",
 }
+MAX_FIT_LINES = 90
+# The one function that decides what follows a step, and what only it may call: the schedules'
+# `due` (Evaluator, CheckpointManager) and eval_every_minutes, the cross-rank agreement, the
+# non-finite check.
+DECISION = "ringtrain.loop.fit.StepEnds.decide"
+DECIDING_CALLS = ("due", "time_is_up", "exchange", "check")
 
 
 def _modules() -> dict[str, Path]:
@@ -133,3 +139,35 @@ def test_only_the_entry_module_reads_the_command_line():
     readers = sorted(str(path.relative_to(REPO)) for path in (REPO / "trainer").rglob("*.py")
                      if "sys.argv" in path.read_text())
     assert readers == ["trainer/__main__.py"]
+
+
+def _calls(path: Path, names: tuple[str, ...]) -> dict[str, set[str]]:
+    """name -> the functions (qualified in the module, nested ones by their outermost method)
+    in which `<something>.name(...)` is called."""
+    found: dict[str, set[str]] = {}
+
+    def visit(node: ast.AST, where: list[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = where + [node.name]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+            found.setdefault(node.func.attr, set()).add(".".join(where[:2]))
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(ast.parse(path.read_text()), [])
+    return found
+
+
+def test_fit_reads_step_decide_act_and_one_function_decides():
+    """Issue 36: `fit` is at most MAX_FIT_LINES lines, and what follows a step is decided only in
+    DECISION: no other function of the loop or the callbacks asks a schedule whether it is due,
+    agrees across ranks or checks for non-finite values (strategies' own `check` is config work)."""
+    fit = next(node for node in ast.walk(ast.parse((REPO / "trainer/loop/fit.py").read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name == "fit")
+    assert fit.end_lineno - fit.lineno + 1 <= MAX_FIT_LINES
+    callers: dict[str, set[str]] = {}
+    for name, path in _modules().items():
+        if _package(name) in ("ringtrain.loop", "ringtrain.callbacks", "ringtrain.run", "ringtrain.trainer"):
+            for call, where in _calls(path, DECIDING_CALLS).items():
+                callers.setdefault(call, set()).update(f"{name}.{function}" for function in where)
+    assert callers == {call: {DECISION} for call in DECIDING_CALLS}

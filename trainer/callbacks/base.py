@@ -98,10 +98,6 @@ class Control:
     save: bool = False
     local: dict[str, Any] = field(default_factory=dict)  # rank 0's requests: stop_reason, validate, save
 
-    def take_local(self) -> dict[str, Any]:
-        local, self.local = self.local, {}
-        return local
-
 
 class Run:
     """What a hook sees of the run: the model and its training parts, where the run stands, and
@@ -145,7 +141,8 @@ class Callbacks:
     def __init__(self, callbacks: dict[str, Callback], is_main: bool, several_ranks: bool = False):
         self.all = dict(callbacks)
         runs_here = {name: cb for name, cb in callbacks.items() if is_main or not cb.rank_zero_only}
-        self._hooked = {hook: [cb for cb in runs_here.values() if _overrides(cb, hook)] for hook in HOOKS}
+        # Callback itself defines no hook: each hook is called only on the callbacks that define it.
+        self._hooked = {hook: [cb for cb in runs_here.values() if callable(getattr(cb, hook, None))] for hook in HOOKS}
         # A step that does not log calls on_step_end only on the callbacks with work at every step.
         self._every_step = [cb for cb in self._hooked["on_step_end"] if not cb.logging_steps_only]
         self._several_ranks = several_ranks
@@ -189,12 +186,6 @@ class Callbacks:
         for name, state in (states or {}).items():
             if name in self.all:
                 self.all[name].load_state_dict(state)
-
-
-def _overrides(callback: Callback, hook: str) -> bool:
-    """Whether `callback` defines `hook` (Callback itself defines none, so that the loop calls
-    each hook only on those that do)."""
-    return callable(getattr(callback, hook, None))
 
 
 def monitored(metrics: dict[str, float], monitor: str, setting: str) -> float:

@@ -55,7 +55,7 @@ class Loggers(Callback):
         best = {result.monitor: result.best_metric} if result.best_metric is not None else None
         # An early stop a callback asked for ends the run as complete; a stop signal or a
         # non-finite value leaves it to be continued or looked into.
-        stopped = result.stopped_early and result.stop_kind != "requested"
+        stopped = result.stopped is not None and result.stop_kind != "requested"
         self._finish({**summary, "best": best}, "stopped" if stopped else "completed")
 
     def on_exception(self, run: Run, error: BaseException) -> None:

@@ -39,13 +39,9 @@ class Profiler(Callback):
         if self.profiler is not None:
             self.profiler.step()
 
-    def on_fit_end(self, run: Run, result) -> None:
-        self._stop()
-
-    def on_exception(self, run: Run, error: BaseException) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
+    def on_fit_end(self, run: Run, result_or_error: object) -> None:
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+
+    on_exception = on_fit_end

@@ -38,17 +38,13 @@ class ProgressBar(Callback):
         else:
             log.info(f"step {step}: " + " ".join(f"{key}={value}" for key, value in shown.items()))
 
-    def on_fit_end(self, run: Run, result) -> None:
-        self._close()
-
-    def on_exception(self, run: Run, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
+    def on_fit_end(self, run: Run, result_or_error: object) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         self._console.close()
+
+    on_exception = on_fit_end
 
 
 def speed_fields(values: dict[str, float]) -> dict[str, str]:

@@ -14,6 +14,8 @@ from ringtrain.errors import ConfigError
 class Logger:
     """Receives one run's hyperparameters and metrics (rank 0 only)."""
 
+    continued: dict = {}  # the checkpoint's state_dict(): the logger run to continue
+
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
         """Before the first step. run_dir: the run's directory; run_name: the run's (or sweep
         job's) name; group: the sweep's name for jobs of a multirun (one run per job, grouped),
@@ -38,6 +40,7 @@ class Logger:
 
     def load_state_dict(self, state: dict) -> None:
         """What state_dict returned, given back before start() when the run resumes."""
+        self.continued = state
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:

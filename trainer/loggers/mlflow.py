@@ -26,7 +26,6 @@ class MLflowLogger(Logger):
     def __init__(self, tracking_uri: str = "sqlite:///outputs/mlflow.db", experiment_name: str | None = None):
         self.mlflow = import_extra("mlflow")
         self.tracking_uri, self.experiment_name = tracking_uri, experiment_name
-        self.continued: dict = {}  # the checkpoint's state_dict(): the run to continue
         # The client opens the store (a local one is created): a URI it cannot use is refused before the run starts.
         with _one_process_at_a_time(self.tracking_uri):
             try:
@@ -58,9 +57,6 @@ class MLflowLogger(Logger):
 
     def state_dict(self) -> dict:
         return {"run_id": self.run_id, "tracking_uri": self.tracking_uri} if hasattr(self, "run_id") else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.continued = state
 
     def _run_to_continue(self):
         """The run a resumed run logged to, if this store has it (another tracking_uri, or a

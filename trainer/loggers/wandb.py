@@ -20,7 +20,6 @@ class WandbLogger(Logger):
             raise ConfigError(f"logger.wandb.mode={mode} is not one of {', '.join(MODES)}")
         self.wandb = import_extra("wandb")
         self.project, self.mode, self.tags = project, mode, list(tags or [])
-        self.continued: dict = {}  # the checkpoint's state_dict(): the run to continue
         if mode == "online":  # the key, found now (or asked for at a terminal), not at the first write
             try:
                 self.wandb.login(verify=False)
@@ -37,9 +36,6 @@ class WandbLogger(Logger):
 
     def state_dict(self) -> dict:
         return {"run_id": self.run.id} if getattr(self, "run", None) is not None and self.mode != "disabled" else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.continued = state
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

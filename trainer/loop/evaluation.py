@@ -1,7 +1,9 @@
-"""Validation: when it is due (`Evaluator.due`), and the metrics of a model over a loader, the
-same for any number of ranks (`evaluate_parts`, which `ringtrain evaluate` uses too)."""
+"""Validation: when it is due (`Evaluator.due`), the run's validation (`Evaluator.validate`), and
+the metrics of a model over a loader, the same for any number of ranks (`evaluate_parts`, which
+`ringtrain evaluate` uses too)."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringtrain.callbacks.base import Callbacks, Run
 from ringtrain.data.batches import predictions
 from ringtrain.data.tasks import metrics_from_sums
 from ringtrain.distributed import DistInfo, all_reduce_sum, gather_objects
@@ -16,6 +19,8 @@ from ringtrain.loop.loaders import BatchLoader
 from ringtrain.loop.precision import Precision
 from ringtrain.loop.watchdog import EVALUATING, LOADING_VALIDATION_BATCH, Watchdog
 from ringtrain.strategies.base import Strategy
+
+log = logging.getLogger("ringtrain")
 
 
 class Evaluator:
@@ -30,29 +35,42 @@ class Evaluator:
         self.parts, self.task, self.dist, self.watchdog = parts, task, dist, watchdog
         order = getattr(parts.train_loader, "order", None)  # a stream has no epochs (loop/streams.py)
         self.epoch_length = order.end if order is not None else 0  # samples of an epoch's global order
+        self.samples_per_step = trainer.batch_size * trainer.accumulate_grad_batches * dist.world_size
         self.since = time.monotonic()
+        self.position = parts.progress.samples_into_epoch  # the epoch's global position before the step
 
-    def due(self, step: int, position_before: int, position: int, epoch_done: bool) -> bool:
+    def due(self, step: int, position: int, epoch_done: bool) -> bool:
+        """After `step`, which brought the epoch to `position`."""
+        before, self.position = self.position, position
         if step == self.parts.total_steps or (self.every and step % self.every == 0):
             return True
         if self.fraction:
             mark = self.fraction * self.epoch_length
-            return epoch_done or math.floor(position / mark) > math.floor(position_before / mark)
+            return epoch_done or math.floor(position / mark) > math.floor(before / mark)
         return epoch_done and not (self.every or self.minutes)
 
     def time_is_up(self) -> bool:
         """eval_every_minutes have passed on this rank's clock (rank 0's decides)."""
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
-    def run(self) -> dict[str, float]:
-        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of
-        named parts), identical for any number of ranks."""
+    def validate(self, run: Run, callbacks: Callbacks) -> bool:
+        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of named
+        parts; identical for any number of ranks) into run.metrics, logged; whether the monitored
+        one is the best so far."""
         parts = self.parts
+        callbacks.call("on_validation_start", run)
         metrics = evaluate_parts(parts.model, parts.val_sources or {"": parts.val_loader}, self.task, parts.precision,
                                  self.dist, parts.strategy, self.watchdog)
         parts.model.train()
         self.since = time.monotonic()
-        return {f"val/{k}": v for k, v in metrics.items()}
+        run.metrics = {f"val/{k}": v for k, v in metrics.items()}
+        run.log(run.metrics)
+        # How far training is: the epoch, or for a stream, which has none, the samples drawn
+        # (every step draws a full global batch, on as many ranks as saved a resumed run).
+        where = f"epoch {run.epoch:.2f}" if self.epoch_length else f"({run.step * self.samples_per_step} samples)"
+        log.info(f"step {run.step} {where}: " + " ".join(f"{k}={v:.5g}" for k, v in run.metrics.items()))
+        callbacks.call("on_validation_end", run, run.metrics)
+        return self.parts.progress.improves(run.metrics.get(self.task.monitor), self.task.mode)
 
 
 def evaluate_parts(model: nn.Module, loaders: dict[str, BatchLoader], task, precision: Precision, dist: DistInfo,

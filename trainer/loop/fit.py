@@ -1,17 +1,15 @@
-"""The training loop of one rank, top to bottom: forward, backward, clip, step, then what is due
-(log, evaluate, save, stop), nanoGPT's order. Every optional behaviour is a callback
-(ringtrain/callbacks/: logging, speed, the progress bar, early stopping, EMA, ...) or a
-component that decides when it is due (the Evaluator, the CheckpointManager); the step itself,
-with the non-finite watch that decides whether its update is applied, stays here, in sight.
-
-The components arrive built (ringtrain/run.py builds them from the config, ringtrain/trainer.py
-takes them from Python). The loop never asks which strategy it has: the strategy object does
-what differs.
+"""The training loop of one rank, top to bottom in nanoGPT's order: forward, backward, clip and
+step (with the non-finite watch that decides whether the update is applied), in sight in `fit`;
+then what follows the step, as one decision says (`StepEnds.decide`), and that. Every optional
+behaviour is a callback (ringtrain/callbacks/). The components arrive built (ringtrain/run.py
+builds them from the config, ringtrain/trainer.py takes them from Python); the loop never asks
+which strategy it has: the strategy object does what differs.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,93 +31,37 @@ from ringtrain.loop.watchdog import SAVING, TRAINING, Watchdog
 from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
+NONFINITE = "non-finite"
 FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check model.*, task.* and data.*), "
                   "or one of them has a bug")
 
 
 def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: DataBundle, task: Any,
         callbacks: Callbacks, checkpoints: CheckpointManager, stop: StopSignals, watchdog: Watchdog) -> FitResult:
-    """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes)."""
-    cfg = job.trainer
-    progress = parts.progress
-    evaluator = Evaluator(cfg, parts, task, dist, watchdog)
-    nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None)
+    """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes):
+    each step, then what follows it as `StepEnds.decide` decides, then that."""
+    cfg, progress = job.trainer, parts.progress
     run = Run(model=parts.model, module=parts.module, optimizer=parts.optimizer, scheduler=parts.scheduler,
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
               total_steps=parts.total_steps, train_loader=parts.train_loader, group=job.group)
     run.step, run.skipped_steps = progress.step, progress.skipped_steps
-    # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
-    # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
-    description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
-                   "vocab": data.vocab, "architecture": architecture(parts.model)}
-
-    def checkpoint_state(shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
-        state = {**parts.checkpoint_state(dist, shards_path), "callbacks": callbacks.state_dict(), **description}
-        callbacks.call("on_save_checkpoint", run, state)
-        return state if dist.is_main else {}
-
-    def save(best: bool) -> None:
-        watchdog.feed(SAVING, progress.step)
-        checkpoints.save(progress.step, checkpoint_state, best)
-        report_saved()
-
-    def report_saved() -> None:  # the saves now on disk (a background save is, once written)
-        for step, path in checkpoints.written():
-            callbacks.call("on_checkpoint_saved", run, step, path)
-
-    def where() -> str:
-        """How far training is: the epoch, or for a stream, which has none, the samples drawn
-        (every step draws a full global batch, on as many ranks as saved a resumed run)."""
-        if evaluator.epoch_length:
-            return f"epoch {run.epoch:.2f}"
-        return f"({progress.step * cfg.batch_size * cfg.accumulate_grad_batches * dist.world_size} samples)"
-
-    def validate() -> bool:
-        """Validation metrics into run.metrics; whether the monitored one is the best so far."""
-        callbacks.call("on_validation_start", run)
-        run.metrics = evaluator.run()
-        run.log(run.metrics)
-        log.info(f"step {progress.step} {where()}: " + _format(run.metrics))  # rank 0 logs INFO
-        callbacks.call("on_validation_end", run, run.metrics)
-        return progress.improves(run.metrics.get(task.monitor), task.mode)
-
-    stopped = stop_kind = None
-
-    def stops_nonfinite(grad_norm: torch.Tensor | None) -> bool:
-        """on_nonfinite=stop: a non-finite value found before it is logged, evaluated or saved stops the run."""
-        nonlocal stopped, stop_kind
-        if not nonfinite.check(progress.step, grad_norm, lambda: parts.strategy.weight_norm(parts.params)):
-            return False
-        if dist.is_main:
-            log.error(nonfinite.stop_message(progress.step, checkpoints.last))
-        run.metrics = {task.monitor: float("nan")}
-        stopped, stop_kind = "non-finite", "non-finite"
-        return True
-
+    evaluator = Evaluator(cfg, parts, task, dist, watchdog)
+    nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None,
+                               weight_norm=lambda: parts.strategy.weight_norm(parts.params))
+    saves = Saves(job, parts, data, run, callbacks, checkpoints, watchdog)
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
+        ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop)
         try:
             _report_start(parts, dist, job)
             stop.lag_steps = agreement.lag_steps
             callbacks.call("on_fit_start", run)
-            if run.control.stop_reason:  # e.g. a run resumed from the checkpoint of early stopping's last step
-                stopped, stop_kind = run.control.stop_reason, "requested"
-                log.info(f"stopped by {stopped} before training step {progress.step + 1}")
-            elif agreement.agree_now(stop.poll(progress.step)):  # a signal during set-up: before any step
-                stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
-                log.info(f"stopped by {stopped} before training step {progress.step + 1}; nothing new to save"
-                         + (f": the checkpoint it resumed from (step {progress.step}) is where the run stands"
-                            if progress.step else ""))
-            elif progress.step >= parts.total_steps:  # a finished run started again (a requeue, the same command)
-                validate()
-                log.info(f"nothing to train: the checkpoint is at step {progress.step} of {parts.total_steps} (raise "
-                         f"trainer.max_steps or trainer.max_epochs to continue)")
+            decision = ends.before_training()
             started, first_step = time.perf_counter(), progress.step
-            position = progress.samples_into_epoch
-            steps = parts.batches(watchdog, cfg.accumulate_grad_batches) if stopped is None else ()
+            steps = parts.batches(watchdog, cfg.accumulate_grad_batches) if decision.stop is None else ()
             # Where a model, task and data that do not fit each other fail: one line, exit 2.
             with failures_reported_as_mistakes("the first training step", FIRST_STEP_FIX, dist,
                                                armed=lambda: progress.step == first_step):
-                for micro_batches, position_after, epoch_done in steps:
+                for micro_batches, position, epoch_done in steps:
                     step = progress.step + 1
                     watchdog.feed(TRAINING, step)
                     callbacks.call("on_step_start", run, step)
@@ -132,7 +74,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                             share = losses.forward(i, parts.module, batch)
                         parts.precision.backward(share)
                     # Clip, step (unless the non-finite watch skips it), schedule.
-                    logging_step = step % cfg.log_every_n_steps == 0 or step == parts.total_steps
+                    logging_step = ends.logs(step)
                     parts.precision.unscale_(parts.optimizer)
                     if cfg.grad_clip_norm > 0:
                         grad_norm = parts.strategy.clip_gradients(parts.params, cfg.grad_clip_norm)
@@ -147,56 +89,159 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
                         param.grad = None
                     if not applied and not progress.skipped_steps and dist.is_main:
                         _report_first_skip(nonfinite, step)
-                    progress.finish_step(position_after, epoch_done, applied)
+                    progress.finish_step(position, epoch_done, applied)
                     run.step, run.skipped_steps = progress.step, progress.skipped_steps
                     run.epoch = progress.epoch + progress.samples_into_epoch / max(evaluator.epoch_length, 1)
-
-                    # What is due after the step, by the schedules; nothing non-finite is logged,
-                    # evaluated or saved (on_nonfinite=stop reads the step's values here, only then).
-                    evaluate = evaluator.due(step, position, position_after, epoch_done)
-                    saving = checkpoints.due(step, evaluate, last=step == parts.total_steps)
-                    position = position_after
-                    if (logging_step or evaluate or saving) and stops_nonfinite(grad_norm):
-                        break
-                    callbacks.call("on_step_end", run, StepEnd(
-                        step, run.epoch, losses.detached, losses.summed, losses.samples, losses.tokens, lr, grad_norm,
-                        applied, logging_step, {name for name, due in (("validate", evaluate), ("save", saving)) if due}))
-                    # What was asked: by callbacks now, and by any rank a step ago (a stop signal,
-                    # a rank-0 callback, eval_every_minutes), which every rank now agrees on.
-                    local = run.control.take_local()
-                    agreed = agreement.exchange(stop_signal=stop.poll(step), stop_request=bool(local.get("stop_reason")),
-                                                validate=bool(local.get("validate")) or evaluator.time_is_up(),
-                                                save=bool(local.get("save")))
-                    if (run.control.validate or agreed["validate"]) and not evaluate:
-                        evaluate = True
-                        if stops_nonfinite(grad_norm):
-                            break
-                    improved = validate() if evaluate else False
-                    if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
-                        stopped, stop_kind = run.control.stop_reason or local.get("stop_reason") or "a callback on rank 0", "requested"
-                    elif agreed["stop_signal"]:
-                        stopped, stop_kind = stop.received or "a stop signal on another rank", "signal"
-                        callbacks.call("on_stop_signal", run, stopped)
-                    if cfg.checkpoint and (saving or evaluate or stopped or run.control.save or agreed["save"]):
-                        if not saving and not evaluate and stops_nonfinite(grad_norm=None):
-                            break
-                        save(best=improved)
-                    run.control.validate = run.control.save = False
-                    if stopped:
-                        saved = "; last.pt saved" if cfg.checkpoint else " (trainer.checkpoint=false: nothing saved)"
-                        log.info(f"stopped by {stopped} after step {progress.step}{saved}")
+                    # Decide what follows, then do it.
+                    decision = ends.decide(StepEnd(step, run.epoch, losses.detached, losses.summed, losses.samples,
+                                                   losses.tokens, lr, grad_norm, applied, logging_step),
+                                           position, epoch_done)
+                    if decision.save:
+                        saves.save(progress.step, decision.best)
+                    if decision.stop:
+                        if decision.stop_kind != NONFINITE:  # whose line the decision logged
+                            saved = "; last.pt saved" if cfg.checkpoint else " (trainer.checkpoint=false: nothing saved)"
+                            log.info(f"stopped by {decision.stop} after step {progress.step}{saved}")
                         break
             checkpoints.flush()  # the final save, or a stop's, is on disk before fit returns
-            report_saved()
+            saves.report()
             result = FitResult(
                 metrics=run.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,
-                steps=progress.step, train_seconds=time.perf_counter() - started, stopped=stopped,
-                stop_kind=stop_kind, skipped_steps=progress.skipped_steps)
+                steps=progress.step, train_seconds=time.perf_counter() - started, stopped=decision.stop,
+                stop_kind=decision.stop_kind, skipped_steps=progress.skipped_steps)
             callbacks.call("on_fit_end", run, result)
             return result
         except BaseException as err:
             callbacks.call("on_exception", run, err)
             raise
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the loop does after a step: save (`best`: as best.pt too), then stop or go on."""
+
+    save: bool = False
+    best: bool = False
+    stop: str | None = None  # why the run stops here, and which kind of stop that is, as FitResult says
+    stop_kind: str | None = None
+
+
+@dataclass
+class StepEnds:
+    """What follows each step of one run, decided in one place (`decide`). Each component keeps
+    its own schedule and says whether it is due: the logging cadence (`logs`), `Evaluator.due`,
+    `CheckpointManager.due`, the callbacks' requests (made in their hooks), eval_every_minutes
+    (`Evaluator.time_is_up`) and stop signals. What a component says is due happens, unless the
+    decision says why not: a non-finite value stops the run first."""
+
+    trainer: Any
+    run: Run
+    callbacks: Callbacks
+    evaluator: Evaluator
+    checkpoints: CheckpointManager
+    nonfinite: NonFiniteWatch
+    agreement: Agreement
+    stop: StopSignals
+
+    def logs(self, step: int) -> bool:
+        """The logging cadence: every trainer.log_every_n_steps, and the last step. Asked before
+        the update too, which measures the gradient norm only where it is logged (or watched)."""
+        return step % self.trainer.log_every_n_steps == 0 or step == self.run.total_steps
+
+    def before_training(self) -> Decision:
+        """Before the first step (after on_fit_start): a callback's stop (a run resumed from the
+        checkpoint of early stopping's last step), a signal during set-up on any rank (agreed at
+        once, so no rank trains), or a finished run started again, which validates only."""
+        run, step = self.run, self.run.step
+        if run.control.stop_reason:
+            log.info(f"stopped by {run.control.stop_reason} before training step {step + 1}")
+            return Decision(stop=run.control.stop_reason, stop_kind="requested")
+        if self.agreement.agree_now(self.stop.poll(step)):
+            stopped = self.stop.received or "a stop signal on another rank"
+            log.info(f"stopped by {stopped} before training step {step + 1}; nothing new to save"
+                     + (f": the checkpoint it resumed from (step {step}) is where the run stands" if step else ""))
+            return Decision(stop=stopped, stop_kind="signal")
+        if step >= run.total_steps:  # a requeue, the same command
+            self.evaluator.validate(run, self.callbacks)
+            log.info(f"nothing to train: the checkpoint is at step {step} of {run.total_steps} (raise "
+                     f"trainer.max_steps or trainer.max_epochs to continue)")
+        return Decision()
+
+    def decide(self, end: StepEnd, position: int, epoch_done: bool) -> Decision:
+        """After step `end.step` (which brought the epoch to `position`): asks every component,
+        gives on_step_end what the schedules made due, makes the step's one cross-rank agreement
+        (`Agreement.exchange`) and its one non-finite check (`NonFiniteWatch.check`, before any
+        value is logged, evaluated or saved), validates when due (a callback may stop the run
+        then: early stopping), and says whether to save and whether to stop."""
+        run, step = self.run, end.step
+
+        def stops_nonfinite(grad_norm: Any) -> bool:
+            """on_nonfinite=stop: a value about to be logged, evaluated or saved is checked first."""
+            if not self.nonfinite.check(step, grad_norm):
+                return False
+            if run.dist.is_main:
+                log.error(self.nonfinite.stop_message(step, self.checkpoints.last))
+            run.metrics = {run.task.monitor: float("nan")}
+            return True
+
+        validate = self.evaluator.due(step, position, epoch_done)
+        saving = self.checkpoints.due(step, validate, last=step == run.total_steps)
+        if (end.logging or validate or saving) and stops_nonfinite(end.grad_norm):
+            return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+        end.due = {name for name, due in (("validate", validate), ("save", saving)) if due}
+        self.callbacks.call("on_step_end", run, end)
+        # What was asked: by callbacks now, and by any rank a step ago (a stop signal, a rank-0
+        # callback, eval_every_minutes), which every rank now agrees on.
+        local, run.control.local = run.control.local, {}
+        agreed = self.agreement.exchange(
+            stop_signal=self.stop.poll(step), stop_request=bool(local.get("stop_reason")),
+            validate=bool(local.get("validate")) or self.evaluator.time_is_up(), save=bool(local.get("save")))
+        if (run.control.validate or agreed["validate"]) and not validate:
+            validate = True
+            if stops_nonfinite(end.grad_norm):
+                return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+        best = self.evaluator.validate(run, self.callbacks) if validate else False
+        stop = kind = None
+        if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
+            stop, kind = run.control.stop_reason or local.get("stop_reason") or "a callback on rank 0", "requested"
+        elif agreed["stop_signal"]:
+            stop, kind = self.stop.received or "a stop signal on another rank", "signal"
+            self.callbacks.call("on_stop_signal", run, stop)
+        save = bool(self.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
+        if save and not saving and not validate and stops_nonfinite(None):
+            return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+        run.control.validate = run.control.save = False
+        return Decision(save=save, best=best, stop=stop, stop_kind=kind)
+
+
+class Saves:
+    """A run's saves: every rank gathers its part of the state, rank 0 writes it
+    (checkpoints/manager.py); callbacks hear of each once it is on disk (a background save is,
+    once written)."""
+
+    def __init__(self, job: Any, parts: TrainingParts, data: DataBundle, run: Run, callbacks: Callbacks,
+                 checkpoints: CheckpointManager, watchdog: Watchdog):
+        self.parts, self.run, self.callbacks, self.checkpoints, self.watchdog = parts, run, callbacks, checkpoints, watchdog
+        # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
+        # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
+        self.description = {"job": job.recipe, "config": job.resolved, "monitor": run.task.monitor,
+                            "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": architecture(parts.model)}
+
+    def save(self, step: int, best: bool) -> None:
+        self.watchdog.feed(SAVING, step)
+        self.checkpoints.save(step, self._state, best)
+        self.report()
+
+    def report(self) -> None:
+        for step, path in self.checkpoints.written():
+            self.callbacks.call("on_checkpoint_saved", self.run, step, path)
+
+    def _state(self, shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
+        dist = self.run.dist
+        state = {**self.parts.checkpoint_state(dist, shards_path), "callbacks": self.callbacks.state_dict(),
+                 **self.description}
+        self.callbacks.call("on_save_checkpoint", self.run, state)
+        return state if dist.is_main else {}
 
 
 class StepLoss:
@@ -277,7 +322,3 @@ def _report_first_skip(nonfinite: NonFiniteWatch, step: int) -> None:
     else:  # 16-mixed: GradScaler's own skip, which it makes now and then by design
         log.info(f"step {step}: update skipped by GradScaler (float16 gradients overflowed; it lowers its loss "
                  f"scale and goes on); {counted_later}")
-
-
-def _format(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.5g}" for k, v in metrics.items())

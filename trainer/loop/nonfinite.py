@@ -31,9 +31,10 @@ _NONE_BAD = float("inf")  # "no non-finite step here", for the all-reduce that t
 
 
 class NonFiniteWatch:
-    def __init__(self, policy: str, dist: DistInfo, uses_scaler: bool):
+    def __init__(self, policy: str, dist: DistInfo, uses_scaler: bool, weight_norm: Callable[[], torch.Tensor]):
         self.policy = policy
         self.uses_scaler = uses_scaler
+        self.weight_norm = weight_norm  # the update's own norm where no gradient norm was measured
         self.dist = dist
         self.device = dist.device
         # stop: (step, loss) of every micro-batch since the last check, read at the next one.
@@ -65,7 +66,7 @@ class NonFiniteWatch:
             return False
         return True
 
-    def check(self, step: int, grad_norm: torch.Tensor | None, weight_norm: Callable[[], torch.Tensor]) -> bool:
+    def check(self, step: int, grad_norm: torch.Tensor | None) -> bool:
         """stop, before values of `step` are logged, evaluated or saved: whether a loss since
         the last check, or the update of `step` itself, was non-finite (one host sync; every
         rank calls it, `weight_norm` may all-reduce). `grad_norm`: that of `step`, if measured."""
@@ -75,7 +76,7 @@ class NonFiniteWatch:
         losses = [loss.float() for _, loss in self._unchecked]
         self._unchecked = []
         if not self.uses_scaler:  # the update of `step`: its gradient, else what it made
-            losses.append((grad_norm if grad_norm is not None else weight_norm()).float().to(self.device))
+            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).float().to(self.device))
             steps.append(step)
         if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
             return False

@@ -91,10 +91,6 @@ class FitResult:
     def stopped_by_signal(self) -> bool:
         return self.stop_kind == "signal"
 
-    @property
-    def stopped_early(self) -> bool:
-        return self.stopped is not None
-
     def summary(self) -> dict:
         """The run's end as metrics.json keeps it (non-finite metrics listed: null in the file)."""
         nonfinite = [name for name, value in self.metrics.items() if not math.isfinite(value)]

@@ -48,11 +48,11 @@ from ringtrain.distributed import (
 from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, USER_ERROR_EXIT, ComponentFailed, TrainingStopped, UserError, first_to_report
 from ringtrain.loop.failures import component_name, failures_reported_as_mistakes
 from ringtrain.loop.fit import fit
+from ringtrain.loop.loaders import is_stream
 from ringtrain.loop.precision import use_deterministic_algorithms
 from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
-from ringtrain.loop.streams import is_stream
 from ringtrain.loop.watchdog import watching
 
 log = logging.getLogger("ringtrain")

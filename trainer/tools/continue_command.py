@@ -1,4 +1,5 @@
-"""The command that continues a run a stop signal ended, printed as the run's last line.
+"""The command that continues a run a stop signal ended, printed as the run's last line
+(tools/train.py `told_how_to_continue`, which imports this module only then).
 
 Auto-resume (checkpoints/manager.py) continues last.pt only when the job lands in the same run
 directory, and the same command does so only where the job names it (hydra.run.dir, SLURM's
@@ -14,31 +15,14 @@ job id, torchrun's --rdzv-id): a plain `python train.py` gets a new time-stamped
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ringtrain.distributed import env_rank, under_torchrun
-from ringtrain.errors import NONFINITE_EXIT, TrainingStopped
-
-log = logging.getLogger("ringtrain")
-
-
-@contextlib.contextmanager
-def told_how_to_continue(argv: list[str], run_dir: str, resume: Any, checkpointing: bool) -> Iterator[None]:
-    """Around one run: when a stop signal ends it after last.pt was saved, rank 0 logs the
-    command that continues it (`argv`: the command line as the user gave it)."""
-    try:
-        yield
-    except TrainingStopped as stopped:
-        if stopped.exit_code != NONFINITE_EXIT and checkpointing and env_rank() == 0:
-            log.info(f"to continue this run, in {os.getcwd()}: {continue_command(argv, run_dir, resume)}")
-        raise
 
 
 def continue_command(argv: list[str], run_dir: str, resume: Any) -> str:

@@ -8,20 +8,23 @@ A different model is refused (checkpoints/manager.py): the weights and optimizer
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ringtrain.storage.rundir import remove_if_empty
 from ringtrain.config.app import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate
-from ringtrain.distributed import exit_rank, under_torchrun
-from ringtrain.errors import ConfigError, UserError, exit_on_user_error
+from ringtrain.distributed import env_rank, exit_rank, under_torchrun
+from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, UserError, exit_on_user_error
 from ringtrain.run import launch, stopped_error, sweep_value
 from ringtrain.tools.app import with_checkpoint
-from ringtrain.tools.continue_command import told_how_to_continue
+
+log = logging.getLogger("ringtrain")
 
 # What a continued run decides anew rather than replays: which file it resumes from, how a
 # sweep searched, and, under torchrun, its ranks (torchrun's, not the ones the run started).
@@ -94,6 +97,20 @@ def train_job(cfg: Any, command: CommandLine) -> float:
             raise stopped
         return sweep_value(result)
 
+
+
+@contextlib.contextmanager
+def told_how_to_continue(argv: list[str], run_dir: str, resume: Any, checkpointing: bool) -> Iterator[None]:
+    """Around one run: when a stop signal ends it after last.pt was saved, rank 0 logs the
+    command that continues it (`argv`: the command line as the user gave it)."""
+    try:
+        yield
+    except TrainingStopped as stopped:
+        if stopped.exit_code != NONFINITE_EXIT and checkpointing and env_rank() == 0:
+            from ringtrain.tools.continue_command import continue_command
+
+            log.info(f"to continue this run, in {os.getcwd()}: {continue_command(argv, run_dir, resume)}")
+        raise
 
 def _record(cfg: Any) -> dict[str, str]:
     """The job's .hydra/ files as Hydra writes them (it is told not to, conf/train.yaml: the run

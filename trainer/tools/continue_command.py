@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringtrain.distributed import env_rank, under_torchrun
+from ringtrain.distributed import under_torchrun
 
 
 def continue_command(argv: list[str], run_dir: str, resume: Any) -> str:

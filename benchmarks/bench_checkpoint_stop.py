@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from ringtrain.distributed import DistInfo  # noqa: E402
 from ringtrain.checkpoints.manager import CheckpointManager  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.strategies.single import Single  # noqa: E402
+from ringtrain.strategies.base import Single  # noqa: E402
 
 CONFIG = dict(vocab_size=8192, block_size=128, n_layers=8, n_heads=8, d_model=512, dropout=0.0)
 

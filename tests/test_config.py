@@ -192,7 +192,7 @@ def test_a_mistake_found_as_the_run_builds_is_one_line_and_leaves_no_run_directo
 def test_each_rank_needs_a_sample_and_under_drop_last_a_whole_batch():
     from types import SimpleNamespace
 
-    from ringtrain.config.data_lengths import check_data_lengths
+    from ringtrain.config.builders import check_data_lengths
 
     trainer = SimpleNamespace(batch_size=6000, drop_last=True)
     with pytest.raises(ConfigError, match=r"too few for one batch of trainer.batch_size=6000 on each of 2 processes "

@@ -342,7 +342,7 @@ def test_sigterm_to_torchrun_saves_the_current_step_on_every_rank_and_continues(
 
 
 def restart_notes_of(agent: int) -> list[Path]:
-    """The notes rank 0 left for the workers torchrun agent `agent` restarts (storage/restart_notes.py)."""
+    """The notes rank 0 left for the workers torchrun agent `agent` restarts (storage/rundir.py)."""
     return list((Path(tempfile.gettempdir()) / f"ringtrain-restart-notes-{os.getuid()}").glob(f"torchrun-{agent}-*"))
 
 
@@ -381,7 +381,7 @@ def test_torchrun_max_restarts_heals_a_sigkilled_worker_bit_identical(tmp_path, 
 @pytest.mark.parametrize("rendezvous", ["standalone", "static"])
 def test_torchrun_max_restarts_without_hydra_run_dir_finds_its_directory_again(tmp_path, reference, rendezvous):
     # Static: the run id is "none", so the run directory is named by the clock and a restart
-    # finds it through rank 0's note (storage/restart_notes.py).
+    # finds it through rank 0's note (storage/rundir.py).
     launcher = torchrun_static_rendezvous("--max-restarts=1") if rendezvous == "static" else None
     job_pids: dict = {}
     run_with_a_restart(DDP, tmp_path, "restart-no-dir", launcher=launcher, pids=job_pids)

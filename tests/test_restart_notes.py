@@ -1,5 +1,5 @@
 """The notes that let a torchrun worker restarted after a failure find its job's run directory
-(ringtrain/storage/restart_notes.py) are read by the restart and do not pile up.
+(ringtrain/storage/rundir.py) are read by the restart and do not pile up.
 
 In-process: this test process plays a torchrun worker (the TORCHELASTIC_* variables torchrun
 sets), whose agent is its parent, and the temp directory is the test's own. The restart itself,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.storage.restart_notes import (
+from ringtrain.storage.rundir import (
     directory_before_restart,
     forget_restart_note,
     leave_restart_note,

@@ -196,7 +196,7 @@ def test_evaluate_config_is_the_checkpoints_own_changed_with_hydras_grammar(char
     assert cfg["model"] == stored["model"] and cfg["task"] == stored["task"]
     assert cfg["data"] == {**{k: v for k, v in stored["data"].items() if k != "cache_dir"}, "path": "other.txt", "extra": 1}
     assert cfg["trainer"] == {**stored["trainer"], "val_batch_size": 7}
-    assert cfg["strategy"]["_target_"] == "ringtrain.strategies.single.Single"  # strategy=auto, no torchrun
+    assert cfg["strategy"]["_target_"] == "ringtrain.strategies.base.Single"  # strategy=auto, no torchrun
     assert not list(tmp_path.iterdir())
 
 

@@ -25,17 +25,13 @@ from torch import nn
 
 from ringtrain.callbacks.base import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
-from ringtrain.storage.atomic import write_text_atomically
+from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
-from ringtrain.checkpoints.initial_weights import load_initial_weights
-from ringtrain.storage.json_text import json_text
 from ringtrain.checkpoints.manager import CheckpointManager, Resumed
-from ringtrain.storage.restart_notes import forget_restart_note, leave_restart_note
-from ringtrain.storage.rundir import RunDirectory
+from ringtrain.storage.rundir import RunDirectory, forget_restart_note, leave_restart_note
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.components import build, is_node
-from ringtrain.config.builders import build_data, build_model, check_task
-from ringtrain.config.data_lengths import check_data_lengths
+from ringtrain.config.builders import build_data, build_model, check_data_lengths, check_task
 from ringtrain.config.schema import Job, gpu_preset_notice
 from ringtrain.config.sizes import check_model_sizes
 from ringtrain.data.bundle import DataBundle
@@ -52,11 +48,11 @@ from ringtrain.distributed import (
 from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, USER_ERROR_EXIT, ComponentFailed, TrainingStopped, UserError, first_to_report
 from ringtrain.loop.failures import component_name, failures_reported_as_mistakes
 from ringtrain.loop.fit import fit
+from ringtrain.loop.loaders import is_stream
 from ringtrain.loop.precision import use_deterministic_algorithms
 from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
-from ringtrain.loop.streams import is_stream
 from ringtrain.loop.watchdog import watching
 
 log = logging.getLogger("ringtrain")
@@ -186,6 +182,8 @@ def _build(job: Job, built: Built | None, dist: DistInfo, resumed: Resumed | Non
     check_model_sizes(model, data.dims, data.train, job.data)
     # A resumed run's weights are its checkpoint's, except a frozen base the checkpoint only names.
     if cfg.init_from is not None and (resumed is None or "base" in resumed.state):
+        from ringtrain.checkpoints.initial_weights import load_initial_weights
+
         count = load_initial_weights(model, cfg.init_from, cfg.trust_checkpoint)
         log.info(f"starting from the weights in {cfg.init_from} ({count} tensors)")
     elif cfg.init_from is not None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 from ringtrain.storage.rundir import log_file, rank_tag, run_directory, run_name
 from ringtrain.conf import CONF_DIR, options_defining
 from ringtrain.config.recipe import Replay
@@ -312,3 +314,13 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
         return (f"{key} is not set by {this} ({target}); {mean}to pass a new argument write +{key}=<value>, "
                 f"or check the spelling (set now: {', '.join(known) or 'nothing'})")
     return f"{key} is not a setting of {owner}; {mean}known: {', '.join(known)}"
+
+
+class SweepSummary(Callback):
+    """conf/train.yaml's hydra.callbacks: after a multirun, <sweep dir>/sweep_summary.json and a
+    log line per job (config/sweep.py)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from ringtrain.config.sweep import write_summary
+
+        write_summary(Path(config.hydra.sweep.dir))

@@ -21,8 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ringtrain.components import build, check, check_built, is_node
 from ringtrain.conf import composed, option_names
-from ringtrain.config.builders import check_data, check_model, check_task
-from ringtrain.config.data_lengths import check_validation_limit
+from ringtrain.config.builders import check_data, check_model, check_task, check_validation_limit
 from ringtrain.config.recipe import record
 from ringtrain.config.sizes import resolve
 from ringtrain.errors import ConfigError

@@ -1,7 +1,8 @@
-"""What a multirun leaves behind: one summary of every job, naming the best. Hydra calls
-`SweepSummary.on_multirun_end` (conf/train.yaml's hydra.callbacks) in the launching process once
-every job has finished, whatever the launcher; it collects each job's metrics.json into
-`<sweep dir>/sweep_summary.json` and logs one line per job, best first.
+"""What a multirun leaves behind: one summary of every job, naming the best. Once every job has
+finished, whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/app.py,
+conf/train.yaml's hydra.callbacks) in the launching process, which imports this module; it
+collects each job's metrics.json into `<sweep dir>/sweep_summary.json` and logs one line per
+job, best first.
 """
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from ringtrain.storage.atomic import write_text_atomically
-from ringtrain.storage.json_text import json_text
+from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.storage.rundir import RECORD_SUBDIR
 
 log = logging.getLogger("ringtrain")
@@ -23,15 +21,13 @@ log = logging.getLogger("ringtrain")
 SUMMARY_FILE = "sweep_summary.json"
 
 
-class SweepSummary(Callback):
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
-        summary = summarize_sweep(sweep_dir)
-        write_text_atomically(sweep_dir / SUMMARY_FILE, json_text(summary, indent=2))
-        for line in format_summary(summary):
-            log.info(line)
+def write_summary(sweep_dir: Path) -> None:
+    if not sweep_dir.is_dir():
+        return
+    summary = summarize_sweep(sweep_dir)
+    write_text_atomically(sweep_dir / SUMMARY_FILE, json_text(summary, indent=2))
+    for line in format_summary(summary):
+        log.info(line)
 
 
 def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) -> dict:

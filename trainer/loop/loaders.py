@@ -26,13 +26,18 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ringtrain.data.batches import collate_of, to_device
 
 GATHER_BATCHES = 32  # amortises the indexing call; bounds the extra memory to a few dozen batches
 
 Batch = Any
+
+
+def is_stream(dataset: Dataset) -> bool:
+    """Whether `dataset` is streamed (an IterableDataset): its loader is loop/streams.py's."""
+    return isinstance(dataset, IterableDataset)
 
 
 class ShuffledShards:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,13 +20,15 @@ from ringtrain.checkpoints.manager import Resumed
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, gather_objects
 from ringtrain.errors import ConfigError
-from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, worker_options
-from ringtrain.loop.streams import StreamLoader, is_stream
+from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, is_stream, worker_options
 from ringtrain.optim import WarmupCosine, build_optimizer, build_scheduler
 from ringtrain.loop.precision import Precision, set_matmul_precision
 from ringtrain.loop.progress import Layout, Progress
 from ringtrain.loop.watchdog import LOADING_TRAINING_BATCHES, Watchdog
 from ringtrain.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from ringtrain.loop.streams import StreamLoader
 
 log = logging.getLogger("ringtrain")
 
@@ -64,13 +66,13 @@ class TrainingParts:
 
     @property
     def streamed(self) -> bool:
-        return isinstance(self.train_loader, StreamLoader)
+        return is_stream(self.train_loader.dataset)
 
     def batches(self, watchdog: Watchdog, accumulate: int) -> Iterator[tuple[list[Batch], int, bool]]:
         """(micro-batches, the epoch's global position after them, whether they end the epoch)
         for each optimizer step to come, from the training position on, epoch after epoch."""
         progress, loader = self.progress, self.train_loader
-        if isinstance(loader, StreamLoader):  # no epochs: the steps' batches, one after another
+        if self.streamed:  # no epochs: the steps' batches, one after another
             batches = loader.batches()
             while progress.step < self.total_steps:
                 watchdog.feed(LOADING_TRAINING_BATCHES, progress.step)
@@ -147,7 +149,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
         set_rng_state(rng[dist.rank] if len(rng) == dist.world_size else rng[0], dist.device)
         progress.load_state_dict(state["progress"])
         saved_layout = Layout(**state["layout"])
-        if isinstance(train_loader, StreamLoader):
+        if is_stream(data.train):
             if "data_stream" not in state:
                 raise ConfigError(f"{resumed.path} was saved by a run on a map-style data set, not a stream; continue "
                                   f"it with its own data, or start a new run (trainer.resume=null)")
@@ -185,7 +187,7 @@ def steps_in_run(trainer: Any, loader: BatchLoader | StreamLoader, progress: Pro
     current epoch from its data position, and the later epochs' steps, at this layout."""
     if trainer.max_steps > 0:
         return trainer.max_steps
-    if isinstance(loader, StreamLoader):
+    if is_stream(loader.dataset):
         raise ConfigError("a streamed training set has no epochs to count: set trainer.max_steps to the number of "
                           "optimizer steps to train")
     if progress.epoch >= trainer.max_epochs:
@@ -200,6 +202,8 @@ def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | 
     overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
     workers = worker_options(cfg, dist.device)
     if is_stream(data.train):
+        from ringtrain.loop.streams import StreamLoader
+
         for setting in ("overfit_batches", "eval_every_fraction"):
             if value := getattr(cfg, setting):
                 raise ConfigError(f"trainer.{setting}={value} needs epochs, which a streamed training set has not; use "

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import IterableDataset
 
 from ringtrain.data.batches import collate_of, to_device
 from ringtrain.distributed import DistInfo
@@ -33,10 +33,6 @@ from ringtrain.errors import ConfigError
 from ringtrain.loop.loaders import Batch, WorkerOptions, ignore_stop_signals
 
 log = logging.getLogger("ringtrain")
-
-
-def is_stream(dataset: Dataset) -> bool:
-    return isinstance(dataset, IterableDataset)
 
 
 class StreamLoader:

@@ -7,18 +7,25 @@ The new file is written to a hidden temporary name in the same directory (`temp_
 fsynced, renamed over the real name (atomic on POSIX), and the directory fsynced (the file's
 fsync does not cover its directory entry: a power cut could undo the rename). A failure removes
 the temporary file and raises the OSError, the previous file untouched.
+
+What ringtrain writes for scripts (metrics.json, eval/*.json, sweep_summary.json) is `json_text`:
+JSON that every parser reads. Python's json writes NaN / Infinity, which are not JSON
+(JSON.parse refuses the file, jq makes them null). A diverged run has such metrics, so they are
+written as null, and `allow_nan=False` makes any that slipped past an error, not a broken file.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
+import math
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("ringtrain")
 
@@ -161,3 +168,18 @@ class _ErrorRecordingWriter:
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def finite_or_none(value: Any) -> Any:
+    """`value` with every non-finite float in it (in dicts, lists and tuples) made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
+def json_text(value: Any, **dumps_options: Any) -> str:
+    return json.dumps(finite_or_none(value), allow_nan=False, **dumps_options)

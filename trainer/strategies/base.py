@@ -65,7 +65,7 @@ class Strategy:
 
     def planned_ranks(self) -> int:
         """How many ranks `launch` will run on, known before any work: the pre-check holds the
-        data and the batch against it (config/data_lengths.py)."""
+        data and the batch against it (config/builders.py)."""
         return 1
 
     def setup_process(self, accelerator: str) -> DistInfo:
@@ -78,6 +78,8 @@ class Strategy:
 
     def setup_module(self, model: nn.Module, dist: DistInfo, trainer: Any) -> nn.Module:
         """The module the loop calls: `model` placed, and compiled when trainer.compile is on."""
+        if not trainer.compile:
+            return model
         from ringtrain.strategies.compilation import compile_for_training
 
         return compile_for_training(model, trainer)
@@ -125,3 +127,7 @@ class Strategy:
         from ringtrain.checkpoints.files import unwrap_model
 
         return unwrap_model(module)
+
+
+class Single(Strategy):
+    """One process on one device (conf/strategy/single.yaml)."""

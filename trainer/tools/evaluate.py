@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ringtrain.storage.atomic import write_text_atomically
+from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import load_checkpoint
-from ringtrain.storage.json_text import json_text
 from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
 from ringtrain.config.app import CommandLine, PrimaryConfig

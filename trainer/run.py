@@ -29,7 +29,7 @@ from ringtrain.storage.atomic import write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
 from ringtrain.checkpoints.initial_weights import load_initial_weights
 from ringtrain.storage.json_text import json_text
-from ringtrain.checkpoints.manager import CheckpointManager, Resumed
+from ringtrain.checkpoints.manager import CheckpointManager, Part, Resumed
 from ringtrain.storage.restart_notes import forget_restart_note, leave_restart_note
 from ringtrain.storage.rundir import RunDirectory
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
@@ -58,6 +58,7 @@ from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
 from ringtrain.loop.streams import is_stream
 from ringtrain.loop.watchdog import watching
+from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
 
@@ -121,10 +122,15 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, built, dist, resumed)
             check_monitors(callbacks.all, validation_metrics(task))
+            # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate), saved,
+            # never restored: the job's recipe (config/recipe.py), sizes and vocabulary; the resolved
+            # config for the record only. set_up_training registers the rest and restores them all.
+            checkpoints.register(callbacks=callbacks, description=Part(lambda: {
+                "job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
+                "vocab": data.vocab, "architecture": architecture(model)}, spread=True))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
-                    parts = set_up_training(job, dist, model, data, resumed)
-                    callbacks.load_state_dict(resumed.state.get("callbacks", {}) if resumed else {})
+                    parts = set_up_training(job, dist, model, data, checkpoints)
                 if dist.is_main:  # set up: the job trains here (a refusal so far said one line and wrote nothing)
                     log.info(f"run directory: {shared_dir}")
                     if notice := gpu_preset_notice(job.trainer):

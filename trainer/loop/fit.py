@@ -30,7 +30,6 @@ from ringtrain.loop.progress import FitResult
 from ringtrain.loop.setup import TrainingParts
 from ringtrain.loop.signals import Agreement, StopSignals
 from ringtrain.loop.watchdog import SAVING, TRAINING, Watchdog
-from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
 FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check model.*, task.* and data.*), "
@@ -48,19 +47,12 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
               total_steps=parts.total_steps, train_loader=parts.train_loader, group=job.group)
     run.step, run.skipped_steps = progress.step, progress.skipped_steps
-    # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
-    # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
-    description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
-                   "vocab": data.vocab, "architecture": architecture(parts.model)}
-
-    def checkpoint_state(shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
-        state = {**parts.checkpoint_state(dist, shards_path), "callbacks": callbacks.state_dict(), **description}
-        callbacks.call("on_save_checkpoint", run, state)
-        return state if dist.is_main else {}
+    if checkpoints.resumed is not None:  # every registered part restored (loop/setup.py)
+        callbacks.call("on_load_checkpoint", run, checkpoints.resumed.state)
 
     def save(best: bool) -> None:
         watchdog.feed(SAVING, progress.step)
-        checkpoints.save(progress.step, checkpoint_state, best)
+        checkpoints.save(progress.step, best, lambda state: callbacks.call("on_save_checkpoint", run, state))
         report_saved()
 
     def report_saved() -> None:  # the saves now on disk (a background save is, once written)

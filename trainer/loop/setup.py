@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, load_model_weights
+from ringtrain.checkpoints.files import load_model_weights
 from ringtrain.checkpoints.frozen_base import base_identity, load_over_base, trainable_weights
-from ringtrain.checkpoints.manager import Resumed
+from ringtrain.checkpoints.manager import CheckpointManager, Part
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, gather_objects
 from ringtrain.errors import ConfigError
@@ -46,21 +47,7 @@ class TrainingParts:
     progress: Progress  # where training stands
     saved_layout: Layout  # the layout of the checkpoint it continues from (this one's for a new run)
     total_steps: int  # the step the run ends at
-    base: dict[str, Any] | None = None  # adapters: the frozen base's identity, kept instead of its weights
     val_sources: dict[str, BatchLoader] = field(default_factory=dict)  # the validation set's named parts (a mixture's)
-
-    def checkpoint_state(self, dist: DistInfo, shards_path) -> dict[str, Any]:
-        """Every rank's part of a checkpoint (checkpoints/files.py); rank 0 gets the whole
-        state, the others what they contributed (the strategy's weights: full, or each rank's
-        shards written to `shards_path`)."""
-        rng = gather_objects(dist, rng_state(dist.device))  # every rank's, for exact resume
-        weights = self.strategy.checkpoint_weights(self.model, self.optimizer, lambda: shards_path)
-        if self.base is not None and "model" in weights:  # the frozen base is named, not copied
-            weights = {**weights, "model": trainable_weights(self.model, weights["model"]), "base": self.base}
-        stream = {"data_stream": gather_objects(dist, self.train_loader.state_dict())} if self.streamed else {}
-        return {"format": CHECKPOINT_FORMAT, **weights, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.precision.state_dict(), "layout": self.layout.state_dict(),
-                "progress": self.progress.state_dict(), "rng": rng, **stream}
 
     @property
     def streamed(self) -> bool:
@@ -105,20 +92,22 @@ class TrainingParts:
 
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
-                    resumed: Resumed | None) -> TrainingParts:
+                    checkpoints: CheckpointManager) -> TrainingParts:
     """Place the model (with the checkpoint's full weights), let the strategy wrap, shard or
     compile it, then the loaders, the optimizer over the set-up model's parameters, the lr
-    schedule and the precision; a checkpoint's sharded weights and the rest of its state go
-    into them once they exist."""
-    cfg, strategy = job.trainer, job.strategy
+    schedule and the precision; register them with `checkpoints` and, when the run resumes,
+    restore every registered part (the callbacks too) from the checkpoint."""
+    cfg, strategy, resumed = job.trainer, job.strategy, checkpoints.resumed
     state = resumed.state if resumed else None
     model = model.to(dist.device)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     base = base_identity(model) if job.adapter is not None else None
+    # The one load outside checkpoints.restore: full weights go into the bare model before the
+    # strategy wraps, shards or compiles it (each rank its copy, nothing broadcast or resharded).
     if state is not None and "base" in state:  # adapters over a base rebuilt from the config
         load_over_base(model, state, resumed.path, found=base)
-    elif state is not None and "shards" not in state:  # full weights go into the bare model
+    elif state is not None and "shards" not in state:
         load_model_weights(model, state, resumed.path)
     module = strategy.setup_module(model, dist, cfg)
     if not any(p.requires_grad for p in model.parameters()):
@@ -133,34 +122,87 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     scheduler = job.scheduler(optimizer) if callable(job.scheduler) else build_scheduler(job.scheduler, optimizer, total)
     set_matmul_precision(dist.device, cfg.tf32)
     precision = Precision(strategy.autocast_precision(cfg.precision), dist.device)
-    saved_layout = layout
-    if state is not None:
+    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    parts = TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
+                          train_loader, val_loader, layout, progress, layout, total, val_sources)
+    checkpoints.register(
+        weights=StrategyWeights(strategy, model, optimizer, base, checkpoints.shards_path, cfg.trust_checkpoint),
+        scheduler=scheduler, scaler=precision,
+        layout=Part(layout.state_dict, lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
+        progress=progress, rng=RanksRNG(dist),
+        **({"data_stream": _stream_position(train_loader, dist, checkpoints)} if parts.streamed else {}))
+    if resumed is not None:
+        checkpoints.restore()
+        # Where the run ends, at this layout (steps stay steps; epochs are counted from the
+        # position reached); a cosine schedule reaches its end there too.
+        parts.total_steps = steps_in_run(cfg, train_loader, progress)
+        if isinstance(scheduler, WarmupCosine):
+            scheduler.total_steps = parts.total_steps
+    return parts
+
+
+@dataclass
+class StrategyWeights:
+    """The model's and optimizer's part of a checkpoint, as the strategy keeps them: full on
+    rank 0 ("model" and "optimizer"; with adapters their trainable weights and the frozen
+    base's identity, "base"), or each rank's shards ("shards"). Loading is not the mirror of
+    saving: full weights went into the bare model before the strategy set it up
+    (set_up_training), so this loads what needs the set-up model: the optimizer state, or both
+    from the shards."""
+
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    base: dict[str, Any] | None  # adapters: the frozen base's identity, kept instead of its weights
+    shards_path: Callable[[], Path]
+    trusted: bool  # trainer.trust_checkpoint: read a shards index whole
+    spread = True  # its keys are the checkpoint's own (CheckpointManager)
+
+    def state_dict(self) -> dict[str, Any]:
+        weights = self.strategy.checkpoint_weights(self.model, self.optimizer, self.shards_path)
+        if self.base is not None and "model" in weights:  # the frozen base is named, not copied
+            weights = {**weights, "model": trainable_weights(self.model, weights["model"]), "base": self.base}
+        return weights
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if "shards" in state:  # into the set-up model: each rank reads what its shards need
             from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
 
-            load_sharded(state["shards"], model, optimizer, trusted=cfg.trust_checkpoint)
+            load_sharded(state["shards"], self.model, self.optimizer, trusted=self.trusted)
         else:
-            strategy.load_optimizer_state(model, optimizer, state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        precision.load_state_dict(state.get("scaler") or {})
-        rng = state["rng"]
-        set_rng_state(rng[dist.rank] if len(rng) == dist.world_size else rng[0], dist.device)
-        progress.load_state_dict(state["progress"])
-        saved_layout = Layout(**state["layout"])
-        if isinstance(train_loader, StreamLoader):
-            if "data_stream" not in state:
-                raise ConfigError(f"{resumed.path} was saved by a run on a map-style data set, not a stream; continue "
-                                  f"it with its own data, or start a new run (trainer.resume=null)")
-            train_loader.restore(state["data_stream"])
-        # Where the run ends, at this layout (steps stay steps; epochs are counted from the
-        # position reached); a cosine schedule reaches its end there too.
-        total = steps_in_run(cfg, train_loader, progress)
-        if isinstance(scheduler, WarmupCosine):
-            scheduler.total_steps = total
-    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
-                         train_loader, val_loader, layout, progress, saved_layout, total, base, val_sources)
+            self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+
+
+class RanksRNG:
+    """Every rank's torch RNG states (CPU, and CUDA when used), in rank order, for exact resume;
+    a checkpoint of another world size gives every rank rank 0's."""
+
+    def __init__(self, dist: DistInfo):
+        self.dist = dist
+
+    def state_dict(self) -> list[dict[str, torch.Tensor]]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.dist.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.dist.device)
+        return gather_objects(self.dist, state)
+
+    def load_state_dict(self, states: list[dict[str, torch.Tensor]]) -> None:
+        state = states[self.dist.rank] if len(states) == self.dist.world_size else states[0]
+        torch.set_rng_state(state["cpu"])
+        if self.dist.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.dist.device)
+
+
+def _stream_position(loader: StreamLoader, dist: DistInfo, checkpoints: CheckpointManager) -> Part:
+    """Every rank's position in a stream, in rank order."""
+    def restore(states: list[dict[str, Any]] | None) -> None:
+        if states is None:
+            raise ConfigError(f"{checkpoints.resumed.path} was saved by a run on a map-style data set, not a stream; "
+                              f"continue it with its own data, or start a new run (trainer.resume=null)")
+        loader.restore(states)
+
+    return Part(lambda: gather_objects(dist, loader.state_dict()), restore)
 
 
 def checkpoint_activations(model: nn.Module) -> None:
@@ -226,18 +268,3 @@ def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | 
                               f"{dist.world_size} processes that share it; give it more validation data")
     return train_loader, val_loader(data.train if overfit else data.val), \
         {name: val_loader(part) for name, part in sources.items()}
-
-
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """This rank's torch RNG states (CPU, and CUDA when used), for the checkpoint's `rng`."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Put back what `rng_state` returned."""
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)

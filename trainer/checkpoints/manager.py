@@ -59,9 +59,8 @@ class Resumed:
 
 
 class Part(NamedTuple):
-    """A Stateful (torch.distributed.checkpoint's protocol: state_dict(), load_state_dict(state))
-    made of two functions, for what is not one itself; `spread`: its state is several of the
-    file's keys, not one under its name (torchtitan flattens its model's state alike)."""
+    """A Stateful (torch.distributed.checkpoint's protocol) made of two functions; `spread`: its state is
+    several of the file's keys, not one under its name (as torchtitan flattens its model's)."""
 
     state_dict: Callable[[], Any]
     load_state_dict: Callable[[Any], None] = lambda state: None  # saved only (what rebuilds the job)
@@ -81,13 +80,11 @@ class CheckpointManager:
         self._written: list[tuple[int, Path]] = []  # saves complete on disk, not yet reported
 
     def register(self, **parts: Any) -> None:
-        """Stateful parts (or `Part`s), each saved under its name (checkpoints/files.py), and
-        restored in the order registered."""
+        """Stateful parts (or `Part`s) by their key in a checkpoint, restored in this order."""
         self.parts.update(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank: each part's state (rank 0 gets all of it; a part gathered from every
-        rank, or the strategy's full weights, only there)."""
+        """Every rank: each part's state (what is gathered, full weights too, whole on rank 0 only)."""
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT}
         for name, part in self.parts.items():
             if getattr(part, "spread", False):
@@ -97,8 +94,7 @@ class CheckpointManager:
         return state
 
     def restore(self) -> None:
-        """Every rank: each part's state back from the checkpoint `resume` chose (None for a
-        key the file lacks)."""
+        """Every rank: each part's state from the checkpoint `resume` chose (None: not in the file)."""
         state = self.resumed.state
         for name, part in self.parts.items():
             part.load_state_dict(state if getattr(part, "spread", False) else state.get(name))

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ringtrain.checkpoints.files import load_model_weights
 from ringtrain.checkpoints.frozen_base import base_identity, load_over_base, trainable_weights
 from ringtrain.checkpoints.manager import CheckpointManager, Part
+from ringtrain.checkpoints.state_dicts import load_full_optimizer_state_dict
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, gather_objects
 from ringtrain.errors import ConfigError
@@ -126,12 +126,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     trainable = [p for p in model.parameters() if p.requires_grad]
     parts = TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
                           train_loader, val_loader, layout, progress, layout, total, val_sources)
-    checkpoints.register(
-        weights=StrategyWeights(strategy, model, optimizer, base, checkpoints.shards_path, cfg.trust_checkpoint),
-        scheduler=scheduler, scaler=precision,
-        layout=Part(layout.state_dict, lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
-        progress=progress, rng=RanksRNG(dist),
-        **({"data_stream": _stream_position(train_loader, dist, checkpoints)} if parts.streamed else {}))
+    _register(checkpoints, parts, dist, base, cfg.trust_checkpoint)
     if resumed is not None:
         checkpoints.restore()
         # Where the run ends, at this layout (steps stay steps; epochs are counted from the
@@ -142,67 +137,49 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     return parts
 
 
-@dataclass
-class StrategyWeights:
-    """The model's and optimizer's part of a checkpoint, as the strategy keeps them: full on
-    rank 0 ("model" and "optimizer"; with adapters their trainable weights and the frozen
-    base's identity, "base"), or each rank's shards ("shards"). Loading is not the mirror of
-    saving: full weights went into the bare model before the strategy set it up
-    (set_up_training), so this loads what needs the set-up model: the optimizer state, or both
-    from the shards."""
+def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistInfo, base: dict[str, Any] | None,
+              trusted: bool) -> None:
+    """The parts, by their keys in the file, in the order restored. The strategy's weights (full,
+    with adapters their trainable ones and the base's identity, or "shards") do not load as they
+    save: full weights went into the bare model before the strategy set it up, so this loads what
+    needs the set-up model (the optimizer's state, or both from shards). RNG states and a stream's
+    position are every rank's, in rank order (another world size's: every rank gets rank 0's RNG)."""
+    model, optimizer, loader = parts.model, parts.optimizer, parts.train_loader
 
-    strategy: Strategy
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    base: dict[str, Any] | None  # adapters: the frozen base's identity, kept instead of its weights
-    shards_path: Callable[[], Path]
-    trusted: bool  # trainer.trust_checkpoint: read a shards index whole
-    spread = True  # its keys are the checkpoint's own (CheckpointManager)
+    def weights() -> dict[str, Any]:
+        saved = parts.strategy.checkpoint_weights(model, optimizer, checkpoints.shards_path)
+        if base is not None and "model" in saved:  # the frozen base is named, not copied
+            saved = {**saved, "model": trainable_weights(model, saved["model"]), "base": base}
+        return saved
 
-    def state_dict(self) -> dict[str, Any]:
-        weights = self.strategy.checkpoint_weights(self.model, self.optimizer, self.shards_path)
-        if self.base is not None and "model" in weights:  # the frozen base is named, not copied
-            weights = {**weights, "model": trainable_weights(self.model, weights["model"]), "base": self.base}
-        return weights
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_weights(state: dict[str, Any]) -> None:
         if "shards" in state:  # into the set-up model: each rank reads what its shards need
             from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
 
-            load_sharded(state["shards"], self.model, self.optimizer, trusted=self.trusted)
+            load_sharded(state["shards"], model, optimizer, trusted=trusted)
         else:
-            self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            load_full_optimizer_state_dict(model, optimizer, state["optimizer"])
 
+    cuda = dist.device if dist.device.type == "cuda" else None
 
-class RanksRNG:
-    """Every rank's torch RNG states (CPU, and CUDA when used), in rank order, for exact resume;
-    a checkpoint of another world size gives every rank rank 0's."""
-
-    def __init__(self, dist: DistInfo):
-        self.dist = dist
-
-    def state_dict(self) -> list[dict[str, torch.Tensor]]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.dist.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.dist.device)
-        return gather_objects(self.dist, state)
-
-    def load_state_dict(self, states: list[dict[str, torch.Tensor]]) -> None:
-        state = states[self.dist.rank] if len(states) == self.dist.world_size else states[0]
+    def load_rng(states: list[dict[str, torch.Tensor]]) -> None:
+        state = states[dist.rank] if len(states) == dist.world_size else states[0]
         torch.set_rng_state(state["cpu"])
-        if self.dist.device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], self.dist.device)
+        if cuda is not None and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], cuda)
 
-
-def _stream_position(loader: StreamLoader, dist: DistInfo, checkpoints: CheckpointManager) -> Part:
-    """Every rank's position in a stream, in rank order."""
-    def restore(states: list[dict[str, Any]] | None) -> None:
+    def load_stream(states: list[dict[str, Any]] | None) -> None:
         if states is None:
             raise ConfigError(f"{checkpoints.resumed.path} was saved by a run on a map-style data set, not a stream; "
                               f"continue it with its own data, or start a new run (trainer.resume=null)")
         loader.restore(states)
 
-    return Part(lambda: gather_objects(dist, loader.state_dict()), restore)
+    checkpoints.register(
+        weights=Part(weights, load_weights, spread=True), scheduler=parts.scheduler, scaler=parts.precision,
+        layout=Part(parts.layout.state_dict, lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
+        progress=parts.progress, rng=Part(lambda: gather_objects(dist, {"cpu": torch.get_rng_state(), **(
+            {"cuda": torch.cuda.get_rng_state(cuda)} if cuda is not None else {})}), load_rng),
+        **({"data_stream": Part(lambda: gather_objects(dist, loader.state_dict()), load_stream)} if parts.streamed else {}))
 
 
 def checkpoint_activations(model: nn.Module) -> None:

@@ -33,7 +33,7 @@ from ringtrain.storage.atomic import remove_if_present, temp_name_pattern
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
 from ringtrain.checkpoints.files import (
     BEST_NAME, CHECKPOINT_FORMAT, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,
-    load_checkpoint, read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, shards_name, step_checkpoint_name,
+    load_checkpoint, read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, step_checkpoint_name,
     step_checkpoints,
 )
 from ringtrain.checkpoints.state_dicts import refuse_state_that_is_not_data
@@ -75,7 +75,6 @@ class CheckpointManager:
         self.writer = BackgroundWriter() if trainer.async_checkpoint else None
         self.parts: dict[str, Any] = {}  # the run's Stateful parts, by their key in a checkpoint
         self.resumed: Resumed | None = None  # the checkpoint `resume` chose
-        self._step = 0  # the step being saved
         self._snapshot: dict[str, Any] | None = None  # the last copy written in the background
         self._written: list[tuple[int, Path]] = []  # saves complete on disk, not yet reported
 
@@ -98,10 +97,6 @@ class CheckpointManager:
         state = self.resumed.state
         for name, part in self.parts.items():
             part.load_state_dict(state if getattr(part, "spread", False) else state.get(name))
-
-    def shards_path(self) -> Path:
-        """Where the save under way puts a sharded strategy's shards: step-<N>.shards beside its file."""
-        return self.directory / shards_name(self._step)
 
     @property
     def last(self) -> Path:
@@ -183,7 +178,6 @@ class CheckpointManager:
         # The previous write ends first: its failure stops the run before more is gathered, one
         # copy of the state waits in memory, and its rotation cannot delete this save's shards.
         self.flush()
-        self._step = step
         state = self.state_dict()
         hook(state)
         if self.dist.is_main:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from ringtrain.checkpoints.files import load_model_weights
+from ringtrain.checkpoints.files import load_model_weights, shards_name
 from ringtrain.checkpoints.frozen_base import base_identity, load_over_base, trainable_weights
 from ringtrain.checkpoints.manager import CheckpointManager, Part
 from ringtrain.checkpoints.state_dicts import load_full_optimizer_state_dict
@@ -143,11 +143,13 @@ def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistIn
     with adapters their trainable ones and the base's identity, or "shards") do not load as they
     save: full weights went into the bare model before the strategy set it up, so this loads what
     needs the set-up model (the optimizer's state, or both from shards). RNG states and a stream's
-    position are every rank's, in rank order (another world size's: every rank gets rank 0's RNG)."""
-    model, optimizer, loader = parts.model, parts.optimizer, parts.train_loader
+    position are every rank's, in rank order (another world size's: every rank gets rank 0's RNG).
+    Nothing here holds `checkpoints`: a cycle would keep the parts (a stream's workers) past the run."""
+    model, optimizer, loader, directory = parts.model, parts.optimizer, parts.train_loader, checkpoints.directory
+    source = checkpoints.resumed.path if checkpoints.resumed is not None else None
 
-    def weights() -> dict[str, Any]:
-        saved = parts.strategy.checkpoint_weights(model, optimizer, checkpoints.shards_path)
+    def weights() -> dict[str, Any]:  # a save's shards go beside its step file, step-<N>.shards
+        saved = parts.strategy.checkpoint_weights(model, optimizer, lambda: directory / shards_name(parts.progress.step))
         if base is not None and "model" in saved:  # the frozen base is named, not copied
             saved = {**saved, "model": trainable_weights(model, saved["model"]), "base": base}
         return saved
@@ -170,7 +172,7 @@ def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistIn
 
     def load_stream(states: list[dict[str, Any]] | None) -> None:
         if states is None:
-            raise ConfigError(f"{checkpoints.resumed.path} was saved by a run on a map-style data set, not a stream; "
+            raise ConfigError(f"{source} was saved by a run on a map-style data set, not a stream; "
                               f"continue it with its own data, or start a new run (trainer.resume=null)")
         loader.restore(states)
 

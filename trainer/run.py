@@ -122,9 +122,8 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, built, dist, resumed)
             check_monitors(callbacks.all, validation_metrics(task))
-            # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate), saved,
-            # never restored: the job's recipe (config/recipe.py), sizes and vocabulary; the resolved
-            # config for the record only. set_up_training registers the rest and restores them all.
+            # Saved, never restored: what rebuilds the model (its recipe, config/recipe.py; sizes; vocabulary;
+            # the resolved config for the record only). set_up_training registers the rest, restores all.
             checkpoints.register(callbacks=callbacks, description=Part(lambda: {
                 "job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
                 "vocab": data.vocab, "architecture": architecture(model)}, spread=True))

@@ -94,9 +94,8 @@ class TrainingParts:
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
                     checkpoints: CheckpointManager) -> TrainingParts:
     """Place the model (with the checkpoint's full weights), let the strategy wrap, shard or
-    compile it, then the loaders, the optimizer over the set-up model's parameters, the lr
-    schedule and the precision; register them with `checkpoints` and, when the run resumes,
-    restore every registered part (the callbacks too) from the checkpoint."""
+    compile it, then the loaders, the optimizer, the lr schedule and the precision; register them
+    with `checkpoints` and, when the run resumes, restore every registered part (callbacks too)."""
     cfg, strategy, resumed = job.trainer, job.strategy, checkpoints.resumed
     state = resumed.state if resumed else None
     model = model.to(dist.device)
@@ -139,12 +138,10 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
 
 def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistInfo, base: dict[str, Any] | None,
               trusted: bool) -> None:
-    """The parts, by their keys in the file, in the order restored. The strategy's weights (full,
-    with adapters their trainable ones and the base's identity, or "shards") do not load as they
-    save: full weights went into the bare model before the strategy set it up, so this loads what
-    needs the set-up model (the optimizer's state, or both from shards). RNG states and a stream's
-    position are every rank's, in rank order (another world size's: every rank gets rank 0's RNG).
-    Nothing here holds `checkpoints`: a cycle would keep the parts (a stream's workers) past the run."""
+    """The parts, by their keys in the file, in the order restored. The strategy's weights load what
+    needs the set-up model (the optimizer's state, or both from shards; full weights went into the
+    bare model before). RNG states and a stream's position are every rank's, in rank order. Nothing
+    here holds `checkpoints`: a cycle would keep the parts (a stream's workers) past the run."""
     model, optimizer, loader, directory = parts.model, parts.optimizer, parts.train_loader, checkpoints.directory
     source = checkpoints.resumed.path if checkpoints.resumed is not None else None
 

@@ -39,7 +39,10 @@ class CheckpointStore:
         self.directory, self.last, self.best = Path(directory), Path(directory) / "last.pt", Path(directory) / "best.pt"
 
     def save(self, state: dict, step: int, best: bool) -> None:
-        self.manager.save(step, lambda shards: state, best)
+        from ringtrain.checkpoints.manager import Part
+
+        self.manager.register(given=Part(lambda: state, spread=True))  # its keys are the file's
+        self.manager.save(step, best)
 
     def shards_path(self, step: int) -> Path:
         from ringtrain.checkpoints.files import shards_name

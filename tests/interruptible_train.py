@@ -29,6 +29,10 @@ its bytes are written, before its fsync and rename, for RINGTRAIN_TEST_SLOW_WRIT
 
 so a test can act while a (background) checkpoint write is in flight, and once the file is
 renamed into place and its directory fsynced, `interruptible: written step=<step>`.
+
+RINGTRAIN_TEST_RECORD_RESTORED=<path> saves (torch.save) what every part registered with the
+CheckpointManager holds right after a resumed run restored them, as a save would collect it:
+a round-trip test compares it with the checkpoint it was restored from.
 """
 import os
 import sys
@@ -131,7 +135,23 @@ def _slow_down_step_file_writes(from_step: int, seconds: float) -> None:
     files.open_atomically = open_then_hold
 
 
+def _record_restored_state(path: str) -> None:
+    import torch
+
+    from ringtrain.checkpoints.manager import CheckpointManager
+
+    original = CheckpointManager.restore
+
+    def restore_then_record(self):
+        original(self)
+        torch.save(self.state_dict(), path)
+
+    CheckpointManager.restore = restore_then_record
+
+
 _announce_and_slow_down_every_step()
+if os.environ.get("RINGTRAIN_TEST_RECORD_RESTORED"):
+    _record_restored_state(os.environ["RINGTRAIN_TEST_RECORD_RESTORED"])
 if os.environ.get("RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP"):
     _slow_down_step_file_writes(int(os.environ["RINGTRAIN_TEST_SLOW_WRITE_FROM_STEP"]),
                                 float(os.environ.get("RINGTRAIN_TEST_SLOW_WRITE_SECONDS", "600")))

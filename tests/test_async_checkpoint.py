@@ -184,7 +184,7 @@ def test_a_full_disk_during_a_background_write_stops_every_rank_with_one_line_an
 def test_an_exception_waits_for_the_write_in_flight_before_leaving_the_checkpointer(tmp_path):
     from types import SimpleNamespace
 
-    from ringtrain.checkpoints.manager import CheckpointManager
+    from ringtrain.checkpoints.manager import CheckpointManager, Part
     from ringtrain.distributed import DistInfo
 
     trainer = SimpleNamespace(keep_last_k=1, async_checkpoint=True, checkpoint=True, checkpoint_every_n_steps=0)
@@ -204,7 +204,8 @@ def test_an_exception_waits_for_the_write_in_flight_before_leaving_the_checkpoin
         return wait()
 
     with pytest.raises(RuntimeError, match="a crash"), manager:
-        manager.save(3, lambda shards: {"progress": {"step": 3}, "model": {"w": torch.ones(2)}}, best=False)
+        manager.register(given=Part(lambda: {"progress": {"step": 3}, "model": {"w": torch.ones(2)}}, spread=True))
+        manager.save(3, best=False)
         assert manager.writer.busy
         manager.writer.wait = release_then_wait
         raise RuntimeError("a crash")

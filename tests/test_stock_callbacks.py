@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import QUIET, REPO, run_cli, run_module, train_in_process
-from helpers import STEP_ANNOUNCEMENT, TORCHRUN, Job, job_ok, ok, refused, user_package
+from helpers import STEP_ANNOUNCEMENT, TORCHRUN, Job, assert_same_state, job_ok, ok, refused, user_package
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
 
@@ -85,6 +85,36 @@ class Late(Callback):
         raise AssertionError("never called")
 '''
 
+PROBE = '''
+"""A user's callback with state of its own and an entry it adds to every checkpoint; a resumed
+run's on_load_checkpoint writes down what it saw to <run dir>/probe-loaded.json."""
+import json
+
+from ringtrain.callbacks.base import Callback
+
+
+class Probe(Callback):
+    def __init__(self):
+        self.validations = []  # [step, val/loss] of each validation
+
+    def on_validation_end(self, run, metrics):
+        self.validations.append([run.step, metrics["val/loss"]])
+
+    def state_dict(self):
+        return {"validations": [list(item) for item in self.validations]}
+
+    def load_state_dict(self, state):
+        self.validations = [list(item) for item in state["validations"]]
+
+    def on_save_checkpoint(self, run, checkpoint):
+        checkpoint["probe"] = {"step": run.step}
+
+    def on_load_checkpoint(self, run, checkpoint):
+        seen = {"added": checkpoint["probe"], "saved": checkpoint["callbacks"]["probe"], "mine": self.state_dict(),
+                "step": run.step}
+        (run.run_dir / "probe-loaded.json").write_text(json.dumps(seen))
+'''
+
 COUNTER_YAML = '''
 # The user's callback: callbacks=[default,counter]
 counter:
@@ -96,6 +126,11 @@ late:
   _target_: my_callbacks.late.Late
 '''
 
+PROBE_YAML = '''
+probe:
+  _target_: my_callbacks.probe.Probe
+'''
+
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory) -> Path:
@@ -103,7 +138,8 @@ def user_dir(tmp_path_factory) -> Path:
     folder (my_conf/callbacks/); the test process imports my_callbacks too (in-process runs)."""
     root = tmp_path_factory.mktemp("user")
     files = {"my_callbacks/__init__.py": "", "my_callbacks/counter.py": COUNTER, "my_callbacks/late.py": LATE,
-             "my_conf/callbacks/counter.yaml": COUNTER_YAML, "my_conf/callbacks/late.yaml": LATE_YAML}
+             "my_callbacks/probe.py": PROBE, "my_conf/callbacks/counter.yaml": COUNTER_YAML,
+             "my_conf/callbacks/late.yaml": LATE_YAML, "my_conf/callbacks/probe.yaml": PROBE_YAML}
     with user_package(root, files, "my_callbacks"):
         yield root
 
@@ -486,6 +522,32 @@ def test_a_callback_whose_state_is_not_data_is_refused_at_the_first_save_and_not
     refused(proc, "callbacks.opaque.thing is a opaque_cb.Opaque", "make callbacks.opaque's state_dict() return tensors")
     for path in (tmp_path / "run").rglob("*.pt"):
         torch.load(path, weights_only=True)  # every file on disk reads as data
+
+
+def test_every_registered_part_round_trips_through_a_checkpoint_a_users_callback_from_config_dir_too(
+        user_dir, tmp_path, monkeypatch):
+    """Saved at step 6, started again by the same command: right after the restore, what every part
+    registered with the CheckpointManager holds, collected as a save collects it, equals that
+    checkpoint entry by entry: the model, optimizer, scheduler, scaler ({}: a CPU run has none),
+    layout, progress (the data position), every rank's RNG and the callbacks (EMA, best-k, early
+    stopping and the user's `probe` from --config-dir); the user's on_load_checkpoint saw the
+    entry its on_save_checkpoint added, and its state back."""
+    run_dir = tmp_path / "run"
+    args = ["--config-dir", "my_conf", "callbacks=[default,ema,best_checkpoints,early_stopping,probe]",
+            "trainer.eval_every_n_steps=3", "trainer.max_steps=6", f"hydra.run.dir={run_dir}"]
+    job_ok(run_job(args, cwd=user_dir))
+    saved = checkpoint(run_dir / "checkpoints" / "last.pt")
+    monkeypatch.setenv("RINGTRAIN_TEST_RECORD_RESTORED", str(tmp_path / "restored.pt"))
+    job_ok(run_job(args, cwd=user_dir))
+    restored = checkpoint(tmp_path / "restored.pt")
+    assert set(saved) - set(restored) == {"probe"}  # what on_save_checkpoint added: no part of the run
+    assert set(saved["callbacks"]) == {"ema", "best_checkpoints", "early_stopping", "probe"}
+    assert saved["callbacks"]["probe"]["validations"] and saved["callbacks"]["ema"]["weights"]
+    for key, value in restored.items():
+        assert_same_state(value, saved[key], key)
+    seen = json.loads((run_dir / "probe-loaded.json").read_text())
+    assert seen == {"added": {"step": 6}, "saved": saved["callbacks"]["probe"], "mine": saved["callbacks"]["probe"],
+                    "step": 6}
 
 
 # --- 4. validation at every quarter of an epoch ----------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import checkpoint_weights, run_cli, run_module, train_in_process
-from helpers import ok, refused
+from helpers import assert_same_state, ok, refused
 
 pytest.importorskip("torchdata")
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 under torch 2.13
@@ -185,6 +185,24 @@ def test_data_stream_trains_a_transformer_and_resumes_bit_identically(corpus, ca
     assert result.steps == 12 and all(torch.equal(straight[k], resumed[k]) for k in straight)
     state = torch.load(corpus / "resumed" / "checkpoints" / "last.pt", weights_only=True)
     assert len(state["data_stream"]) == 1  # one rank's position
+
+
+def test_a_streams_position_round_trips_through_a_checkpoint_with_every_other_part(corpus, monkeypatch):
+    """data=stream with two DataLoader workers, started again by the same command: right after
+    the restore, every part registered with the CheckpointManager, the stream's position
+    (data_stream) among them, holds what the checkpoint it was restored from holds."""
+    from ringtrain.checkpoints.manager import CheckpointManager
+
+    common = SMALL_LM + ["data=stream", f"data.path={corpus / 'web.jsonl'}", f"data.tokenizer={corpus / 'tokenizer.json'}",
+                         "data.val_documents=20", "data.piece_bytes=2048", "trainer.num_workers=2", "trainer.max_steps=5"]
+    train_in_process(common, corpus / "run")
+    saved = torch.load(corpus / "run" / "checkpoints" / "last.pt", weights_only=True)
+    restored, restore = {}, CheckpointManager.restore
+    monkeypatch.setattr(CheckpointManager, "restore", lambda self: (restore(self), restored.update(self.state_dict())))
+    train_in_process(common, corpus / "run")
+    assert set(restored) == set(saved) and len(restored["data_stream"]) == 1
+    for key, value in restored.items():
+        assert_same_state(value, saved[key], key)
 
 
 def mixture(corpus: Path) -> list[str]:

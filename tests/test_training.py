@@ -109,9 +109,9 @@ def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monke
     saved = []
     original_save = CheckpointManager.save
 
-    def recording_save(self, step, gather, best):
+    def recording_save(self, step, best, hook):
         saved.append((step, best))
-        return original_save(self, step, gather, best)
+        return original_save(self, step, best, hook)
 
     monkeypatch.setattr(CheckpointManager, "save", recording_save)
     # 16 steps per epoch: in 12 steps the only evaluation is the final one.

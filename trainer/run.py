@@ -27,7 +27,7 @@ from ringtrain.callbacks.base import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
 from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
-from ringtrain.checkpoints.manager import CheckpointManager, Resumed
+from ringtrain.checkpoints.manager import CheckpointManager, Part, Resumed
 from ringtrain.storage.rundir import RunDirectory, forget_restart_note, leave_restart_note
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.components import build, is_node
@@ -54,6 +54,7 @@ from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
 from ringtrain.loop.watchdog import watching
+from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
 
@@ -117,10 +118,14 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, built, dist, resumed)
             check_monitors(callbacks.all, validation_metrics(task))
+            # Saved, never restored: what rebuilds the model (its recipe, config/recipe.py; sizes; vocabulary;
+            # the resolved config for the record only). set_up_training registers the rest, restores all.
+            checkpoints.register(callbacks=callbacks, description=Part(lambda: {
+                "job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
+                "vocab": data.vocab, "architecture": architecture(model)}, spread=True))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
-                    parts = set_up_training(job, dist, model, data, resumed)
-                    callbacks.load_state_dict(resumed.state.get("callbacks", {}) if resumed else {})
+                    parts = set_up_training(job, dist, model, data, checkpoints)
                 if dist.is_main:  # set up: the job trains here (a refusal so far said one line and wrote nothing)
                     log.info(f"run directory: {shared_dir}")
                     if notice := gpu_preset_notice(job.trainer):
@@ -129,7 +134,7 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
                     if record is not None and resumed is None:
                         directory.write_record(record)
                 training = True  # from here only a failure of the first step is a refusal
-                result = fit(job, dist, shared_dir, parts, data, task, callbacks, checkpoints, stop, watchdog)
+                result = fit(job, dist, shared_dir, parts, task, callbacks, checkpoints, stop, watchdog)
             if return_weights:
                 weights = full_model_state_dict(model)  # every rank takes part; rank 0 gets them
                 result = dataclasses.replace(result, model_state=weights if dist.is_main else None)

@@ -45,6 +45,7 @@ HOOKS = (
     "on_validation_end",  # after it: on_validation_end(run, metrics), {"val/loss": ...}
     "on_log",  # metrics logged at a step, all of them at once: on_log(run, metrics, step)
     "on_save_checkpoint",  # before a checkpoint is written: on_save_checkpoint(run, checkpoint), add entries
+    "on_load_checkpoint",  # a resumed run, its parts restored, before on_fit_start: on_load_checkpoint(run, checkpoint)
     "on_checkpoint_saved",  # once it is on disk (rank 0): on_checkpoint_saved(run, step, path)
     "on_stop_signal",  # a stop signal arrived (SIGTERM, Ctrl-C): on_stop_signal(run, name)
     "on_exception",  # the run failed: on_exception(run, error)

@@ -56,7 +56,8 @@ class EMA(Callback):
 
     def state_dict(self) -> dict:
         """The averages in full (gathered from the shards under fsdp: every rank calls this)."""
-        return {"decay": self.decay, "weights": {name: _full(average) for name, average in self.averages.items()}}
+        averages = self.averages or self._saved  # before on_fit_start places a checkpoint's: those
+        return {"decay": self.decay, "weights": {name: _full(average) for name, average in averages.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._saved = state["weights"]

@@ -1,7 +1,7 @@
 """Checkpoints (run directories and atomic file writing are ringtrain.storage).
 
-  manager.py   CheckpointManager: which checkpoint a run continues from (read once), writing
-               new ones atomically (in the background), rotation, setting unreadable ones aside
+  manager.py   CheckpointManager: the run's parts registered, saved and restored; which checkpoint
+               it continues from (read once), atomic (background) writes, rotation, unreadable set aside
   files.py     one checkpoint file: its format and names, writing it, reading it against its
                checksums, links and moving a file aside
   background.py  the copy of a state and the thread that writes it

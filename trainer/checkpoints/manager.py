@@ -1,9 +1,12 @@
 """A run's checkpoints, one component: which one the run continues from, reading it (once),
-writing new ones and keeping the newest few (torchtitan's CheckpointManager is the model).
+its stateful parts saved and restored in one place, writing new ones and keeping the newest few
+(torchtitan's CheckpointManager is the model).
 
     checkpoints = CheckpointManager(run_dir / "checkpoints", trainer, dist)
     resumed = checkpoints.resume(trainer.resume, kept)   # rank 0 decides; each rank reads it once
-    if checkpoints.due(step, evaluated, last): checkpoints.save(step, gather_state, best)
+    checkpoints.register(progress=progress, ...)          # Stateful parts, by their key in the file
+    checkpoints.restore()                                 # each part's load_state_dict, in that order
+    if checkpoints.due(step, evaluated, last): checkpoints.save(step, best, hook)
     checkpoints.flush()                                   # the last save is on disk
 
 trainer.resume is `auto` (the newest readable checkpoint here, else a fresh start: what a
@@ -29,10 +32,11 @@ from typing import Any, NamedTuple
 from ringtrain.storage.atomic import remove_if_present, temp_name_pattern
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
 from ringtrain.checkpoints.files import (
-    BEST_NAME, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,
-    load_checkpoint, read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, shards_name, step_checkpoint_name,
+    BEST_NAME, CHECKPOINT_FORMAT, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,
+    load_checkpoint, read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, step_checkpoint_name,
     step_checkpoints,
 )
+from ringtrain.checkpoints.state_dicts import refuse_state_that_is_not_data
 from ringtrain.distributed import DistInfo, broadcast_object
 from ringtrain.errors import ConfigError
 
@@ -54,14 +58,45 @@ class Resumed:
         return {"path": self.path, "state": None}
 
 
+class Part(NamedTuple):
+    """A Stateful (torch.distributed.checkpoint's protocol) made of two functions; `spread`: its state is
+    several of the file's keys, not one under its name (as torchtitan flattens its model's)."""
+
+    state_dict: Callable[[], Any]
+    load_state_dict: Callable[[Any], None] = lambda state: None  # saved only (what rebuilds the job)
+    spread: bool = False
+
+
 class CheckpointManager:
     def __init__(self, directory: Path, trainer: Any, dist: DistInfo):
         self.directory = Path(directory)
         self.keep_last_k, self.enabled, self.every = trainer.keep_last_k, trainer.checkpoint, trainer.checkpoint_every_n_steps
         self.dist = dist
         self.writer = BackgroundWriter() if trainer.async_checkpoint else None
+        self.parts: dict[str, Any] = {}  # the run's Stateful parts, by their key in a checkpoint
+        self.resumed: Resumed | None = None  # the checkpoint `resume` chose
         self._snapshot: dict[str, Any] | None = None  # the last copy written in the background
         self._written: list[tuple[int, Path]] = []  # saves complete on disk, not yet reported
+
+    def register(self, **parts: Any) -> None:
+        """Stateful parts (or `Part`s) by their key in a checkpoint, restored in this order."""
+        self.parts.update(parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank: each part's state (what is gathered, full weights too, whole on rank 0 only)."""
+        state: dict[str, Any] = {"format": CHECKPOINT_FORMAT}
+        for name, part in self.parts.items():
+            if getattr(part, "spread", False):
+                state.update(part.state_dict())
+            else:
+                state[name] = part.state_dict()
+        return state
+
+    def restore(self) -> None:
+        """Every rank: each part's state from the checkpoint `resume` chose (None: not in the file)."""
+        state = self.resumed.state
+        for name, part in self.parts.items():
+            part.load_state_dict(state if getattr(part, "spread", False) else state.get(name))
 
     @property
     def last(self) -> Path:
@@ -84,6 +119,7 @@ class CheckpointManager:
             raise {"RunDirError": RunDirError, "CheckpointError": CheckpointError, "ConfigError": ConfigError}[kind](value)
         if chosen is None and value is not None:  # another rank: its own read of the file rank 0 chose and verified
             chosen = Resumed(Path(value), _state_of(Path(value), given, verify=False))
+        self.resumed = chosen
         return chosen
 
     def _choose(self, resume: Any, kept: dict, given: Resumed | None) -> Resumed | None:
@@ -135,14 +171,15 @@ class CheckpointManager:
         """Whether `step` saves: after each evaluation, every checkpoint_every_n_steps, at the end."""
         return self.enabled and (evaluated or last or (self.every > 0 and step % self.every == 0))
 
-    def save(self, step: int, gather: Callable[[Path], dict[str, Any]], best: bool) -> None:
-        """Every rank: `gather(shards_path)` collects the state (rank 0 gets it, the others {});
-        rank 0 writes step-<step>.pt, last.pt (and best.pt), now or in the background; every
-        rank learns whether the write (or the previous one) failed."""
+    def save(self, step: int, best: bool, hook: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
+        """Every rank: the parts' state, then `hook(state)` (the callbacks' on_save_checkpoint,
+        which may add entries); rank 0 writes step-<step>.pt, last.pt (and best.pt), now or in
+        the background; every rank learns whether the write (or the previous one) failed."""
         # The previous write ends first: its failure stops the run before more is gathered, one
         # copy of the state waits in memory, and its rotation cannot delete this save's shards.
         self.flush()
-        state = gather(self.directory / shards_name(step))
+        state = self.state_dict()
+        hook(state)
         if self.dist.is_main:
             refuse_state_that_is_not_data(state)  # before a file weights_only could not read exists
         failure = self._write(state, step, best) if self.dist.is_main else None
@@ -278,30 +315,6 @@ def _refuse_another_model(state: dict, kept: dict, error: Callable[[str], Except
     """A continued run keeps its model (its weights and optimizer state belong to it)."""
     if (stored := (state["config"] or {}).get("model")) != kept:
         raise error(first_difference(stored or {}, kept or {}, "model"))
-
-
-# What torch.load(weights_only=True) reads back: a checkpoint holds these and nothing else.
-_DATA = (str, bytes, int, float, complex, bool, type(None))
-
-
-def refuse_state_that_is_not_data(value: Any, key: str = "checkpoint") -> None:
-    """One line naming the first value in a checkpoint's state that is not plain data (a
-    callback's state_dict holding an object of its own, say), which would make the file one
-    that weights_only refuses: the first save refuses the run instead of writing it."""
-    import torch
-
-    if isinstance(value, dict):
-        for name, item in value.items():
-            refuse_state_that_is_not_data(item, f"{key}.{name}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            refuse_state_that_is_not_data(item, f"{key}[{i}]")
-    elif not isinstance(value, (*_DATA, torch.Tensor, torch.Size, torch.dtype, torch.device)):
-        owner = key.removeprefix("checkpoint.").split(".")[:2]
-        raise ConfigError(f"{key.removeprefix('checkpoint.')} is a {type(value).__module__}.{type(value).__qualname__}, "
-                          f"which a checkpoint cannot keep as data (torch.load(weights_only=True) would refuse every "
-                          f"file); make {'.'.join(owner)}'s state_dict() return tensors, numbers, strings, lists and "
-                          f"dicts")
 
 
 def first_difference(old: Any, new: Any, prefix: str) -> str:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringtrain.errors import ConfigError
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -153,3 +155,25 @@ def distributed() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if distributed() else 0
+
+
+# What torch.load(weights_only=True) reads back: a checkpoint holds these and nothing else.
+_DATA = (str, bytes, int, float, complex, bool, type(None))
+
+
+def refuse_state_that_is_not_data(value: Any, key: str = "checkpoint") -> None:
+    """One line naming the first value in a checkpoint's state that is not plain data (a
+    callback's state_dict holding an object of its own, say), which would make the file one
+    that weights_only refuses: the first save refuses the run instead of writing it."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            refuse_state_that_is_not_data(item, f"{key}.{name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            refuse_state_that_is_not_data(item, f"{key}[{i}]")
+    elif not isinstance(value, (*_DATA, torch.Tensor, torch.Size, torch.dtype, torch.device)):
+        owner = key.removeprefix("checkpoint.").split(".")[:2]
+        raise ConfigError(f"{key.removeprefix('checkpoint.')} is a {type(value).__module__}.{type(value).__qualname__}, "
+                          f"which a checkpoint cannot keep as data (torch.load(weights_only=True) would refuse every "
+                          f"file); make {'.'.join(owner)}'s state_dict() return tensors, numbers, strings, lists and "
+                          f"dicts")

@@ -19,7 +19,6 @@ from torch import nn
 from ringtrain.callbacks.base import Callbacks, Run, StepEnd
 from ringtrain.checkpoints.manager import CheckpointManager
 from ringtrain.data.batches import counted, samples_in, split_batch, summed_training_loss, training_loss
-from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, all_reduce_sum
 from ringtrain.loop.evaluation import Evaluator
 from ringtrain.loop.failures import failures_reported_as_mistakes
@@ -28,7 +27,6 @@ from ringtrain.loop.progress import FitResult
 from ringtrain.loop.setup import TrainingParts
 from ringtrain.loop.signals import Agreement, StopSignals
 from ringtrain.loop.watchdog import SAVING, TRAINING, Watchdog
-from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
 NONFINITE = "non-finite"
@@ -36,7 +34,7 @@ FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check
                   "or one of them has a bug")
 
 
-def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: DataBundle, task: Any,
+def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any,
         callbacks: Callbacks, checkpoints: CheckpointManager, stop: StopSignals, watchdog: Watchdog) -> FitResult:
     """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes):
     each step, then what follows it as `StepEnds.decide` decides, then that."""
@@ -48,7 +46,9 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, data: Dat
     evaluator = Evaluator(cfg, parts, task, dist, watchdog)
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None,
                                weight_norm=lambda: parts.strategy.weight_norm(parts.params))
-    saves = Saves(job, parts, data, run, callbacks, checkpoints, watchdog)
+    saves = Saves(run, callbacks, checkpoints, watchdog)
+    if checkpoints.resumed is not None:  # every registered part restored (loop/setup.py)
+        callbacks.call("on_load_checkpoint", run, checkpoints.resumed.state)
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
         ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop)
         try:
@@ -215,33 +215,21 @@ class StepEnds:
 
 
 class Saves:
-    """A run's saves: every rank gathers its part of the state, rank 0 writes it
-    (checkpoints/manager.py); callbacks hear of each once it is on disk (a background save is,
-    once written)."""
+    """A run's saves: every rank gathers its part of the registered state and the callbacks add
+    theirs (on_save_checkpoint), rank 0 writes it (checkpoints/manager.py); callbacks hear of
+    each save once it is on disk (a background save is, once written)."""
 
-    def __init__(self, job: Any, parts: TrainingParts, data: DataBundle, run: Run, callbacks: Callbacks,
-                 checkpoints: CheckpointManager, watchdog: Watchdog):
-        self.parts, self.run, self.callbacks, self.checkpoints, self.watchdog = parts, run, callbacks, checkpoints, watchdog
-        # What rebuilds and decodes the model from a checkpoint (ringtrain sample, evaluate): the job's
-        # recipe (config/recipe.py), sizes and vocabulary; the resolved config for the record only.
-        self.description = {"job": job.recipe, "config": job.resolved, "monitor": run.task.monitor,
-                            "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": architecture(parts.model)}
+    def __init__(self, run: Run, callbacks: Callbacks, checkpoints: CheckpointManager, watchdog: Watchdog):
+        self.run, self.callbacks, self.checkpoints, self.watchdog = run, callbacks, checkpoints, watchdog
 
     def save(self, step: int, best: bool) -> None:
         self.watchdog.feed(SAVING, step)
-        self.checkpoints.save(step, self._state, best)
+        self.checkpoints.save(step, best, lambda state: self.callbacks.call("on_save_checkpoint", self.run, state))
         self.report()
 
     def report(self) -> None:
         for step, path in self.checkpoints.written():
             self.callbacks.call("on_checkpoint_saved", self.run, step, path)
-
-    def _state(self, shards_path: Path) -> dict[str, Any]:  # every rank takes part; rank 0 writes
-        dist = self.run.dist
-        state = {**self.parts.checkpoint_state(dist, shards_path), "callbacks": self.callbacks.state_dict(),
-                 **self.description}
-        self.callbacks.call("on_save_checkpoint", self.run, state)
-        return state if dist.is_main else {}
 
 
 class StepLoss:

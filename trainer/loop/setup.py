@@ -14,9 +14,10 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, load_model_weights
+from ringtrain.checkpoints.files import load_model_weights, shards_name
 from ringtrain.checkpoints.frozen_base import base_identity, load_over_base, trainable_weights
-from ringtrain.checkpoints.manager import Resumed
+from ringtrain.checkpoints.manager import CheckpointManager, Part
+from ringtrain.checkpoints.state_dicts import load_full_optimizer_state_dict
 from ringtrain.data.bundle import DataBundle
 from ringtrain.distributed import DistInfo, gather_objects
 from ringtrain.errors import ConfigError
@@ -48,21 +49,7 @@ class TrainingParts:
     progress: Progress  # where training stands
     saved_layout: Layout  # the layout of the checkpoint it continues from (this one's for a new run)
     total_steps: int  # the step the run ends at
-    base: dict[str, Any] | None = None  # adapters: the frozen base's identity, kept instead of its weights
     val_sources: dict[str, BatchLoader] = field(default_factory=dict)  # the validation set's named parts (a mixture's)
-
-    def checkpoint_state(self, dist: DistInfo, shards_path) -> dict[str, Any]:
-        """Every rank's part of a checkpoint (checkpoints/files.py); rank 0 gets the whole
-        state, the others what they contributed (the strategy's weights: full, or each rank's
-        shards written to `shards_path`)."""
-        rng = gather_objects(dist, rng_state(dist.device))  # every rank's, for exact resume
-        weights = self.strategy.checkpoint_weights(self.model, self.optimizer, lambda: shards_path)
-        if self.base is not None and "model" in weights:  # the frozen base is named, not copied
-            weights = {**weights, "model": trainable_weights(self.model, weights["model"]), "base": self.base}
-        stream = {"data_stream": gather_objects(dist, self.train_loader.state_dict())} if self.streamed else {}
-        return {"format": CHECKPOINT_FORMAT, **weights, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.precision.state_dict(), "layout": self.layout.state_dict(),
-                "progress": self.progress.state_dict(), "rng": rng, **stream}
 
     @property
     def streamed(self) -> bool:
@@ -107,20 +94,21 @@ class TrainingParts:
 
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
-                    resumed: Resumed | None) -> TrainingParts:
+                    checkpoints: CheckpointManager) -> TrainingParts:
     """Place the model (with the checkpoint's full weights), let the strategy wrap, shard or
-    compile it, then the loaders, the optimizer over the set-up model's parameters, the lr
-    schedule and the precision; a checkpoint's sharded weights and the rest of its state go
-    into them once they exist."""
-    cfg, strategy = job.trainer, job.strategy
+    compile it, then the loaders, the optimizer, the lr schedule and the precision; register them
+    with `checkpoints` and, when the run resumes, restore every registered part (callbacks too)."""
+    cfg, strategy, resumed = job.trainer, job.strategy, checkpoints.resumed
     state = resumed.state if resumed else None
     model = model.to(dist.device)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     base = base_identity(model) if job.adapter is not None else None
+    # The one load outside checkpoints.restore: full weights go into the bare model before the
+    # strategy wraps, shards or compiles it (each rank its copy, nothing broadcast or resharded).
     if state is not None and "base" in state:  # adapters over a base rebuilt from the config
         load_over_base(model, state, resumed.path, found=base)
-    elif state is not None and "shards" not in state:  # full weights go into the bare model
+    elif state is not None and "shards" not in state:
         load_model_weights(model, state, resumed.path)
     module = strategy.setup_module(model, dist, cfg)
     if not any(p.requires_grad for p in model.parameters()):
@@ -135,34 +123,64 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     scheduler = job.scheduler(optimizer) if callable(job.scheduler) else build_scheduler(job.scheduler, optimizer, total)
     set_matmul_precision(dist.device, cfg.tf32)
     precision = Precision(strategy.autocast_precision(cfg.precision), dist.device)
-    saved_layout = layout
-    if state is not None:
+    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    parts = TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
+                          train_loader, val_loader, layout, progress, layout, total, val_sources)
+    _register(checkpoints, parts, dist, base, cfg.trust_checkpoint)
+    if resumed is not None:
+        checkpoints.restore()
+        # Where the run ends, at this layout (steps stay steps; epochs are counted from the
+        # position reached); a cosine schedule reaches its end there too.
+        parts.total_steps = steps_in_run(cfg, train_loader, progress)
+        if isinstance(scheduler, WarmupCosine):
+            scheduler.total_steps = parts.total_steps
+    return parts
+
+
+def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistInfo, base: dict[str, Any] | None,
+              trusted: bool) -> None:
+    """The parts, by their keys in the file, in the order restored. The strategy's weights load what
+    needs the set-up model (the optimizer's state, or both from shards; full weights went into the
+    bare model before). RNG states and a stream's position are every rank's, in rank order. Nothing
+    here holds `checkpoints`: a cycle would keep the parts (a stream's workers) past the run."""
+    model, optimizer, loader, directory = parts.model, parts.optimizer, parts.train_loader, checkpoints.directory
+    source = checkpoints.resumed.path if checkpoints.resumed is not None else None
+
+    def weights() -> dict[str, Any]:  # a save's shards go beside its step file, step-<N>.shards
+        saved = parts.strategy.checkpoint_weights(model, optimizer, lambda: directory / shards_name(parts.progress.step))
+        if base is not None and "model" in saved:  # the frozen base is named, not copied
+            saved = {**saved, "model": trainable_weights(model, saved["model"]), "base": base}
+        return saved
+
+    def load_weights(state: dict[str, Any]) -> None:
         if "shards" in state:  # into the set-up model: each rank reads what its shards need
             from ringtrain.checkpoints.sharded import load_sharded  # DCP: imported only where used
 
-            load_sharded(state["shards"], model, optimizer, trusted=cfg.trust_checkpoint)
+            load_sharded(state["shards"], model, optimizer, trusted=trusted)
         else:
-            strategy.load_optimizer_state(model, optimizer, state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        precision.load_state_dict(state.get("scaler") or {})
-        rng = state["rng"]
-        set_rng_state(rng[dist.rank] if len(rng) == dist.world_size else rng[0], dist.device)
-        progress.load_state_dict(state["progress"])
-        saved_layout = Layout(**state["layout"])
-        if is_stream(data.train):
-            if "data_stream" not in state:
-                raise ConfigError(f"{resumed.path} was saved by a run on a map-style data set, not a stream; continue "
-                                  f"it with its own data, or start a new run (trainer.resume=null)")
-            train_loader.restore(state["data_stream"])
-        # Where the run ends, at this layout (steps stay steps; epochs are counted from the
-        # position reached); a cosine schedule reaches its end there too.
-        total = steps_in_run(cfg, train_loader, progress)
-        if isinstance(scheduler, WarmupCosine):
-            scheduler.total_steps = total
-    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
-                         train_loader, val_loader, layout, progress, saved_layout, total, base, val_sources)
+            load_full_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+    cuda = dist.device if dist.device.type == "cuda" else None
+
+    def load_rng(states: list[dict[str, torch.Tensor]]) -> None:
+        state = states[dist.rank] if len(states) == dist.world_size else states[0]
+        torch.set_rng_state(state["cpu"])
+        if cuda is not None and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], cuda)
+
+    def load_stream(states: list[dict[str, Any]] | None) -> None:
+        if states is None:
+            raise ConfigError(f"{source} was saved by a run on a map-style data set, not a stream; "
+                              f"continue it with its own data, or start a new run (trainer.resume=null)")
+        loader.restore(states)
+
+    checkpoints.register(
+        weights=Part(weights, load_weights, spread=True), scheduler=parts.scheduler, scaler=parts.precision,
+        layout=Part(parts.layout.state_dict, lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
+        progress=parts.progress, rng=Part(lambda: gather_objects(dist, {"cpu": torch.get_rng_state(), **(
+            {"cuda": torch.cuda.get_rng_state(cuda)} if cuda is not None else {})}), load_rng),
+        **({"data_stream": Part(lambda: gather_objects(dist, loader.state_dict()), load_stream)} if parts.streamed else {}))
 
 
 def checkpoint_activations(model: nn.Module) -> None:
@@ -230,18 +248,3 @@ def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | 
                               f"{dist.world_size} processes that share it; give it more validation data")
     return train_loader, val_loader(data.train if overfit else data.val), \
         {name: val_loader(part) for name, part in sources.items()}
-
-
-def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """This rank's torch RNG states (CPU, and CUDA when used), for the checkpoint's `rng`."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Put back what `rng_state` returned."""
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)

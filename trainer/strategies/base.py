@@ -26,9 +26,7 @@ from torch import nn
 
 from ringtrain.distributed import DistInfo, launcher_ranks, resolve_device
 from ringtrain.errors import ConfigError
-from ringtrain.checkpoints.state_dicts import (
-    full_model_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict,
-)
+from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimizer_state_dict
 
 
 class Strategy:
@@ -117,10 +115,6 @@ class Strategy:
         state, keyed by parameter name, on rank 0 (every rank takes part). A strategy that
         writes each rank's shards instead returns {"shards": <directory name>}."""
         return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(model, optimizer)}
-
-    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load a checkpoint's name-keyed optimizer state (from any strategy) into `optimizer`."""
-        load_full_optimizer_state_dict(model, optimizer, state)
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The bare model inside what setup_module returned."""

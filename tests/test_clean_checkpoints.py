@@ -41,7 +41,7 @@ CASES = {
               "strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded",
               "trainer.batch_size=8", "trainer.max_steps=6"], ("consolidate",)),
 }
-SLOW = ("hf_local", "lora", "fsdp")
+SLOW = ("transformer", "user_model", "hf_local", "lora", "fsdp")  # the default job stays in the default suite
 
 
 def _user_folder(root: Path) -> Path:

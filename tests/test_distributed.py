@@ -38,6 +38,7 @@ def test_ddp_two_ranks_batch_b_matches_single_process_batch_2b(tmp_path):
         assert ddp_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_ddp_with_accumulation_matches_single_process_big_batch(tmp_path):
     ok(run_cli(MLP + ["strategy=ddp", "trainer.batch_size=8", "trainer.accumulate_grad_batches=2",
                       "trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'ddp'}"], launcher=TORCHRUN))
@@ -187,6 +188,7 @@ teardown_distributed()
 """
 
 
+@pytest.mark.slow
 def test_forward_sync_buffers_on_two_ranks_syncs_buffers_at_every_forward_or_only_at_the_start(tmp_path):
     """strategy.forward_sync_buffers=true: every forward starts from rank 0's buffers (DDP's
     default). false: each rank's forwards change only its own buffers; at the start they are
@@ -231,6 +233,7 @@ def test_accumulation_all_reduces_only_on_the_last_micro_batch(one_rank_group, t
 # --- whole jobs ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_scale_lr_by_world_size_doubles_the_lr_of_two_ranks(tmp_path):
     ok(run_cli(MLP + ["strategy=ddp", "strategy.scale_lr_by_world_size=true", "trainer.max_steps=2",
                       f"hydra.run.dir={tmp_path}"], launcher=TORCHRUN))
@@ -238,6 +241,7 @@ def test_scale_lr_by_world_size_doubles_the_lr_of_two_ranks(tmp_path):
     assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [pytest.approx(0.1)]  # 2 * 0.05
 
 
+@pytest.mark.slow
 def test_torch_distributed_launch_with_its_local_rank_argument_trains(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2"]
     # It passes --local-rank=N to each worker: Hydra would refuse it as an override.
@@ -288,6 +292,7 @@ def test_a_rank_failing_mid_training_under_torchrun_ends_the_job_quickly(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()  # no half-trained checkpoint
 
 
+@pytest.mark.slow
 def test_a_rank_failing_mid_training_in_a_self_launched_job_ends_it_quickly(tmp_path, capfd):
     from conftest import compose_config
     from ringtrain.config.schema import validate

@@ -3,7 +3,9 @@
 Three 2-rank launches serve the whole file (module fixtures): `train` (the equivalence
 cases and a step-20 checkpoint), `resume` (fsdp -> fsdp via a sharded checkpoint, and
 single process -> fsdp) and `ddp_resume` (fsdp -> DDP). The single-process references run
-in this process with the worker's own `train`, on a batch twice the per-rank one.
+in this process with the worker's own `train`, on a batch twice the per-rank one. The tests
+of those launches are `slow` (about 5 minutes together on 2 cores); the default suite keeps
+fsdp's 2-rank equivalence and one-line mistakes in tests/test_fsdp_training.py.
 """
 from __future__ import annotations
 
@@ -116,12 +118,14 @@ def ddp_dir(tmp_path_factory, train_dir) -> Path:
     "case, atol",
     [("sgd", 1e-5), ("adamw", 1e-4), ("sgd_accumulate", 1e-5), ("sgd_cpu_offload", 1e-5)],
 )
+@pytest.mark.slow
 def test_fsdp_two_ranks_match_single_process_double_batch(train_dir, case, atol):
     reference, _ = single_process_run(case)
     diff = max_diff(load(train_dir / f"{case}.pt"), reference)
     assert diff <= atol, f"{case}: max abs param diff {diff}"
 
 
+@pytest.mark.slow
 def test_accumulation_skips_the_reduce_scatter_until_the_last_micro_batch(train_dir):
     report = json.loads((train_dir / "report.json").read_text())
     early = report["sgd_accumulate"]["early_gradients"]
@@ -129,6 +133,7 @@ def test_accumulation_skips_the_reduce_scatter_until_the_last_micro_batch(train_
     assert len(early) == worker.STEPS and not any(early)
 
 
+@pytest.mark.slow
 def test_fsdp_adamw_is_bit_identical_to_one_process_summing_the_same_halves(train_dir):
     # Each rank's half as a micro-batch of one process: the same sums in the same order, and
     # one thread, as each rank has (more threads split the matmuls' sums differently).
@@ -143,6 +148,7 @@ def test_fsdp_adamw_is_bit_identical_to_one_process_summing_the_same_halves(trai
     assert max_diff(load(train_dir / "adamw.pt"), model.state_dict()) <= 1e-7
 
 
+@pytest.mark.slow
 def test_fsdp_clipping_uses_the_global_norm(train_dir):
     reference, reference_norms = single_process_run("sgd_clip")
     norms = json.loads((train_dir / "report.json").read_text())["sgd_clip"]["norms"]
@@ -152,6 +158,7 @@ def test_fsdp_clipping_uses_the_global_norm(train_dir):
     assert max_diff(load(train_dir / "sgd_clip.pt"), reference) <= 1e-5
 
 
+@pytest.mark.slow
 def test_bf16_param_dtype_computes_in_bf16_and_keeps_float32_shards(train_dir):
     report = json.loads((train_dir / "report.json").read_text())
     assert report["bf16_param_dtypes"] == ["torch.float32"]  # the sharded (optimizer's) copy
@@ -164,6 +171,7 @@ def test_bf16_param_dtype_computes_in_bf16_and_keeps_float32_shards(train_dir):
 # --- checkpoints --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fsdp_full_state_loads_into_a_bare_transformer(train_dir):
     state = load(train_dir / "adamw_step20.pt")  # weights_only=True: plain tensors and data only
     bare = worker.build_model()
@@ -179,6 +187,7 @@ def test_fsdp_full_state_loads_into_a_bare_transformer(train_dir):
                for s in state["optimizer"]["state"].values() for t in s.values())
 
 
+@pytest.mark.slow
 def test_fsdp_resume_equals_uninterrupted_and_sharded_checkpoint_round_trips(train_dir, resume_dir):
     uninterrupted, resumed = load(train_dir / "adamw.pt"), load(resume_dir / "fsdp_resumed.pt")
     for key in uninterrupted:
@@ -189,11 +198,13 @@ def test_fsdp_resume_equals_uninterrupted_and_sharded_checkpoint_round_trips(tra
     assert report["leftovers"] == [], "a temporary checkpoint directory was left behind"
 
 
+@pytest.mark.slow
 def test_single_process_checkpoint_resumes_under_fsdp(resume_dir):
     reference, _ = single_process_run("adamw")
     assert max_diff(load(resume_dir / "single_to_fsdp.pt"), reference) <= 1e-4
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_resumes_under_ddp_and_ddp_state_loads_in_one_process(train_dir, ddp_dir):
     checkpoint = load(ddp_dir / "ddp_resumed.pt")
     assert max_diff(checkpoint["model"], load(train_dir / "adamw.pt")) <= 1e-4

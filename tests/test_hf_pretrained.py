@@ -141,6 +141,7 @@ def test_pretrained_gpt2_fine_tunes_as_a_two_rank_ddp_job_under_torchrun(user):
     _check_export(_export(user, run, "ddp-export"), weights)
 
 
+@pytest.mark.slow
 def test_a_pretrained_models_checkpoint_samples_and_evaluates_without_its_base_directory(user, tmp_path):
     """The checkpoint keeps the model's class and config (`architecture`): from another folder,
     with the from_pretrained directory renamed away and no network (HF_HUB_OFFLINE), sample and

@@ -65,6 +65,7 @@ def test_a_strategy_that_does_not_match_torchruns_ranks_is_refused_once_and_writ
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_the_python_api_under_torchrun_refuses_a_strategy_that_does_not_match(tmp_path):
     script = tmp_path / "api_under_torchrun.py"
     script.write_text(textwrap.dedent("""

@@ -536,6 +536,7 @@ def _sweep_jobs(sweep: Path) -> dict[str, tuple[float, int]]:
     return jobs
 
 
+@pytest.mark.slow
 @needs_wandb
 @needs_mlflow
 def test_a_2x2_multirun_gives_four_runs_in_each_logger(sweep):

@@ -227,6 +227,7 @@ def test_lora_trains_only_the_adapters_and_its_checkpoint_is_a_small_fraction_of
 # --- 2. SIGTERM, then the same command ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_at_an_observed_step_then_the_same_command_resumes_bit_identical(user, lora_run, tmp_path):
     run = tmp_path / "interrupted"
     args = _args(user, run, SINGLE)

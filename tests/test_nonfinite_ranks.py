@@ -64,6 +64,7 @@ def project(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_skip_skips_the_same_update_on_every_rank(project):
     proc = run_cli(["--config-dir", str(project / "conf"), *RUN, "trainer.on_nonfinite=skip",
                     f"hydra.run.dir={project / 'run'}"], cwd=project)

@@ -294,6 +294,7 @@ def test_lora_without_target_modules_lists_the_models_layer_names(tmp_path):
 # --- 11. resuming LoRA with another adapter.r ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resuming_lora_with_another_rank_names_the_stored_adapter_r(tmp_path):
     lora = ["model=transformer", "model.n_layers=1", "adapter=lora", "adapter.target_modules=[qkv]",
             f"hydra.run.dir={tmp_path / 'run'}"]

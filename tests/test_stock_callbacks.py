@@ -351,6 +351,7 @@ def test_early_stopping_ends_at_the_step_its_patience_implies_exit_0_reason_in_m
     assert stop > 4 * (PATIENCE + 2)
 
 
+@pytest.mark.slow
 def test_early_stopping_under_two_ranks_stops_every_rank_at_the_same_step(tmp_path):
     run_dir = tmp_path / "run"
     output = job_ok(run_job(EARLY + ["trainer.batch_size=8", "strategy=ddp", f"hydra.run.dir={run_dir}"],

@@ -258,6 +258,7 @@ def test_a_self_launched_ranks_workers_start_as_a_torchrun_ranks_do(user_dir, tm
     assert len(methods) == 2 and set(methods) == {multiprocessing.get_start_method()}  # one worker per rank
 
 
+@pytest.mark.slow
 def test_worker_processes_and_a_resume_mid_epoch_change_no_bit(single_run, user_dir, tmp_path):
     """num_workers=2 loads the user's Dataset in 2 processes: the same batches, so the same
     weights as the main process alone (single_run). Then a run stopped at step 18, half way

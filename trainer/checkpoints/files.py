@@ -67,11 +67,14 @@ class RunDirError(UserError, RuntimeError):
 
 class Unusable(Exception):
     """Why a file is not a usable checkpoint, in a few words that follow its name; `fix` says
-    what to do instead; `damaged`: its bytes are not the ones written (truncated, corrupt)."""
+    what to do instead; `damaged`: its bytes are not the ones written (truncated, corrupt);
+    `refused`: it reads, but holds what ringtrain never loads (code to run, shards outside its
+    directory, another format): a resume refuses it rather than pass over it to an older file."""
 
-    def __init__(self, reason: str, fix: str = "pass a last.pt/best.pt written by ringtrain", damaged: bool = False):
+    def __init__(self, reason: str, fix: str = "pass a last.pt/best.pt written by ringtrain", damaged: bool = False,
+                 refused: bool = False):
         super().__init__(reason)
-        self.fix, self.damaged = fix, damaged
+        self.fix, self.damaged, self.refused = fix, damaged, refused
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -143,23 +146,23 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
     except Exception as err:  # a pickle with code in it, a file torch cannot read
         detail = _first_sentence(err)
         if "would run" in detail or _starts_as_zip(path):
-            raise Unusable(f"cannot be read ({detail})") from None
+            raise Unusable(f"cannot be read ({detail})", refused="would run" in detail) from None
         raise Unusable("is not a torch checkpoint file (torch.save writes a zip archive)") from None
     if isinstance(state, dict) and state.get("format") == 2:
         raise Unusable("was written by an older ringtrain, whose checkpoints kept their config as nodes to build "
                        "(code a file could choose)", f"if you trust the file, rewrite it as data with `ringtrain "
-                       f"upgrade checkpoint={path} trust_checkpoint=true`")
+                       f"upgrade checkpoint={path} trust_checkpoint=true`", refused=True)
     required = _REQUIRED_KEYS_SHARDED if isinstance(state, dict) and "shards" in state else _REQUIRED_KEYS
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise Unusable(f"is not a ringtrain checkpoint (missing {', '.join(missing)})")
     if state["format"] != CHECKPOINT_FORMAT:
         raise Unusable(f"has format {state['format']}, this ringtrain reads {CHECKPOINT_FORMAT}",
-                       "read it with the ringtrain version that wrote it")
+                       "read it with the ringtrain version that wrote it", refused=True)
     if "shards" in state:
         if not isinstance(state["shards"], str) or not _SHARDS_NAME.match(state["shards"]):
             raise Unusable(f"names its shards {state['shards']!r}, not a step-<N>.shards directory beside it",
-                           "pass a checkpoint ringtrain wrote")
+                           "pass a checkpoint ringtrain wrote", refused=True)
         # DCP writes .metadata last, and save_sharded renames the directory only when complete.
         shards = path.parent / state["shards"]
         if not (shards / ".metadata").is_file():

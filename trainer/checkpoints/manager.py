@@ -13,7 +13,7 @@ trainer.resume is `auto` (the newest readable checkpoint here, else a fresh star
 restarted job relies on), a path (continue that run; its recipe is replayed, config/recipe.py)
 or null (never; a directory holding checkpoints is refused). An unreadable newest file
 (truncated, checksum mismatch) is named in one line and moved into checkpoints/unreadable/,
-never deleted, and an older one used. The file format is checkpoints/files.py. A save writes `step-<N>.pt` atomically, hard-links `last.pt` (and `best.pt`) to it and keeps
+never deleted, and an older one used; one that holds what ringtrain never loads is refused. The file format is checkpoints/files.py. A save writes `step-<N>.pt` atomically, hard-links `last.pt` (and `best.pt`) to it and keeps
 `keep_last_k` step files. With trainer.async_checkpoint training stops only to copy the state
 to CPU memory; a thread writes it (checkpoints/background.py), and a failure stops the run at
 the next save or `flush` on every rank, the previous checkpoint intact. Only rank 0 writes;
@@ -299,6 +299,8 @@ def find_resumable(directory: Path) -> Found:
         try:
             return Found(path, read_checkpoint(path, mmap=True), unreadable)
         except Unusable as err:
+            if err.refused:  # not damage a crash could leave: passing over it would hide what it holds
+                raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
             names = [path] + [p for p in candidates if p != path and p.is_file() and _same_file(p, path)]
             unreadable.append((names, str(err)))
     return Found(None, None, unreadable)

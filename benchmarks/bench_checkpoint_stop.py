@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from ringtrain.distributed import DistInfo  # noqa: E402
-from ringtrain.checkpoints.manager import CheckpointManager  # noqa: E402
+from ringtrain.checkpoints.manager import CheckpointManager, Part  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.strategies.base import Single  # noqa: E402
 
@@ -66,18 +66,19 @@ def measure(background: bool, saves: int, steps: int, batch: int) -> dict:
     strategy, step = Single(), 0
     stopped, step_seconds = [], []
 
-    def state(shards: Path) -> dict:  # what the loop gathers: the strategy's weights and the rest
-        return {**strategy.checkpoint_weights(model, optimizer, lambda: shards), "scheduler": {"last_epoch": step},
-                "progress": {"step": step}, "rng": [], "config": {"model": dict(CONFIG)}, "format": 2}
+    def state() -> dict:  # what the run registers: the strategy's weights and the rest (the manager adds format)
+        return {**strategy.checkpoint_weights(model, optimizer, lambda: Path(directory) / f"step-{step}.shards"),
+                "scheduler": {"last_epoch": step}, "progress": {"step": step}, "rng": [], "config": {"model": dict(CONFIG)}}
 
     with tempfile.TemporaryDirectory() as directory:
         checkpoints = _manager(Path(directory), background)
+        checkpoints.register(state=Part(state, spread=True))
         for save in range(saves + 1):
             for _ in range(steps):
                 step_seconds.append(_train_step(model, optimizer, generator, batch))
                 step += 1
             started = time.perf_counter()
-            checkpoints.save(step, state, best=False)
+            checkpoints.save(step, best=False)
             stopped.append(time.perf_counter() - started)
         checkpoints.flush()
         written = torch.load(checkpoints.last, weights_only=True, mmap=True)

@@ -119,10 +119,11 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
             model, data, task = _build(job, built, dist, resumed)
             check_monitors(callbacks.all, validation_metrics(task))
             # Saved, never restored: what rebuilds the model (its recipe, config/recipe.py; sizes; vocabulary;
-            # the resolved config for the record only). set_up_training registers the rest, restores all.
-            checkpoints.register(callbacks=callbacks, description=Part(lambda: {
-                "job": job.recipe, "config": job.resolved, "monitor": task.monitor, "data_dims": dict(data.dims),
-                "vocab": data.vocab, "architecture": architecture(model)}, spread=True))
+            # the resolved config for the record only), the same at every save: described once, here, on the
+            # bare model. set_up_training registers the rest, restores all.
+            description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor,
+                           "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": architecture(model)}
+            checkpoints.register(callbacks=callbacks, description=Part(lambda: description, spread=True))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
                     parts = set_up_training(job, dist, model, data, checkpoints)

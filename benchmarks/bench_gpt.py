@@ -9,6 +9,8 @@ decay 0.1 on matrices), gradient clipping at 1.0, bf16 autocast, no gradient acc
   ringtrain eager        `experiment=gpt2_small`, ringtrain's own loop (trainer.run.train_rank;
   ringtrain compiled     fused AdamW), checkpoints off, evaluation and the train-loss
                          read only after the last timed step; the second row adds trainer.compile
+  ringtrain compiled     (each block compiled, trainer.compile_scope=regional, the default),
+    whole                the third compiles the whole model (compile_scope=whole), as the raw loop
   raw loop eager         a hand-written loop: batches gathered from the token tensor, pinned and
                          copied non-blocking, autocast, backward, clip, fused AdamW (as ringtrain's)
   raw loop compiled      the same with torch.compile(model)
@@ -24,7 +26,10 @@ of `--steps` steps, each timed between two device synchronisations; the fastest 
 (a shared machine's load only ever slows a window down). `--rounds 2` or more runs the rows
 again in reverse order (a GPU's clocks favour no row) and keeps each row's best. Printed per row: tokens/s, ms/step, MFU (from the
 model's flops_per_token() and the device's peak, trainer/callbacks/throughput.py, or --peak-tflops),
-peak GPU memory, and the ratio to the faster raw loop.
+peak GPU memory, and the ratio to the faster raw loop. `--profile DIR` profiles the last 2
+warm-up steps of each row in the first round (torch.profiler; traces to DIR) and prints, per
+step, what ringtrain's eager and compiled rows run that the raw loop's do not: wall and kernel
+time, kernels by time, CPU-side ops and CUDA runtime calls by count.
 
     python benchmarks/bench_gpt.py              # a GPU; --warmup 10 --steps 50 --windows 3
     python benchmarks/bench_gpt.py --tiny       # CPU: a tiny GPT in float32, < 1 minute;
@@ -35,11 +40,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import logging
+import os
+import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +75,10 @@ class Setup:
     warmup: int
     steps: int  # per timed window
     windows: int
+    profile: Path | None = None  # where the profiled steps' traces go (--profile)
+    profiling: str | None = None  # the row whose warm-up ends with PROFILED profiled steps
+    profiles: dict = field(default_factory=dict)  # row: StepProfile
+    row_started: float = 0.0  # perf_counter() at the start of the row running now
 
     @property
     def total_steps(self) -> int:
@@ -99,17 +111,42 @@ class Setup:
 
 
 class StepClock:
-    """Wall time of each window of `steps` steps after the warm-up, between device syncs."""
+    """Wall time of each window of `steps` steps after the warm-up, between device syncs. With
+    --profile, the last PROFILED warm-up steps (compiled by then, outside every timed window)
+    run under torch.profiler and leave a StepProfile in `setup.profiles`."""
 
     def __init__(self, setup: Setup):
         self.setup, self.done, self.marks = setup, 0, []
+        self.first_step = 0.0  # seconds from the row's start (setup.row_started) to its first step's end
+        self.profiler: torch.profiler.profile | None = None
+
+    def _sync(self) -> None:
+        if self.setup.device.type == "cuda":
+            torch.cuda.synchronize(self.setup.device)
 
     def step_done(self) -> None:
         self.done += 1
-        after_warmup = self.done - self.setup.warmup
-        if after_warmup >= 0 and after_warmup % self.setup.steps == 0:
-            if self.setup.device.type == "cuda":
-                torch.cuda.synchronize(self.setup.device)
+        setup = self.setup
+        if self.done == 1:
+            self._sync()
+            self.first_step = time.perf_counter() - setup.row_started
+        if setup.profiling and self.done == setup.warmup - PROFILED:
+            self._sync()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if setup.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+            self.profile_start = time.perf_counter()
+        if self.profiler is not None and self.done == setup.warmup:
+            self._sync()
+            wall = time.perf_counter() - self.profile_start
+            self.profiler.stop()
+            setup.profiles[setup.profiling] = StepProfile.of(self.profiler, wall, setup)
+            self.profiler = None
+        after_warmup = self.done - setup.warmup
+        if after_warmup >= 0 and after_warmup % setup.steps == 0:
+            self._sync()
             self.marks.append(time.perf_counter())
 
     @property
@@ -118,10 +155,78 @@ class StepClock:
         return [end - start for start, end in zip(self.marks, self.marks[1:])]
 
 
+PROFILED = 2  # steps under the profiler, at the end of each row's warm-up (--profile)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+@dataclass
+class StepProfile:
+    """One row's profiled steps, per step: the wall time, the GPU's kernel time, the kernels
+    by name (count, microseconds) and the CPU-side ops by name (count)."""
+
+    wall_ms: float
+    kernel_ms: float
+    kernels: dict  # name: [count, us] per step
+    ops: dict  # name: count per step (aten ops, CUDA runtime calls, Python-side record_function ranges)
+
+    @classmethod
+    def of(cls, profiler: torch.profiler.profile, wall: float, setup: Setup) -> "StepProfile":
+        from torch.autograd import DeviceType
+
+        kernels: dict = {}
+        ops: dict = {}
+        for event in profiler.events():
+            if event.device_type == DeviceType.CUDA:
+                entry = kernels.setdefault(event.name, [0, 0.0])
+                entry[0] += 1 / PROFILED
+                entry[1] += event.time_range.elapsed_us() / PROFILED
+            else:
+                ops[event.name] = ops.get(event.name, 0) + 1 / PROFILED
+        if setup.profile is not None:
+            setup.profile.mkdir(parents=True, exist_ok=True)
+            trace = setup.profile / f"trace_{setup.profiling.replace(' ', '_')}.json"
+            profiler.export_chrome_trace(str(trace))
+            with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            trace.unlink()
+        return cls(wall_ms=wall * 1e3 / PROFILED, kernel_ms=sum(us for _, us in kernels.values()) / 1e3,
+                   kernels=kernels, ops=ops)
+
+    def summary(self) -> str:
+        launches = sum(n for name, n in self.ops.items() if name.startswith(("cudaLaunch", "cuLaunch")))
+        syncs = sum(n for name, n in self.ops.items() if name.startswith(SYNCS))
+        return (f"{self.wall_ms:.2f} ms wall, {self.kernel_ms:.2f} ms of kernels "
+                f"({sum(n for n, _ in self.kernels.values()):.0f} kernels, {launches:.0f} launches, "
+                f"{syncs:.0f} sync or blocking-copy calls) per step")
+
+
+def print_profile_differences(profiles: dict) -> None:
+    """What each ringtrain row runs that its raw loop does not, per step: kernels by time,
+    then CPU-side ops by count."""
+    for mode in ("eager", "compiled"):
+        ours, raw = profiles.get(f"ringtrain {mode}"), profiles.get(f"raw loop {mode}")
+        if ours is None or raw is None:
+            continue
+        print(f"\nprofile, {mode}: ringtrain {ours.summary()}")
+        print(f"profile, {mode}: raw loop  {raw.summary()}")
+        names = set(ours.kernels) | set(raw.kernels)
+        rows = sorted(((ours.kernels.get(n, [0, 0])[1] - raw.kernels.get(n, [0, 0])[1], n) for n in names), reverse=True)
+        print(f"kernels whose time per step differs most (ringtrain - raw, us; count ringtrain/raw):")
+        for delta, name in [r for r in rows if abs(r[0]) >= 5][:12] + [r for r in rows if r[0] <= -5][-4:]:
+            print(f"  {delta:+9.1f} us  {ours.kernels.get(name, [0])[0]:4.0f}/{raw.kernels.get(name, [0])[0]:<4.0f} {name[:110]}")
+        extra = sorted(((ours.ops.get(n, 0) - raw.ops.get(n, 0), n) for n in set(ours.ops) | set(raw.ops)), reverse=True)
+        print("CPU-side ops ringtrain calls more often per step (count ringtrain/raw):")
+        for delta, name in [e for e in extra if e[0] >= 1][:25]:
+            print(f"  {delta:+6.0f}  {ours.ops.get(name, 0):5.0f}/{raw.ops.get(name, 0):<5.0f} {name[:100]}")
+        fewer = [e for e in extra if e[0] <= -1][-10:]
+        if fewer:
+            print("... and less often:", ", ".join(f"{name[:60]} ({delta:+.0f})" for delta, name in fewer))
+
+
 # --- the rows --------------------------------------------------------------------------------
 
 
-def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
+def ringtrain_row(setup: Setup, compile: bool, scope: str = "regional") -> "StepClock":
     from hydra import compose, initialize_config_dir
 
     from ringtrain.callbacks.base import Callback
@@ -140,7 +245,7 @@ def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
         f"model.block_size={shape['block_size']}", f"model.n_layers={shape['n_layers']}",
         f"model.n_heads={shape['n_heads']}", f"model.d_model={shape['d_model']}", f"data.vocab_size={shape['vocab_size']}",
         f"data.num_train_tokens={(total + 1) * setup.tokens_per_step}", f"data.num_val_tokens={setup.tokens_per_step}",
-        f"optimizer.lr={LR}", f"trainer.grad_clip_norm={CLIP}",
+        f"optimizer.lr={LR}", f"trainer.grad_clip_norm={CLIP}", f"trainer.compile_scope={scope}",
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         job = validate(compose(config_name="train", overrides=overrides))
@@ -153,10 +258,10 @@ def ringtrain_row(setup: Setup, compile: bool) -> list[float]:
     job.callbacks["clock"] = Clock()
     with tempfile.TemporaryDirectory() as run_dir:
         train_rank(job, run_dir)
-    return clock.seconds
+    return clock
 
 
-def raw_loop_row(setup: Setup, compile: bool) -> list[float]:
+def raw_loop_row(setup: Setup, compile: bool) -> "StepClock":
     windows = setup.data().train.windows
     model = setup.model()
     on_cuda = setup.device.type == "cuda"
@@ -179,7 +284,7 @@ def raw_loop_row(setup: Setup, compile: bool) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         clock.step_done()
     loss.item()  # the loss a loop prints, read once at the end as ringtrain's row does
-    return clock.seconds
+    return clock
 
 
 def _token_loader(setup: Setup) -> torch.utils.data.DataLoader:
@@ -189,7 +294,7 @@ def _token_loader(setup: Setup) -> torch.utils.data.DataLoader:
                                        generator=torch.Generator().manual_seed(0))
 
 
-def lightning_row(setup: Setup) -> list[float]:
+def lightning_row(setup: Setup) -> "StepClock":
     import lightning as L
 
     class GPTModule(L.LightningModule):
@@ -220,10 +325,10 @@ def lightning_row(setup: Setup) -> list[float]:
         callbacks=[Clock()],
     )
     trainer.fit(GPTModule(setup.model()), _token_loader(setup))
-    return clock.seconds
+    return clock
 
 
-def accelerate_row(setup: Setup) -> list[float]:
+def accelerate_row(setup: Setup) -> "StepClock":
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="bf16" if setup.precision == "bf16-mixed" else "no",
@@ -245,13 +350,14 @@ def accelerate_row(setup: Setup) -> list[float]:
             if steps == setup.total_steps:
                 break
     loss.item()
-    return clock.seconds
+    return clock
 
 
-ROWS: dict[str, tuple[str | None, Callable[[Setup], list[float]]]] = {
+ROWS: dict[str, tuple[str | None, Callable[[Setup], "StepClock"]]] = {
     # name: (package it needs, the row)
     "ringtrain eager": (None, lambda s: ringtrain_row(s, compile=False)),
     "ringtrain compiled": (None, lambda s: ringtrain_row(s, compile=True)),
+    "ringtrain compiled whole": (None, lambda s: ringtrain_row(s, compile=True, scope="whole")),
     "raw loop eager": (None, lambda s: raw_loop_row(s, compile=False)),
     "raw loop compiled": (None, lambda s: raw_loop_row(s, compile=True)),
     "Lightning": ("lightning", lightning_row),
@@ -289,6 +395,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=["32", "bf16-mixed"], help="default bf16-mixed, --tiny 32")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak for MFU; 0: look the GPU up")
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), help="only these rows")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help=f"profile the last {PROFILED} warm-up steps of each row in the first round; "
+                             "print what ringtrain's steps run that the raw loop's do not; traces go to DIR")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the rows this often, alternately forward and reversed; each keeps its best")
     args = parser.parse_args()
@@ -301,7 +410,10 @@ def main() -> None:
         precision=args.precision or ("32" if args.tiny else "bf16-mixed"), device=device,
         warmup=args.warmup if args.warmup is not None else (3 if args.tiny else 10),
         steps=args.steps or (20 if args.tiny else 50), windows=args.windows or (5 if args.tiny else 3),
+        profile=args.profile,
     )
+    if args.profile is not None and setup.warmup < PROFILED + 2:
+        parser.error(f"--profile profiles the last {PROFILED} warm-up steps: give --warmup {PROFILED + 2} or more")
     if setup.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # ringtrain's trainer.tf32 default, for every row
     logging.disable(logging.WARNING)  # ringtrain's, Lightning's and Accelerate's INFO/WARNING lines
@@ -317,6 +429,7 @@ def main() -> None:
           f"peak {f'{peak:g} TFLOP/s' if peak else 'unknown (no MFU)'}")
 
     results: dict[str, float | str] = {}
+    row_caches: dict[str, str] = {}
     chosen = [row for row in ROWS if not args.rows or row in args.rows]
     for round_ in range(args.rounds):
         # Later rounds run the rows in reverse order, then forward again: a device that warms
@@ -329,12 +442,19 @@ def main() -> None:
                 results[row] = skip
                 continue
             torch.compiler.reset()  # every compiled row compiles from the same state
+            # ... and its first round from empty on-disk caches (its first step's time is compile time)
+            caches = row_caches.setdefault(row, tempfile.mkdtemp(prefix="bench_gpt_cache_"))
+            os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = f"{caches}/inductor", f"{caches}/triton"
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
+            profiled = args.profile is not None and round_ == 0 and row.startswith(("ringtrain", "raw"))
+            setup.profiling = row if profiled else None
             try:
-                seconds = min(run_row(setup))
+                setup.row_started = time.perf_counter()
+                clock = run_row(setup)
+                seconds = min(clock.seconds)
             except Exception as error:  # one row's failure is a result too; the others still run
                 results[row] = f"failed: {type(error).__name__}: {' '.join(str(error).split())[:120]}"
                 print(f"{row}: {results[row]}", flush=True)
@@ -343,26 +463,29 @@ def main() -> None:
             speed = setup.steps * setup.tokens_per_step / seconds
             results[row] = max(speed, results.get(row, 0.0))
             results[row + " memory"] = memory
-            print(f"round {round_ + 1} {row}: {speed:,.0f} tok/s", flush=True)  # the table comes last
+            results.setdefault(row + " first step", clock.first_step)  # the first round's: compile caches empty
+            print(f"round {round_ + 1} {row}: {speed:,.0f} tok/s, first step after {clock.first_step:.1f} s", flush=True)  # the table comes last
+        if round_ == 0:
+            print_profile_differences(setup.profiles)  # before later rounds: a deadline may cut them
 
     raw = [results[r] for r in RAW_ROWS if isinstance(results.get(r), float)]
     best_raw = max(raw) if raw else None
     print()
-    print("| row | tok/s | ms/step | MFU | peak memory | vs best raw loop |")
-    print("|---|---|---|---|---|---|")
+    print("| row | tok/s | ms/step | MFU | peak memory | vs best raw loop | first step (round 1) |")
+    print("|---|---|---|---|---|---|---|")
     for row in ROWS:
         if row not in results:
             continue
         value = results[row]
         if isinstance(value, str):
-            print(f"| {row} | {value} | | | | |")
+            print(f"| {row} | {value} | | | | | |")
             continue
         ms = setup.tokens_per_step / value * 1e3
         mfu = f"{100 * flops_per_token * value / (peak * 1e12):.1f} %" if peak else "-"
         memory = results[row + " memory"]
         memory_text = f"{memory:.2f} GiB" if memory is not None else "-"
         ratio = f"{value / best_raw:.2f}x" if best_raw else "-"
-        print(f"| {row} | {value:,.0f} | {ms:.1f} | {mfu} | {memory_text} | {ratio} |")
+        print(f"| {row} | {value:,.0f} | {ms:.1f} | {mfu} | {memory_text} | {ratio} | {results[row + ' first step']:.1f} s |")
 
 
 if __name__ == "__main__":

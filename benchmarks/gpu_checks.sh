@@ -10,7 +10,7 @@
 #   STAGES="baby_gpt cuda_tests" benchmarks/gpu_checks.sh ...   # only these stages
 #
 # Stages, most wanted first: bench_gpt.py's GPU table (MFU; ringtrain vs the raw loop,
-# Lightning, Accelerate); the baby-GPT preset to its end (nanoGPT reaches val loss ~1.47) and
+# Lightning, Accelerate) with a profile of each row's step; bench_compile.py on the GPU; the baby-GPT preset to its end (nanoGPT reaches val loss ~1.47) and
 # a sample from its checkpoint; 16-mixed (GradScaler) stopped and resumed against one run;
 # NCCL ddp with torch.compile and NCCL fsdp with bf16 (one rank each: one GPU); the tests
 # marked `cuda`.
@@ -36,9 +36,15 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: under min(MAX, time left - 5)
 }
 
 quiet=(trainer.progress_bar=false)
-stage env 30 bash -c 'nvidia-smi -L; python -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"'
+stage env 30 bash -c 'nvidia-smi -L; python -c "import torch, sys, hydra, ringtrain; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), hydra.__version__, ringtrain.__file__)"'
 
-TAIL=14 stage bench_gpt 300 python benchmarks/bench_gpt.py --warmup 10 --steps 30 --windows 2 --rounds 2
+# The rows three times (forward, reversed, forward), each row's last 2 warm-up steps of the first
+# round profiled: what ringtrain's step runs that the raw loop's does not (traces to OUT).
+TAIL=70 stage bench_gpt 400 python benchmarks/bench_gpt.py --warmup 10 --steps 30 --windows 2 --rounds 3 --profile "$out"
+
+# Regional against whole-model compile against a raw compiled loop: time to the third step from
+# an empty compile cache, and the step time (each a fresh process).
+stage bench_compile 110 python benchmarks/bench_compile.py --layers 12 --steps 20
 
 stage baby_gpt 170 python train.py experiment=shakespeare_char_gpu "data.path=$text" "data.cache_dir=$runs/cache" \
     trainer.log_every_n_steps=250 "hydra.run.dir=$runs/baby" "${quiet[@]}" \

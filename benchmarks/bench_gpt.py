@@ -75,6 +75,7 @@ class Setup:
     warmup: int
     steps: int  # per timed window
     windows: int
+    compile_mode: str = "default"  # torch.compile's mode for every compiled row (--compile-mode)
     profile: Path | None = None  # where the profiled steps' traces go (--profile)
     profiling: str | None = None  # the row whose warm-up ends with PROFILED profiled steps
     profiles: dict = field(default_factory=dict)  # row: StepProfile
@@ -246,6 +247,7 @@ def ringtrain_row(setup: Setup, compile: bool, scope: str = "regional") -> "Step
         f"model.n_heads={shape['n_heads']}", f"model.d_model={shape['d_model']}", f"data.vocab_size={shape['vocab_size']}",
         f"data.num_train_tokens={(total + 1) * setup.tokens_per_step}", f"data.num_val_tokens={setup.tokens_per_step}",
         f"optimizer.lr={LR}", f"trainer.grad_clip_norm={CLIP}", f"trainer.compile_scope={scope}",
+        f"trainer.compile_mode={setup.compile_mode}",
     ]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         job = validate(compose(config_name="train", overrides=overrides))
@@ -266,7 +268,8 @@ def raw_loop_row(setup: Setup, compile: bool) -> "StepClock":
     model = setup.model()
     on_cuda = setup.device.type == "cuda"
     optimizer = setup.optimizer(model, fused=True)  # ringtrain's own choice on CUDA and CPU (optim.py)
-    forward = torch.compile(model) if compile else model
+    mode = None if setup.compile_mode == "default" else setup.compile_mode
+    forward = torch.compile(model, mode=mode) if compile else model
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
     clock = StepClock(setup)
     for step in range(setup.total_steps):
@@ -395,6 +398,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=["32", "bf16-mixed"], help="default bf16-mixed, --tiny 32")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the device's peak for MFU; 0: look the GPU up")
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), help="only these rows")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile's mode in the compiled rows, e.g. "
+                        "max-autotune-no-cudagraphs (ringtrain's trainer.compile_mode)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help=f"profile the last {PROFILED} warm-up steps of each row in the first round; "
                              "print what ringtrain's steps run that the raw loop's do not; traces go to DIR")
@@ -410,7 +415,7 @@ def main() -> None:
         precision=args.precision or ("32" if args.tiny else "bf16-mixed"), device=device,
         warmup=args.warmup if args.warmup is not None else (3 if args.tiny else 10),
         steps=args.steps or (20 if args.tiny else 50), windows=args.windows or (5 if args.tiny else 3),
-        profile=args.profile,
+        profile=args.profile, compile_mode=args.compile_mode,
     )
     if args.profile is not None and setup.warmup < PROFILED + 2:
         parser.error(f"--profile profiles the last {PROFILED} warm-up steps: give --warmup {PROFILED + 2} or more")
@@ -425,7 +430,7 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     print(f"model {setup.shape}, batch {setup.batch_size} x {setup.shape['block_size']} tokens, "
           f"precision {setup.precision}, per row {setup.warmup} warm-up steps, then the fastest of "
-          f"{setup.windows} windows of {setup.steps} steps; "
+          f"{setup.windows} windows of {setup.steps} steps; compile mode {setup.compile_mode}; "
           f"peak {f'{peak:g} TFLOP/s' if peak else 'unknown (no MFU)'}")
 
     results: dict[str, float | str] = {}

@@ -109,22 +109,40 @@ class LanguageModelTask(BatchSettings):
     monitor: str = "val/loss"
     mode: str = "min"
     shift_labels: bool = False
+    float32_loss: bool = False
+
+    def _logits(self, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, targets) flattened for the training loss. By default the logits as the model
+        gives them, as nanoGPT and a hand-written loop pass them: under CUDA autocast the
+        cross-entropy's kernels read bf16 logits, accumulate in float32 and keep the
+        log-probabilities in bf16 (CPU autocast computes it in float32 regardless), and no copy
+        of the largest tensor of a GPT step (B x T x vocab) is made. `float32_loss` upcasts
+        them first, as Hugging Face's and torchtitan's losses do: a float32 copy and float32
+        softmax kernels, 3.8 ms of a 45.5 ms GPT-2-small step on an H200 (benchmarks/RESULTS.md)."""
+        if self.shift_labels:
+            outputs, targets = outputs[:, :-1], targets[:, 1:]
+        if self.float32_loss:
+            outputs = outputs.float()
+        return outputs.flatten(0, 1), targets.flatten()
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # No extra copy of the logits (B x T x vocab, the largest tensor of a GPT step): on
-        # float32 logits (precision 32) .float() returns the tensor itself; on bf16/fp16 logits
-        # under autocast, cross_entropy is one of autocast's float32 ops and would make this
-        # same single float32 copy itself (nanoGPT's plain F.cross_entropy(logits, ...) gives
-        # the identical loss, tests/test_speed_features.py). Outside autocast, a model that
-        # returns bf16 logits still gets a float32 loss.
-        if self.shift_labels:
-            outputs, targets = outputs[:, :-1], targets[:, 1:]
-        return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten())
+        logits, flat = self._logits(outputs, targets)
+        if logits.dtype == torch.float32:
+            return F.cross_entropy(logits, flat)
+        return self._low_precision_sum(logits, flat) / (flat != IGNORE_INDEX).sum()
 
     def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.shift_labels:
-            outputs, targets = outputs[:, :-1], targets[:, 1:]
-        return F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        logits, flat = self._logits(outputs, targets)
+        if logits.dtype == torch.float32:
+            return F.cross_entropy(logits, flat, reduction="sum")
+        return self._low_precision_sum(logits, flat)
+
+    @staticmethod
+    def _low_precision_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # bf16 or fp16 logits: each token's loss in their dtype, summed in float32, so the
+        # step's loss (logged, watched for non-finite values) keeps float32's precision
+        # rather than bf16's 3 digits; a kernel over B x T values, not B x T x vocab.
+        return F.cross_entropy(logits, targets, reduction="none").float().sum()
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         """The tokens the loss averages over: the targets not -100 (after the shift: a model
@@ -135,6 +153,8 @@ class LanguageModelTask(BatchSettings):
         return ("loss",)
 
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Validation scores in float32 always: its figures are compared across runs and
+        # precisions, and it keeps nothing for a backward (the copy costs little there).
         if self.shift_labels:
             outputs, targets = outputs[:, :-1], targets[:, 1:]
         loss = F.cross_entropy(outputs.float().flatten(0, 1), targets.flatten(), reduction="sum")

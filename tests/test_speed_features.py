@@ -349,24 +349,33 @@ def test_tf32_sets_the_cuda_matmul_precision_and_leaves_the_cpu_alone():
         torch.set_float32_matmul_precision(before)
 
 
-def test_the_lm_loss_copies_no_float32_logits_and_matches_the_plain_cross_entropy(monkeypatch):
+def test_the_lm_loss_copies_no_logits_unless_asked_and_keeps_a_float32_loss(monkeypatch):
     from ringtrain.data.tasks import LanguageModelTask
 
-    task = LanguageModelTask()
     head = torch.nn.Linear(8, 50)
     hidden, targets = torch.randn(2, 6, 8), torch.randint(0, 50, (2, 6))
+    targets[0, 0] = -100  # padding counts in neither the loss nor its mean
     seen = []
     real_cross_entropy = F.cross_entropy
     monkeypatch.setattr(F, "cross_entropy", lambda logits, *a, **k: seen.append(logits) or real_cross_entropy(logits, *a, **k))
     logits = head(hidden)
-    task.loss(logits, targets)  # precision 32: the float32 logits themselves, no copy
+    LanguageModelTask().loss(logits, targets)  # precision 32: the float32 logits themselves, no copy
     assert seen[-1].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = head(hidden)
-        assert low.dtype == torch.bfloat16
-        # Autocast runs cross_entropy in float32 whatever it is given: the explicit upcast is
-        # the same single copy autocast would make, and the loss is nanoGPT's to the bit.
-        assert torch.equal(task.loss(low, targets), real_cross_entropy(low.flatten(0, 1), targets.flatten()))
+    exact = real_cross_entropy(logits.flatten(0, 1), targets.flatten())
+    low = logits.detach().bfloat16().requires_grad_()
+    # bf16 logits, as CUDA autocast gives them: passed as they are (a raw loop's and nanoGPT's
+    # cross-entropy), and the loss is still a float32 number: per-token losses summed in float32.
+    loss = LanguageModelTask().loss(low, targets)
+    assert seen[-1].dtype == torch.bfloat16 and seen[-1].untyped_storage().data_ptr() == low.untyped_storage().data_ptr()
+    assert loss.dtype == torch.float32 and abs(loss.item() - exact.item()) < 2e-2
+    loss.backward()
+    assert low.grad.dtype == torch.bfloat16 and torch.isfinite(low.grad).all()
+    # float32_loss: the float32 copy first, as Hugging Face's loss makes it.
+    upcast = LanguageModelTask(float32_loss=True).loss(low, targets)
+    assert seen[-1].dtype == torch.float32
+    assert torch.equal(upcast, real_cross_entropy(low.float().flatten(0, 1), targets.flatten()))
+    # The same number per token either way, summed: loss_sum over the tokens not -100.
+    assert torch.allclose(LanguageModelTask().loss_sum(logits, targets), exact * (targets != -100).sum(), rtol=1e-6)
 
 
 def test_batches_are_pinned_before_their_non_blocking_copy_on_cuda(monkeypatch):

@@ -91,9 +91,9 @@ TRANSFORMER_STEP_EXTRAS = {
     # StepLoss keeps each micro-batch's loss detached, for the metrics and the non-finite watch
     # to read later without holding the graph: a view, no copy (~1 us of dispatch on the CPU).
     "aten::detach": 1,
-    # LanguageModelTask.loss's `.float()` on the logits, so that bf16 logits give a float32 loss;
-    # float32 logits are returned as they are, no copy (~1 us of dispatch).
-    "aten::to": 1,
+    # (LanguageModelTask passes the logits as they are, as this hand-written step does; its
+    # float32_loss option adds a float32 copy, and bf16 logits add a float32 sum of the B x T
+    # per-token losses: neither on this float32 CPU step, data/tasks.py.)
 }
 
 

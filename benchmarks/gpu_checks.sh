@@ -14,6 +14,11 @@
 # a sample from its checkpoint; 16-mixed (GradScaler) stopped and resumed against one run;
 # NCCL ddp with torch.compile and NCCL fsdp with bf16 (one rank each: one GPU); the tests
 # marked `cuda`.
+#
+# On this workplace's GPU machines (RESULTS.md, 2026-11-27) torch is /opt/torch/.venv's python,
+# and ringtrain, hydra-core, omegaconf and antlr4 travel as one folder of pure-Python packages
+# (`pip install --no-deps --target .gpu_site .`, the other three copied from a venv):
+#   PATH=/opt/torch/.venv/bin:$PATH PYTHONPATH=$PWD/.gpu_site STAGES="env bench_gpt" benchmarks/gpu_checks.sh "$OUT" -
 set -u
 out=$1; text=$2; deadline=$((SECONDS + ${3:-520}))
 mkdir -p "$out"; runs=$(mktemp -d)

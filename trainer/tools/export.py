@@ -26,12 +26,9 @@ from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
-from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
-EXPORT = PrimaryConfig(
-    "export", "ringtrain export", usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors",
-)
 MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported file's metadata
 MANIFEST_HEADER = "written by ringtrain export; a later export replaces these files and keeps any other:\n"
 
@@ -210,8 +207,8 @@ def _finish_file(path: Path) -> None:
         os.close(fd)
 
 
-def main(command: Any) -> None:
-    run_tool(EXPORT, export, command)
+main = tool_main(PrimaryConfig("export", "ringtrain export",
+                                usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors"), export)
 
 
 if __name__ == "__main__":

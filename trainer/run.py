@@ -1,13 +1,8 @@
-"""One training job: the strategy runs `train_rank` here or on N ranks; each rank claims the run
-directory (rank 0), finds what it continues from, builds the data, task and model, trains, and
-rank 0 reports.
-
-    launch(job, run_dir)                    from the command line (tools/train.py) and from Python
-      train_rank(job, run_dir, ...)         on every rank, the process group up and torn down
-
-A job refused before it trained (a mistake found once it runs: a checkpoint of another model,
-a component that fails to build or to take its first step) takes back what it put into its run
-directory, and the directory when nothing else is there (storage/rundir.py).
+"""One training job, from the command line (tools/train.py) and from Python: `launch` has the
+strategy run `train_rank` here or on N ranks; each rank claims the run directory (rank 0), finds
+what it continues from, builds the data, task and model, trains, and rank 0 reports. A job
+refused before it trained (a checkpoint of another model, a component that fails to build or to
+take its first step) takes back what it put into its run directory (storage/rundir.py).
 """
 from __future__ import annotations
 

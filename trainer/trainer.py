@@ -46,7 +46,13 @@ class Trainer:
                  callbacks: list[Callback] | dict[str, Callback] = (), loggers: list | dict | None = None,
                  **trainer_options: Any) -> None:
         trainer_options.setdefault("resume", None)  # a run from Python continues one only when asked
-        self.trainer = _trainer_options(trainer_options)
+        fields = sorted(f.name for f in dataclasses.fields(TrainerConfig))
+        for key in trainer_options:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ConfigError(f"trainer has no setting {key!r}; {hint}the settings are {', '.join(fields)}")
+        self.trainer = trainer_config(**trainer_options)
         self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
         check_optimization(optimizer if isinstance(optimizer, dict) else None,
@@ -100,25 +106,13 @@ class Trainer:
 
 
 def _strategy(option: str | dict) -> Strategy:
-    if isinstance(option, str):
-        return strategy_option(option)
-    if not isinstance(option, dict) or "name" not in option:
+    settings = {"name": option} if isinstance(option, str) else dict(option) if isinstance(option, dict) else {}
+    if "name" not in settings:
         raise ConfigError(
             f"strategy={option!r}: pass an option of conf/strategy/ (\"ddp\"), a dict naming one "
             f"({{\"name\": \"ddp\", \"nproc_per_node\": 2}}) or a Strategy object"
         )
-    settings = dict(option)
     return strategy_option(settings.pop("name"), **settings)
-
-
-def _trainer_options(values: dict) -> TrainerConfig:
-    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"trainer has no setting {key!r}; {hint}the settings are {', '.join(sorted(fields))}")
-    return trainer_config(**values)
 
 
 def _named(objects: Any, what: str) -> dict[str, Any]:

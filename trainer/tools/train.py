@@ -110,18 +110,14 @@ def train_job(cfg: Any, command: CommandLine) -> float:
 
 def continue_command(argv: list[str], run_dir: str, resume: Any) -> str:
     """The shell command that continues, from its last.pt, the run in `run_dir` that `argv` started."""
-    arguments = argv[1:]
-    return shlex.join(_launcher(argv[0], arguments) + _continuing(arguments, Path(run_dir).resolve(), resume))
-
-
-def _continuing(arguments: list[str], run_dir: Path, resume: Any) -> list[str]:
+    arguments, directory = argv[1:], Path(run_dir).resolve()
     replaced = {"hydra.run.dir"} | ({"trainer.resume"} if resume != "auto" else set())
     kept = [a for a in arguments if a.startswith("-") or "=" not in a or a.split("=", 1)[0].lstrip("+~") not in replaced]
     if resume is None:
         kept.append("trainer.resume=auto")
     elif resume != "auto":
-        kept.append(f"trainer.resume={run_dir / 'checkpoints' / 'last.pt'}")
-    return kept + [f"hydra.run.dir={run_dir}"]
+        kept.append(f"trainer.resume={directory / 'checkpoints' / 'last.pt'}")
+    return shlex.join(_launcher(argv[0], arguments) + kept + [f"hydra.run.dir={directory}"])
 
 
 def _launcher(program: str, arguments: list[str]) -> list[str]:
@@ -163,18 +159,16 @@ def _readable(words: list[str]) -> list[str]:
 
 
 def _python() -> str:
-    """`python` (or `python3`) when that finds this interpreter, else its path."""
-    for name in ("python", "python3"):
+    return _by_name(sys.executable, ("python", "python3"))
+
+
+def _by_name(path: str, names: tuple[str, ...] = ()) -> str:
+    """The first of `names` (else `path`'s own name) that finds the program `path` on the PATH, else `path`."""
+    for name in names or (os.path.basename(path),):
         found = shutil.which(name)
-        if found and os.path.abspath(found) == os.path.abspath(sys.executable):
+        if found and os.path.abspath(found) == os.path.abspath(path):
             return name
-    return sys.executable
-
-
-def _by_name(path: str) -> str:
-    name = os.path.basename(path)
-    found = shutil.which(name)
-    return name if found and os.path.abspath(found) == os.path.abspath(path) else path
+    return path
 
 
 def _without_legacy_local_rank(args: list[str]) -> list[str]:

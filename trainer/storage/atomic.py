@@ -129,8 +129,7 @@ def remove_if_present(path: Path) -> None:
 
 @contextlib.contextmanager
 def _replacing(path: Path) -> Iterator[Path]:
-    """The temporary path to make `path`'s new file at, renamed over `path` when the block ends
-    without an error, and the rename made durable (it survives a power cut)."""
+    """The temporary path to make `path`'s new file at, renamed over `path` (durably) when the block ends without an error."""
     temp = temp_path(path)
     # Left by a killed process with our pid (containers reuse pids). It may be a hard link to
     # a checkpoint (checkpoints/manager.py links last.pt so), which writing through it would truncate.

@@ -61,7 +61,13 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
     if adapter:
         merge_lora(model)
     if format == "safetensors":
-        write_safetensors(model, target)
+        try:
+            from safetensors.torch import save_model
+        except ImportError:
+            raise ConfigError("format=safetensors needs safetensors: pip install 'ringtrain[hf]' (or safetensors)") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(target, lambda temp: (  # "pt": the format transformers expects
+            save_model(model, str(temp), metadata={"format": "pt", MARK: "1"}), _finish_file(temp)))
     else:
         if not callable(getattr(model, "save_pretrained", None)):
             raise ConfigError(
@@ -70,20 +76,6 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
             )
         write_pretrained_directory(model, state.get("vocab"), target, overwrite)
     return target
-
-
-def write_safetensors(model: nn.Module, target: Path) -> None:
-    try:
-        from safetensors.torch import save_model
-    except ImportError:
-        raise ConfigError("format=safetensors needs safetensors: pip install 'ringtrain[hf]' (or safetensors)") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(temp: Path) -> None:
-        save_model(model, str(temp), metadata={"format": "pt", MARK: "1"})  # "pt": what transformers expects
-        _finish_file(temp)
-
-    replace_atomically(target, write)
 
 
 def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, target: Path,

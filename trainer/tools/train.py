@@ -1,9 +1,6 @@
 """`ringtrain` / `python -m ringtrain` / `python train.py`: compose the config with Hydra, check
 it, train, return the metric (README.md "Usage" has the command lines).
 
-`trainer.resume=<file>` continues that run in its own directory: the checkpoint is read once,
-before Hydra composes, and its recipe is replayed before the command line's (config/recipe.py).
-
 A run a stop signal ended logs, as its last line, the exact command that continues it: auto-resume
 continues last.pt only in the same run directory, and a plain `python train.py` would get a new
 time-stamped one (storage/rundir.py). So: the program as this process (or its torchrun) was

@@ -155,12 +155,11 @@ def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
 def _refuse_to_replace(target: Path, format: str, overwrite: bool) -> None:  # noqa: A002
     """One line before anything is built: a path through a file, a directory where a file goes,
     or something at `target` that no export wrote (unless `overwrite`)."""
-    for parent in target.absolute().parents:
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError(f"output={target} goes through {parent}, which is a file; choose an output in a directory")
+    existing = next(parent for parent in target.absolute().parents if parent.exists())  # nothing exists under a file
+    if not existing.is_dir():
+        raise ConfigError(f"output={target} goes through {existing}, which is a file; choose an output in a directory")
     # Whether the folders to it can be made there: a folder made and removed in the nearest one that
     # exists (permissions alone do not say: /proc, a read-only mount, a full disk).
-    existing = next(parent for parent in target.absolute().parents if parent.exists())
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".ringtrain-export-", dir=existing))
     except OSError as err:
@@ -192,11 +191,8 @@ def _finish_file(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
 
 
 main = tool_main(PrimaryConfig("export", "ringtrain export",

@@ -219,13 +219,10 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
     Python API start with none, so they set up what Hydra would have."""
     root = logging.getLogger()
     if not root.handlers:
-        formatter = logging.Formatter(f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s")
         handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
         if dist.is_main:
             handlers.append(logging.FileHandler(run_dir / "train.log", delay=True))  # appends to the launcher's
-        for handler in handlers:
-            handler.setFormatter(formatter)
-            root.addHandler(handler)
+        logging.basicConfig(format=f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s", handlers=handlers)
     root.setLevel(logging.INFO if dist.is_main else logging.WARNING)
 
 

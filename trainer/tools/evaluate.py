@@ -31,8 +31,6 @@ from ringtrain.strategies.base import Strategy
 from ringtrain.tools.app import prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
-EVALUATE = PrimaryConfig("evaluate", "ringtrain evaluate", usage="ringtrain evaluate checkpoint=<run>/checkpoints/last.pt")
-
 
 @dataclass
 class EvalJob:
@@ -172,7 +170,8 @@ def main(command: CommandLine) -> None:
     # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
     ConfigStore.instance().store(group="strategy", name="auto",
                                  node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
-    tool_main(EVALUATE, evaluate, show)(command)
+    usage = "ringtrain evaluate checkpoint=<run>/checkpoints/last.pt"
+    tool_main(PrimaryConfig("evaluate", "ringtrain evaluate", usage=usage), evaluate, show)(command)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 

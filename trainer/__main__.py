@@ -9,10 +9,8 @@
     ringtrain upgrade checkpoint=...      a checkpoint of an older ringtrain rewritten as data
 
 Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
-`--config-dir` and `-m` work the same in each. This module is the only one that reads the
-command line (sys.argv): a command that rebuilds a run from a checkpoint reads the checkpoint
-first and puts the choices and overrides it records before the user's (config/recipe.py), so
-that Hydra composes the job once, from configs alone.
+`--config-dir` and `-m` work the same in each. This module alone reads the command line
+(sys.argv); docs/ARCHITECTURE.md says how a checkpoint's recipe goes before the user's.
 """
 import difflib
 import gc

@@ -9,10 +9,8 @@
     ringtrain upgrade checkpoint=...      a checkpoint of an older ringtrain rewritten as data
 
 Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
-`--config-dir` and `-m` work the same in each. This module is the only one that reads the
-command line (sys.argv): a command that rebuilds a run from a checkpoint reads the checkpoint
-first and puts the choices and overrides it records before the user's (config/recipe.py), so
-that Hydra composes the job once, from configs alone.
+`--config-dir` and `-m` work the same in each. This module alone reads the command line
+(sys.argv); docs/ARCHITECTURE.md says how a checkpoint's recipe goes before the user's.
 """
 import difflib
 import gc
@@ -54,12 +52,18 @@ def main(tool: str | None = None) -> None:
 
         module = importlib.import_module(f"ringtrain.tools.{tool or 'train'}")
         with exit_on_user_error():
-            commands = module.prepare(CommandLine(program, args))
+            # A tool with no checkpoint to read first (prepare_tokens, upgrade) has no `prepare`.
+            commands = getattr(module, "prepare", lambda command: [command])(CommandLine(program, args))
         for command in commands:  # one, or a multirun's per checkpoint recipe (tools/app.py)
             sys.argv[:] = [program, *command.hydra_args()]  # what Hydra's own parser reads
             module.main(command)
     finally:
-        _skip_the_last_collections()
+        # Leave every object alive now out of the garbage collections Python runs while it exits:
+        # torch, dynamo, Hydra and TensorBoard leave some 320 000 objects that each exit collection
+        # walks again: 0.4 s of the default job's 2.6 s (benchmarks/bench_process.py). Objects
+        # still go with their last reference; only cycles left at exit go to the operating system,
+        # and Python never promised to finalise those.
+        gc.freeze()
 
 
 def _refuse_a_mistyped_command(first: str) -> None:
@@ -69,28 +73,13 @@ def _refuse_a_mistyped_command(first: str) -> None:
     if not re.fullmatch(r"[A-Za-z][\w-]*", first):
         return
     close = difflib.get_close_matches(first.replace("-", "_").lower(), TOOLS, n=1, cutoff=0.6)
-    if not close or first in _config_groups():
+    spec = importlib.util.find_spec("ringtrain.conf")  # its folders (model, trainer, ...), without importing torch
+    groups = {p.name for folder in spec.submodule_search_locations for p in Path(folder).iterdir() if p.is_dir()}
+    if not close or first in groups:
         return
     print(f"error: {first} is not a ringtrain command; did you mean {close[0]}? (commands: {', '.join(TOOLS)})",
           file=sys.stderr)
     sys.exit(2)
-
-
-def _config_groups() -> set[str]:
-    """The folders of ringtrain's conf/ (model, trainer, experiment, ...), without importing torch."""
-    spec = importlib.util.find_spec("ringtrain.conf")
-    folders = spec.submodule_search_locations if spec else None
-    return {p.name for folder in folders or () for p in Path(folder).iterdir() if p.is_dir()}
-
-
-def _skip_the_last_collections() -> None:
-    """Leave every object alive now out of the garbage collections Python runs while it exits:
-    the job is over (files closed, logs flushed, exit handlers still run), but torch, dynamo,
-    Hydra and TensorBoard leave some 320 000 objects that each exit collection walks again: 0.4 s
-    of the default job's 2.6 s (benchmarks/bench_process.py), longer than its 3130 steps. Objects
-    still go with their last reference; only cycles left at exit go to the operating system,
-    and Python never promised to finalise those."""
-    gc.freeze()
 
 
 if __name__ == "__main__":

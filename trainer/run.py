@@ -1,13 +1,8 @@
-"""One training job: the strategy runs `train_rank` here or on N ranks; each rank claims the run
-directory (rank 0), finds what it continues from, builds the data, task and model, trains, and
-rank 0 reports.
-
-    launch(job, run_dir)                    from the command line (tools/train.py) and from Python
-      train_rank(job, run_dir, ...)         on every rank, the process group up and torn down
-
-A job refused before it trained (a mistake found once it runs: a checkpoint of another model,
-a component that fails to build or to take its first step) takes back what it put into its run
-directory, and the directory when nothing else is there (storage/rundir.py).
+"""One training job, from the command line (tools/train.py) and from Python: `launch` has the
+strategy run `train_rank` here or on N ranks; each rank claims the run directory (rank 0), finds
+what it continues from, builds the data, task and model, trains, and rank 0 reports. A job
+refused before it trained (a checkpoint of another model, a component that fails to build or to
+take its first step) takes back what it put into its run directory (storage/rundir.py).
 """
 from __future__ import annotations
 
@@ -224,13 +219,10 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
     Python API start with none, so they set up what Hydra would have."""
     root = logging.getLogger()
     if not root.handlers:
-        formatter = logging.Formatter(f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s")
         handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
         if dist.is_main:
             handlers.append(logging.FileHandler(run_dir / "train.log", delay=True))  # appends to the launcher's
-        for handler in handlers:
-            handler.setFormatter(formatter)
-            root.addHandler(handler)
+        logging.basicConfig(format=f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s", handlers=handlers)
     root.setLevel(logging.INFO if dist.is_main else logging.WARNING)
 
 

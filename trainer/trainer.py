@@ -46,19 +46,25 @@ class Trainer:
                  callbacks: list[Callback] | dict[str, Callback] = (), loggers: list | dict | None = None,
                  **trainer_options: Any) -> None:
         trainer_options.setdefault("resume", None)  # a run from Python continues one only when asked
-        self.trainer = _trainer_options(trainer_options)
+        fields = sorted(f.name for f in dataclasses.fields(TrainerConfig))
+        for key in trainer_options:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ConfigError(f"trainer has no setting {key!r}; {hint}the settings are {', '.join(fields)}")
+        self.trainer = trainer_config(**trainer_options)
         self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
         check_optimization(optimizer if isinstance(optimizer, dict) else None,
                            scheduler if isinstance(scheduler, dict) else None, self.trainer.max_steps)
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.callbacks = _named(callbacks, "callbacks")
+        self.callbacks = _named(callbacks)
         for name, callback in self.callbacks.items():
             if not isinstance(callback, Callback) or (unknown := unknown_hooks(type(callback))):
                 raise ConfigError(f"callbacks[{name!r}] must be a ringtrain Callback whose hooks are among "
                                   f"{', '.join(HOOKS)}; {type(callback).__name__} is not" + (
                                       f" (it defines {', '.join(unknown)})" if isinstance(callback, Callback) else ""))
-        self.loggers = _named(loggers, "loggers") if loggers is not None else None
+        self.loggers = _named(loggers) if loggers is not None else None
         self.run_dir = Path(run_dir) if run_dir else None
 
     def fit(self, model: nn.Module, train_set: Dataset, val_set: Dataset, task: Any, *,
@@ -66,16 +72,21 @@ class Trainer:
         """Train `model` in place on `train_set`, validate on `val_set`; return the final metrics.
         `task` (data/tasks.py: RegressionTask(), LossTask(loss=...), ...) gives the loss and
         metrics; `vocab` (data/vocab.py's plain form) is kept in checkpoints for sampling."""
+        from omegaconf import OmegaConf
+
         from ringtrain.loggers.tensorboard import TensorBoardLogger
         from ringtrain.run import Built, launch
 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit() needs an nn.Module as the model, got {type(model).__name__}")
         check_task(task)
-        # ringtrain's own callbacks and logger are made for each run: their state is the run's.
+        # ringtrain's own callbacks (conf/callbacks/default.yaml's, composed by Hydra) and logger are made
+        # for each run: their state is the run's.
+        defaults = OmegaConf.to_container(composed()["callbacks"])
         loggers = self.loggers if self.loggers is not None else {"tensorboard": TensorBoardLogger()}
         job = Job(self.trainer, self.strategy, task, None, None, self.optimizer, self.scheduler,
-                  {**_default_callbacks(), **self.callbacks}, loggers, resolved=self._resolved(model, task))
+                  {**{name: build(node, f"callbacks.{name}") for name, node in defaults.items()}, **self.callbacks},
+                  loggers, resolved=self._resolved(model, task))
         run_dir = self.run_dir or Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}_api{next(_runs)}"
         result = launch(job, str(run_dir), Built(model, DataBundle(train_set, val_set, vocab=vocab), task),
                         return_weights=True)
@@ -100,28 +111,16 @@ class Trainer:
 
 
 def _strategy(option: str | dict) -> Strategy:
-    if isinstance(option, str):
-        return strategy_option(option)
-    if not isinstance(option, dict) or "name" not in option:
+    settings = {"name": option} if isinstance(option, str) else dict(option) if isinstance(option, dict) else {}
+    if "name" not in settings:
         raise ConfigError(
             f"strategy={option!r}: pass an option of conf/strategy/ (\"ddp\"), a dict naming one "
             f"({{\"name\": \"ddp\", \"nproc_per_node\": 2}}) or a Strategy object"
         )
-    settings = dict(option)
     return strategy_option(settings.pop("name"), **settings)
 
 
-def _trainer_options(values: dict) -> TrainerConfig:
-    fields = {f.name for f in dataclasses.fields(TrainerConfig)}
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"trainer has no setting {key!r}; {hint}the settings are {', '.join(sorted(fields))}")
-    return trainer_config(**values)
-
-
-def _named(objects: Any, what: str) -> dict[str, Any]:
+def _named(objects: Any) -> dict[str, Any]:
     """A list of objects by their class names (numbered when one repeats), or a dict as it is."""
     if isinstance(objects, dict):
         return dict(objects)
@@ -130,11 +129,3 @@ def _named(objects: Any, what: str) -> dict[str, Any]:
         name = type(obj).__name__
         named[name if name not in named else f"{name}-{len(named)}"] = obj
     return named
-
-
-def _default_callbacks() -> dict[str, Callback]:
-    """ringtrain's default callbacks, as conf/callbacks/default.yaml lists them (composed by Hydra)."""
-    from omegaconf import OmegaConf
-
-    nodes = OmegaConf.to_container(composed()["callbacks"])
-    return {name: build(node, f"callbacks.{name}") for name, node in nodes.items()}

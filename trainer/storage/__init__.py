@@ -1,9 +1,6 @@
-"""Files on disk that are not checkpoints: any code that writes files may import these.
-
-  atomic.py         replacing a file or folder atomically and durably, and JSON any parser reads
-                    (metrics.json, eval/*.json, sweep_summary.json); imports nothing of ringtrain
-  rundir.py         run directory names that survive restarts (a restarted torchrun job's notes
-                    included), and one job's claim on its directory
+"""Files on disk that are not checkpoints, for any code that writes files: atomic.py (replacing a
+file or folder atomically and durably, JSON any parser reads) and rundir.py (run directory names
+that survive restarts, one job's claim on its directory).
 
 May import: ringtrain.errors, ringtrain.distributed.
 """

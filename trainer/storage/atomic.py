@@ -51,20 +51,16 @@ def open_atomically(path: str | os.PathLike) -> Iterator[WritableFile]:
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
         fsync_directory(path.parent.parent)  # the new directory itself survives a power cut
-    temp = _fresh_temp_path(path)
-    with _removed_on_failure(temp):
-        with open(temp, "wb") as file:
-            writer = _ErrorRecordingWriter(file)
-            try:
-                yield writer
-            except Exception:
-                if writer.error is not None:
-                    raise writer.error from None
-                raise
-            file.flush()
-            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
-        os.replace(temp, path)
-    fsync_directory(path.parent)  # the rename itself survives a power cut
+    with _replacing(path) as temp, open(temp, "wb") as file:
+        writer = _ErrorRecordingWriter(file)
+        try:
+            yield writer
+        except Exception:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        file.flush()
+        os.fsync(file.fileno())  # the bytes are on disk before the name points at them
 
 
 def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
@@ -75,12 +71,8 @@ def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "u
 def replace_atomically(path: str | os.PathLike, make: Callable[[Path], None]) -> None:
     """Have `make` create the new file at the temporary path it is given (e.g. a hard link to
     a file already on disk), then rename it over `path`. `make` makes its contents durable."""
-    path = Path(path)
-    temp = _fresh_temp_path(path)
-    with _removed_on_failure(temp):
+    with _replacing(Path(path)) as temp:
         make(temp)
-        os.replace(temp, path)
-    fsync_directory(path.parent)
 
 
 def replace_directory(partial: Path, directory: Path) -> None:
@@ -135,21 +127,20 @@ def remove_if_present(path: Path) -> None:
         log.warning(f"cannot remove {path} ({err.strerror}); delete it by hand")
 
 
-def _fresh_temp_path(path: Path) -> Path:
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """The temporary path to make `path`'s new file at, renamed over `path` (durably) when the block ends without an error."""
     temp = temp_path(path)
     # Left by a killed process with our pid (containers reuse pids). It may be a hard link to
     # a checkpoint (checkpoints/manager.py links last.pt so), which writing through it would truncate.
     remove_if_present(temp)
-    return temp
-
-
-@contextlib.contextmanager
-def _removed_on_failure(temp: Path) -> Iterator[None]:
     try:
-        yield
+        yield temp
+        os.replace(temp, path)
     except BaseException:  # an OSError, a state torch cannot save, Ctrl-C mid-write: no debris
         remove_if_present(temp)
         raise
+    fsync_directory(path.parent)
 
 
 class _ErrorRecordingWriter:

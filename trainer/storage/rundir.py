@@ -184,12 +184,6 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def restarts_left() -> int:
-    """How many more times this torchrun agent restarts its workers after a failure."""
-    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    return max(0, most - restart_count())
-
-
 def restart_note() -> Path | None:
     """The note naming rank 0's run directory for the torchrun agent running this worker
     (None: there is no notes directory of this user's own to keep it in)."""
@@ -202,10 +196,22 @@ def restart_note() -> Path | None:
 
 
 def leave_restart_note(run_dir: Path) -> None:
-    """Rank 0 under torchrun: remember the run directory for restarted workers."""
+    """Rank 0 under torchrun: remember the run directory for restarted workers, once the notes of
+    torchrun agents that no longer run are removed (nothing will read them)."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return
-    sweep_stale_notes()
+    directory = notes_directory()
+    stale = [] if directory is None else [
+        note for note in directory.glob(f"{_PREFIX}*.dir")
+        if not _agent_runs(*note.name[len(_PREFIX):].split("-", 2)[:2])
+    ]
+    stale += [  # an earlier ringtrain's notes, named by the agent's pid alone
+        note for note in Path(tempfile.gettempdir()).glob(f"{_OLD_PREFIX}*.dir")
+        if not _agent_runs(note.name[len(_OLD_PREFIX):].split("-", 1)[0], None)
+    ]
+    for note in stale:
+        with contextlib.suppress(OSError):  # removed meanwhile by another job's sweep, or another user's
+            note.unlink()
     if (note := restart_note()) is not None:
         with contextlib.suppress(OSError):  # no writable temp dir: a restart then starts a new directory
             write_text_atomically(note, str(run_dir))
@@ -213,7 +219,8 @@ def leave_restart_note(run_dir: Path) -> None:
 
 def forget_restart_note(completed: bool) -> None:
     """Rank 0 under torchrun, as it ends: remove the note unless a restart will read it."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or (not completed and restarts_left() > 0):
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)  # restarts this torchrun agent makes
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or (not completed and most > restart_count()):
         return
     if (note := restart_note()) is not None:
         with contextlib.suppress(OSError):
@@ -228,22 +235,6 @@ def directory_before_restart() -> str | None:
         return note.read_text().strip() or None
     except OSError:
         return None
-
-
-def sweep_stale_notes() -> None:
-    """Remove the notes of torchrun agents that no longer run: nothing will read them."""
-    directory = notes_directory()
-    stale = [] if directory is None else [
-        note for note in directory.glob(f"{_PREFIX}*.dir")
-        if not _agent_runs(*note.name[len(_PREFIX):].split("-", 2)[:2])
-    ]
-    stale += [  # an earlier ringtrain's notes, named by the agent's pid alone
-        note for note in Path(tempfile.gettempdir()).glob(f"{_OLD_PREFIX}*.dir")
-        if not _agent_runs(note.name[len(_OLD_PREFIX):].split("-", 1)[0], None)
-    ]
-    for note in stale:
-        with contextlib.suppress(OSError):  # removed meanwhile by another job's sweep, or another user's
-            note.unlink()
 
 
 def notes_directory() -> Path | None:

@@ -82,22 +82,25 @@ def prepare(command: CommandLine) -> list[CommandLine]:
     return with_checkpoint(command, "checkpoint", skip=TOOLS_DO_NOT_REPLAY)
 
 
-def run_tool(primary: PrimaryConfig, tool: Callable[..., Any], command: CommandLine,
-             show: Callable[[Any], None] = print) -> None:
-    """`ringtrain <tool>`: each job of the command line is `tool(**settings)`, its result `show`n;
-    a `command` parameter gets the command line (and the checkpoints it read)."""
-    # `_target_: my_pkg.MyNet` in your own config imports from where you run, as for training.
-    sys.path.insert(1, os.getcwd())
+def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
+              show: Callable[[Any], None] = print) -> Callable[[CommandLine], None]:
+    """A tool module's `main(command)`: each job of the command line is `tool(**settings)`, its
+    result `show`n; a `command` parameter gets the command line (and the checkpoints it read)."""
+    def main(command: CommandLine) -> None:
+        # `_target_: my_pkg.MyNet` in your own config imports from where you run, as for training.
+        sys.path.insert(1, os.getcwd())
 
-    def job(cfg: Any) -> None:
-        with exit_on_user_error():
-            settings = settings_for(tool, cfg, primary)
-            if "command" in inspect.signature(tool).parameters:
-                settings["command"] = command
-            result = tool(**settings)
-        show(result)
+        def job(cfg: Any) -> None:
+            with exit_on_user_error():
+                settings = settings_for(tool, cfg, primary)
+                if "command" in inspect.signature(tool).parameters:
+                    settings["command"] = command
+                result = tool(**settings)
+            show(result)
 
-    run_app(primary, job, command)
+        run_app(primary, job, command)
+
+    return main
 
 
 def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig) -> dict[str, Any]:

@@ -18,12 +18,8 @@ from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimi
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.errors import ConfigError
 from ringtrain.optim import build_optimizer
-from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import build_checked_model, read_checkpoint
-
-CONSOLIDATE = PrimaryConfig(
-    "consolidate", "ringtrain consolidate", usage="ringtrain consolidate checkpoint=<run>/checkpoints/last.pt",
-)
 
 
 def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bool = False,
@@ -52,8 +48,8 @@ def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bo
     return target
 
 
-def main(command: Any) -> None:
-    run_tool(CONSOLIDATE, consolidate, command)
+main = tool_main(PrimaryConfig("consolidate", "ringtrain consolidate",
+                                usage="ringtrain consolidate checkpoint=<run>/checkpoints/last.pt"), consolidate)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,8 @@ from ringtrain.loop.evaluation import evaluate_parts
 from ringtrain.loop.loaders import build_val_loader, worker_options
 from ringtrain.loop.precision import Precision
 from ringtrain.strategies.base import Strategy
-from ringtrain.tools.app import prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.app import prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
-
-EVALUATE = PrimaryConfig(
-    "evaluate", "ringtrain evaluate", usage="ringtrain evaluate checkpoint=<run>/checkpoints/last.pt",
-)
 
 
 @dataclass
@@ -43,8 +39,6 @@ class EvalJob:
     checkpoint: Resumed  # the file, read once per process (a spawned rank reads its own)
     split: str
     job: dict  # the composed job's sections
-    data_dims: dict
-    vocab: dict | None
     trainer: TrainerConfig
     strategy: Strategy
     weights: str  # model, or a callback's (ema)
@@ -96,11 +90,7 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     check_task(build(job["task"], "task"))
 
     path = Path(checkpoint).absolute()
-    eval_job = EvalJob(
-        checkpoint=Resumed(path, state), split=split, job=job,
-        data_dims=dict(state.get("data_dims") or {}), vocab=state.get("vocab"),
-        trainer=trainer_settings, strategy=strategy, weights=weights, trusted=trusted,
-    )
+    eval_job = EvalJob(Resumed(path, state), split, job, trainer_settings, strategy, weights, trusted)
     # One file per checkpoint, weights and split: <run dir>/eval/<checkpoint>[-<weights>]-<split>.json.
     which = "" if weights == "model" else f"-{weights}"
     metrics_file = Path(output) if output else path.parent.parent / "eval" / f"{path.stem}{which}-{split}.json"
@@ -123,7 +113,8 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
     clean_exit = False
     try:
         data = build_data(job.job["data"], dist)
-        check_data_fits(data, job)
+        state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
+        check_data_fits(data, state)
         dataset = data.val if job.split == "val" else data.train
         named = data.val_sources if job.split == "val" and data.val_sources else {"": dataset}  # a mixture's sources
         for name, part in named.items():
@@ -133,7 +124,6 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
                     f"{dist.world_size} processes need at least one each; use fewer processes"
                 )
         task = check_task(build(job.job["task"], "task"))
-        state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
         model = rebuild_model(state, str(job.checkpoint.path), job.job, job.weights, job.trusted).to(dist.device)
         del state
         cfg = job.trainer
@@ -148,16 +138,16 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
         teardown_distributed(clean_exit)
 
 
-def check_data_fits(data: DataBundle, job: EvalJob) -> None:
-    """The data must give the sizes and vocabulary the model was trained with."""
+def check_data_fits(data: DataBundle, state: dict) -> None:
+    """The data must give the sizes and vocabulary the model of the checkpoint `state` was trained with."""
     for name, value in data.dims.items():
-        trained = job.data_dims.get(name)
+        trained = (state.get("data_dims") or {}).get(name)
         if value is not None and trained is not None and value != trained:
             raise ConfigError(
                 f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
                 f"evaluate on data of the same kind"
             )
-    if data.vocab is not None and job.vocab is not None and not same_ids(data.vocab, job.vocab):
+    if data.vocab is not None and state.get("vocab") is not None and not same_ids(data.vocab, state["vocab"]):
         raise ConfigError(
             "the data's vocabulary differs from the one the model was trained with (same size, other "
             "characters or order), so its ids mean other things; evaluate on text with the same characters"
@@ -180,7 +170,8 @@ def main(command: CommandLine) -> None:
     # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
     ConfigStore.instance().store(group="strategy", name="auto",
                                  node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
-    run_tool(EVALUATE, evaluate, command, show)
+    usage = "ringtrain evaluate checkpoint=<run>/checkpoints/last.pt"
+    tool_main(PrimaryConfig("evaluate", "ringtrain evaluate", usage=usage), evaluate, show)(command)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 

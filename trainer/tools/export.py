@@ -26,12 +26,9 @@ from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
-from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
-EXPORT = PrimaryConfig(
-    "export", "ringtrain export", usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors",
-)
 MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported file's metadata
 MANIFEST_HEADER = "written by ringtrain export; a later export replaces these files and keeps any other:\n"
 
@@ -64,7 +61,13 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
     if adapter:
         merge_lora(model)
     if format == "safetensors":
-        write_safetensors(model, target)
+        try:
+            from safetensors.torch import save_model
+        except ImportError:
+            raise ConfigError("format=safetensors needs safetensors: pip install 'ringtrain[hf]' (or safetensors)") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(target, lambda temp: (  # "pt": the format transformers expects
+            save_model(model, str(temp), metadata={"format": "pt", MARK: "1"}), _finish_file(temp)))
     else:
         if not callable(getattr(model, "save_pretrained", None)):
             raise ConfigError(
@@ -73,20 +76,6 @@ def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safe
             )
         write_pretrained_directory(model, state.get("vocab"), target, overwrite)
     return target
-
-
-def write_safetensors(model: nn.Module, target: Path) -> None:
-    try:
-        from safetensors.torch import save_model
-    except ImportError:
-        raise ConfigError("format=safetensors needs safetensors: pip install 'ringtrain[hf]' (or safetensors)") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(temp: Path) -> None:
-        save_model(model, str(temp), metadata={"format": "pt", MARK: "1"})  # "pt": what transformers expects
-        _finish_file(temp)
-
-    replace_atomically(target, write)
 
 
 def write_pretrained_directory(model: nn.Module, vocab: dict[str, Any] | None, target: Path,
@@ -166,12 +155,11 @@ def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
 def _refuse_to_replace(target: Path, format: str, overwrite: bool) -> None:  # noqa: A002
     """One line before anything is built: a path through a file, a directory where a file goes,
     or something at `target` that no export wrote (unless `overwrite`)."""
-    for parent in target.absolute().parents:
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError(f"output={target} goes through {parent}, which is a file; choose an output in a directory")
+    existing = next(parent for parent in target.absolute().parents if parent.exists())  # nothing exists under a file
+    if not existing.is_dir():
+        raise ConfigError(f"output={target} goes through {existing}, which is a file; choose an output in a directory")
     # Whether the folders to it can be made there: a folder made and removed in the nearest one that
     # exists (permissions alone do not say: /proc, a read-only mount, a full disk).
-    existing = next(parent for parent in target.absolute().parents if parent.exists())
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".ringtrain-export-", dir=existing))
     except OSError as err:
@@ -203,15 +191,12 @@ def _finish_file(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
 
 
-def main(command: Any) -> None:
-    run_tool(EXPORT, export, command)
+main = tool_main(PrimaryConfig("export", "ringtrain export",
+                                usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors"), export)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from ringtrain.config.app import CommandLine, PrimaryConfig
+from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import run_tool
+from ringtrain.tools.app import tool_main
 
 PREPARE_TOKENS = PrimaryConfig(
     "prepare_tokens", "ringtrain prepare_tokens", usage="ringtrain prepare_tokens input=<text file> output=<token dir>",
@@ -75,16 +75,12 @@ def bpe_tokenizer(input: str, tokenizer: str | None, vocab_size: int | None):  #
         raise ConfigError(str(err)) from None
 
 
-def prepare(command: CommandLine) -> list[CommandLine]:
-    return [command]  # no checkpoint to read
+def show(meta: dict) -> None:
+    print(f"wrote {meta['output']}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
+          f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
 
 
-def main(command: CommandLine) -> None:
-    def show(meta: dict) -> None:
-        print(f"wrote {meta['output']}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
-              f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
-
-    run_tool(PREPARE_TOKENS, prepare_tokens, command, show)
+main = tool_main(PREPARE_TOKENS, prepare_tokens, show)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,10 @@ from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import BPEVocab, CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import composed_job, prepare, run_tool  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.loop.precision import Precision
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
-SAMPLE = PrimaryConfig(
-    "sample", "ringtrain sample", usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"',
-)
 SEPARATOR = "\n---------------\n"
 DEVICES = ("auto", "cpu", "cuda")
 # The data whose checkpoints keep a vocabulary to decode with (data/vocab.py), for messages.
@@ -235,8 +232,8 @@ def show(texts: list[str]) -> None:
     print(SEPARATOR.join(texts))
 
 
-def main(command: Any) -> None:
-    run_tool(SAMPLE, sample, command, show)
+main = tool_main(PrimaryConfig("sample", "ringtrain sample",
+                                usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"'), sample, show)
 
 
 if __name__ == "__main__":

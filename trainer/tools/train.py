@@ -1,9 +1,6 @@
 """`ringtrain` / `python -m ringtrain` / `python train.py`: compose the config with Hydra, check
 it, train, return the metric (README.md "Usage" has the command lines).
 
-`trainer.resume=<file>` continues that run in its own directory: the checkpoint is read once,
-before Hydra composes, and its recipe is replayed before the command line's (config/recipe.py).
-
 A run a stop signal ended logs, as its last line, the exact command that continues it: auto-resume
 continues last.pt only in the same run directory, and a plain `python train.py` would get a new
 time-stamped one (storage/rundir.py). So: the program as this process (or its torchrun) was
@@ -110,18 +107,14 @@ def train_job(cfg: Any, command: CommandLine) -> float:
 
 def continue_command(argv: list[str], run_dir: str, resume: Any) -> str:
     """The shell command that continues, from its last.pt, the run in `run_dir` that `argv` started."""
-    arguments = argv[1:]
-    return shlex.join(_launcher(argv[0], arguments) + _continuing(arguments, Path(run_dir).resolve(), resume))
-
-
-def _continuing(arguments: list[str], run_dir: Path, resume: Any) -> list[str]:
+    arguments, directory = argv[1:], Path(run_dir).resolve()
     replaced = {"hydra.run.dir"} | ({"trainer.resume"} if resume != "auto" else set())
     kept = [a for a in arguments if a.startswith("-") or "=" not in a or a.split("=", 1)[0].lstrip("+~") not in replaced]
     if resume is None:
         kept.append("trainer.resume=auto")
     elif resume != "auto":
-        kept.append(f"trainer.resume={run_dir / 'checkpoints' / 'last.pt'}")
-    return kept + [f"hydra.run.dir={run_dir}"]
+        kept.append(f"trainer.resume={directory / 'checkpoints' / 'last.pt'}")
+    return shlex.join(_launcher(argv[0], arguments) + kept + [f"hydra.run.dir={directory}"])
 
 
 def _launcher(program: str, arguments: list[str]) -> list[str]:
@@ -163,18 +156,16 @@ def _readable(words: list[str]) -> list[str]:
 
 
 def _python() -> str:
-    """`python` (or `python3`) when that finds this interpreter, else its path."""
-    for name in ("python", "python3"):
+    return _by_name(sys.executable, ("python", "python3"))
+
+
+def _by_name(path: str, names: tuple[str, ...] = ()) -> str:
+    """The first of `names` (else `path`'s own name) that finds the program `path` on the PATH, else `path`."""
+    for name in names or (os.path.basename(path),):
         found = shutil.which(name)
-        if found and os.path.abspath(found) == os.path.abspath(sys.executable):
+        if found and os.path.abspath(found) == os.path.abspath(path):
             return name
-    return sys.executable
-
-
-def _by_name(path: str) -> str:
-    name = os.path.basename(path)
-    found = shutil.which(name)
-    return name if found and os.path.abspath(found) == os.path.abspath(path) else path
+    return path
 
 
 def _without_legacy_local_rank(args: list[str]) -> list[str]:

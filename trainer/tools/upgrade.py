@@ -14,14 +14,10 @@ from pathlib import Path
 import torch
 
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, Unusable, check_file_bytes, save_checkpoint
-from ringtrain.config.app import CommandLine, PrimaryConfig
+from ringtrain.config.app import PrimaryConfig
 from ringtrain.config.recipe import record
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import run_tool
-
-UPGRADE = PrimaryConfig("upgrade", "ringtrain upgrade",
-                        usage="ringtrain upgrade checkpoint=<run>/checkpoints/last.pt trust_checkpoint=true")
-
+from ringtrain.tools.app import tool_main
 
 def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None = None) -> Path:
     """Rewrite the format-2 `checkpoint` as format 3; returns the file written."""
@@ -51,12 +47,10 @@ def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None 
     return target
 
 
-def prepare(command: CommandLine) -> list[CommandLine]:
-    return [command]  # the file is read by the tool itself: this ringtrain refuses it elsewhere
-
-
-def main(command: CommandLine) -> None:
-    run_tool(UPGRADE, upgrade, command, lambda target: print(f"wrote {target} (format {CHECKPOINT_FORMAT})"))
+# No `prepare`: the file is read by the tool itself (this ringtrain refuses it elsewhere).
+main = tool_main(PrimaryConfig("upgrade", "ringtrain upgrade",
+                               usage="ringtrain upgrade checkpoint=<run>/checkpoints/last.pt trust_checkpoint=true"),
+                 upgrade, lambda target: print(f"wrote {target} (format {CHECKPOINT_FORMAT})"))
 
 
 if __name__ == "__main__":

@@ -58,11 +58,10 @@ class ShuffledShards:
         self.length, self.rank, self.world_size = length, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.end = min(length, limit) if limit else length  # where the epoch's order ends
-        self.per_rank = self.share(0)
 
     def __len__(self) -> int:
         """Samples of a whole epoch on this rank."""
-        return self.per_rank
+        return self.share(0)
 
     def share(self, start: int) -> int:
         """Samples this rank gets of the epoch from global position `start` on (the same on every rank)."""
@@ -146,24 +145,6 @@ class _EpochOrder(Sampler[int]):
         return len(self.indices)
 
 
-@dataclass
-class EpochPass:
-    """One pass over the rest of an epoch: its batches (each rank has `num_batches`), and
-    the global position in the epoch after any number of them."""
-
-    batches: Iterator[Batch]
-    num_batches: int
-    start: int  # samples of the epoch's global order consumed before this pass
-    share: int  # this rank's samples in the pass (every rank has as many)
-    batch_size: int
-    world_size: int
-
-    def position(self, batches_done: int) -> int:
-        """Samples of the epoch's global order consumed after `batches_done` batches of this
-        pass on every rank (past the epoch's samples by the padding at its end)."""
-        return self.start + min(batches_done * self.batch_size, self.share) * self.world_size
-
-
 class BatchLoader:
     def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
                  drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
@@ -190,10 +171,10 @@ class BatchLoader:
         """Batches of an epoch after its first `start` samples (the same on every rank)."""
         return self._batches_in(self.order.share(start))
 
-    def epoch(self, epoch: int = 0, start: int = 0) -> "EpochPass":
-        """The batches of `epoch` after its first `start` samples (see ShuffledShards), and how many."""
-        return EpochPass(self.batches(epoch, start), self.batches_left(start), start, self.order.share(start),
-                         self.batch_size, self.order.world_size)
+    def position(self, start: int, batches_done: int) -> int:
+        """Samples of the epoch's global order consumed after `batches_done` batches from `start`
+        on every rank (past the epoch's samples by the padding at its end)."""
+        return start + min(batches_done * self.batch_size, self.order.share(start)) * self.order.world_size
 
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         """The batches of `epoch`, on the device, after its first `start` samples (for resuming)."""

@@ -48,10 +48,9 @@ class StopSignals:
     get signals sent to the whole process group (Ctrl-C, torchrun's killpg) and ignore the stop
     signals (loop/loaders.py)."""
 
-    def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, lag_steps: int = 0,
-                 repeat_grace_s: float = REPEAT_GRACE_SECONDS):
+    def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, repeat_grace_s: float = REPEAT_GRACE_SECONDS):
         self.signums = tuple(_signal_number(name) for name in names)
-        self.lag_steps = lag_steps  # steps between a rank seeing the signal and all stopping
+        self.lag_steps = 0  # steps between a rank seeing the signal and all stopping (Agreement's)
         self.repeat_grace_s = repeat_grace_s
         self.received: str | None = None  # the first stop signal's name, e.g. "SIGTERM"
         self._received_at = 0.0

@@ -64,7 +64,7 @@ class ShuffledShards:
         return self.share(0)
 
     def share(self, start: int) -> int:
-        """Samples this rank gets of the epoch from global position `start` on (the same on every rank)."""
+        """This rank's samples of the epoch after global position `start` (the same on every rank)."""
         left = max(0, self.end - start)
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
@@ -159,8 +159,7 @@ class BatchLoader:
         self._epoch_order = _EpochOrder()
         self._generator = torch.Generator()
 
-    def __len__(self) -> int:
-        """Batches per epoch."""
+    def __len__(self) -> int:  # batches per epoch
         return self._batches_in(len(self.order))
 
     def _batches_in(self, samples: int) -> int:

@@ -44,8 +44,7 @@ class NonFiniteWatch:
         self.first_skip: str | None = None  # skip: what was non-finite at the first skipped update
 
     @property
-    def needs_grad_norm(self) -> bool:
-        """Whether every step must measure the gradient norm (skip decides on it each step)."""
+    def needs_grad_norm(self) -> bool:  # skip decides on it at every step
         return self.policy == "skip" and not self.uses_scaler
 
     def allows_update(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> bool:

@@ -63,9 +63,8 @@ class StopSignals:
         self._watcher: threading.Thread | None = None
 
     def poll(self, step: int) -> bool:
-        """Whether a stop signal has arrived; call it after optimizer step `step` finished."""
-        # Under the lock the watcher takes too: the step its log line names is then the one
-        # at which this poll, or the next one, first returns True.
+        """Whether a stop signal has arrived, after optimizer step `step`. Under the lock the watcher
+        takes too: the step its line names is the one at which this poll, or the next, first says so."""
         with self._lock:
             self._polled_step = step
             return self.received is not None
@@ -205,8 +204,7 @@ class Agreement:
         return agreed
 
     def agree_now(self, local_flag: bool) -> bool:
-        """Whether any rank's flag is up, now (a blocking all-reduce): once, before the first
-        step, so a signal that came during set-up stops every rank before it trains."""
+        """Whether any rank's flag is up, now: once, before the first step (a signal during set-up)."""
         if self._group is None:
             return local_flag
         flags = torch.tensor([int(local_flag)], dtype=torch.int32)

@@ -122,8 +122,7 @@ def ignore_stop_signals(names: tuple[str, ...], worker_id: int) -> None:
 
 
 def worker_options(trainer, device: torch.device) -> WorkerOptions:
-    """The DataLoader settings of the trainer section (trainer.num_workers, pin_memory...);
-    pin_memory null means: on when the batches go to a CUDA device."""
+    """trainer.num_workers, pin_memory...; pin_memory null: on when the batches go to a CUDA device."""
     pin = device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
     return WorkerOptions(
         num_workers=trainer.num_workers, pin_memory=pin, persistent_workers=trainer.persistent_workers,

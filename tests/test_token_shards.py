@@ -153,9 +153,9 @@ def test_the_trainers_loader_reads_its_permutation_and_resumes_mid_epoch(tmp_pat
     loader = build_train_loader(data.train, batch_size=4, rank=0, world_size=1, seed=7, drop_last=True,
                                 device=torch.device("cpu"))
     order = ShuffledShards(len(data.train), 0, 1, seed=7, shuffle=True, drop_last=True).indices(epoch=2)
-    batches = list(loader.epoch(2).batches)
+    batches = list(loader.batches(2))
     assert torch.cat([x for x, _ in batches]).equal(everything[order[: len(batches) * 4], :-1])
-    resumed = list(loader.epoch(2, start=20).batches)  # a checkpoint taken after 5 batches
+    resumed = list(loader.batches(2, start=20))  # a checkpoint taken after 5 batches
     assert len(resumed) == len(batches) - 5
     assert all(a[0].equal(b[0]) and a[1].equal(b[1]) for a, b in zip(resumed, batches[5:]))
 

@@ -4,9 +4,8 @@ thread, one write at a time (files in order, at most one copy of the state in me
 
 The copy is needed because on CPU a full state dict's tensors share storage with the live
 parameters and optimizer moments, which the next step changes in place: a later write would
-save a mix of two steps. What CheckpointManager.save guarantees holds here too (the same call
-in another thread): the step file is fsynced before last.pt names it, and a process dying
-mid-write leaves the previous checkpoint intact (and a temporary file remove_stale_files deletes).
+save a mix of two steps. The writes are CheckpointManager's own, in another thread, with its
+guarantees: a process dying mid-write leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
@@ -76,7 +75,7 @@ class BackgroundWriter:
         return failure
 
     def wait(self) -> BaseException | None:
-        """Block until the running write (if any) ends; its exception (returned once), or None."""
+        """The running write's exception (returned once) once it ends, or None."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

@@ -113,8 +113,7 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any], intact: Path | None = None) -> None:
-    """Write `state` to `path` durably: complete and in place after a crash or power cut, or
-    not at all (CheckpointError naming `intact`, the file a failure leaves untouched)."""
+    """Write `state` to `path` durably, or not at all (CheckpointError naming `intact`, untouched)."""
     path = Path(path)
     try:
         with open_atomically(path) as file:
@@ -133,9 +132,8 @@ def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
 
 def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
                     verify: bool = True) -> dict[str, Any]:
-    """The checkpoint at `path`, its bytes (and its shards') checked against their checksums;
-    Unusable otherwise. `mmap`: map the tensors rather than read them. `verify=False`: the
-    checksums were checked already (by rank 0, which chose the file for every rank)."""
+    """The checkpoint at `path`, its bytes (and its shards') checked against their checksums
+    (`verify=False`: rank 0, which chose the file for every rank, did); Unusable otherwise."""
     path = Path(path)
     if not path.is_file():
         raise Unusable("does not exist", "check the path")

@@ -13,11 +13,11 @@ trainer.resume is `auto` (the newest readable checkpoint here, else a fresh star
 restarted job relies on), a path (continue that run; its recipe is replayed, config/recipe.py)
 or null (never; a directory holding checkpoints is refused). An unreadable newest file
 (truncated, checksum mismatch) is named in one line and moved into checkpoints/unreadable/,
-never deleted, and an older one used; one that holds what ringtrain never loads is refused. The file format is checkpoints/files.py. A save writes `step-<N>.pt` atomically, hard-links `last.pt` (and `best.pt`) to it and keeps
-`keep_last_k` step files. With trainer.async_checkpoint training stops only to copy the state
-to CPU memory; a thread writes it (checkpoints/background.py), and a failure stops the run at
-the next save or `flush` on every rank, the previous checkpoint intact. Only rank 0 writes;
-every rank takes part.
+never deleted, and an older one used; one that holds what ringtrain never loads is refused.
+A save (checkpoints/files.py) writes `step-<N>.pt` atomically, hard-links `last.pt` (and
+`best.pt`) to it and keeps `keep_last_k` step files: rank 0 writes, every rank takes part; with
+trainer.async_checkpoint in a thread (checkpoints/background.py), whose failure stops the run at
+the next save or `flush` on every rank, the previous checkpoint intact.
 """
 from __future__ import annotations
 
@@ -73,13 +73,12 @@ class CheckpointManager:
         self.keep_last_k, self.enabled, self.every = trainer.keep_last_k, trainer.checkpoint, trainer.checkpoint_every_n_steps
         self.dist = dist
         self.writer = BackgroundWriter() if trainer.async_checkpoint else None
-        self.parts: dict[str, Any] = {}  # the run's Stateful parts, by their key in a checkpoint
+        self.parts: dict[str, Any] = {}  # Stateful parts (or `Part`s) by their key in a file, restored in this order
         self.resumed: Resumed | None = None  # the checkpoint `resume` chose
         self._snapshot: dict[str, Any] | None = None  # the last copy written in the background
-        self._written: list[tuple[int, Path]] = []  # saves complete on disk, not yet reported
+        self._written: list[tuple[int, Path]] = []  # (step, step file) on disk, not yet reported by `written`
 
     def register(self, **parts: Any) -> None:
-        """Stateful parts (or `Part`s) by their key in a checkpoint, restored in this order."""
         self.parts.update(parts)
 
     def state_dict(self) -> dict[str, Any]:
@@ -145,7 +144,6 @@ class CheckpointManager:
         return Resumed(path, state)
 
     def _newest_readable(self, kept: dict) -> Resumed | None:
-        """trainer.resume=auto (see the module docstring); None for a directory without any checkpoint."""
         found = find_resumable(self.directory)
         if found.path is None:
             if found.unreadable:
@@ -194,7 +192,6 @@ class CheckpointManager:
             raise CheckpointError(failure)
 
     def written(self) -> list[tuple[int, Path]]:
-        """(step, step file) of the saves complete on disk since the last call (rank 0)."""
         done, self._written = self._written, []
         return done
 
@@ -307,14 +304,12 @@ def find_resumable(directory: Path) -> Found:
 
 
 def _state_of(path: Path, given: Resumed | None, verify: bool = True) -> dict[str, Any]:
-    """The checkpoint at `path`: the state the command line's check read already, else read now."""
     if given is not None and given.state is not None and given.path.resolve() == path.resolve():
         return given.state
     return load_checkpoint(path, mmap=True, verify=verify)
 
 
 def _refuse_another_model(state: dict, kept: dict, error: Callable[[str], Exception]) -> None:
-    """A continued run keeps its model (its weights and optimizer state belong to it)."""
     if (stored := (state["config"] or {}).get("model")) != kept:
         raise error(first_difference(stored or {}, kept or {}, "model"))
 

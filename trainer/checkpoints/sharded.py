@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
@@ -63,8 +63,6 @@ class _DataOnlyReader(dcp.FileSystemReader):
     """DCP's file reader, its index unpickled as data only (see the module docstring)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         raw = (Path(self.path) / ".metadata").read_bytes()
         try:
             metadata = _DataOnlyUnpickler(io.BytesIO(raw)).load()

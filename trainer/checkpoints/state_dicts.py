@@ -7,6 +7,10 @@ work; without one (single, dp, the tools) the model's and optimizer's own state_
 by parameter name, give the same format, since importing DCP costs about half a second (DTensor,
 dynamo), more than the whole seed tutorial's training (benchmarks/bench_process.py);
 tests/test_checkpoint_files.py holds the two ways to the same output.
+
+Each function is called on every rank: with a process group, a full state is gathered to rank 0
+only (the others get {}: N ranks never hold N copies in host memory), and what is loaded is rank
+0's state, broadcast (the others may pass {}).
 """
 from __future__ import annotations
 
@@ -25,36 +29,33 @@ if TYPE_CHECKING:
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights as plain CPU tensors, keyed by the bare model's names (no
     `module.` / `_orig_mod.`), tied weights under each name as in state_dict(); for a plain
-    module, DDP, torch.compile and FSDP2. Call it on every rank (FSDP all-gathers); with a
-    process group only rank 0 gets the weights, the others {}. On a CPU model without FSDP they
-    share storage with the live parameters: save them before the next optimizer step."""
+    module, DDP, torch.compile and FSDP2. On a CPU model without FSDP they share storage with
+    the live parameters: save them before the next optimizer step."""
     model = without_data_parallel(model)
     if not distributed():
         return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_gather_to_rank0())
+    return get_model_state_dict(model, options=_full())
 
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load full weights (from `full_model_state_dict` or a bare model's state_dict()) into a
-    plain, DDP or FSDP2 model, strictly. Call it on every rank; with a process group rank 0's
-    `state` is broadcast and the other ranks' is ignored (they may pass {})."""
+    plain, DDP or FSDP2 model, strictly."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(without_data_parallel(model), _rank0_only(state), options=_load_options())
+    set_model_state_dict(without_data_parallel(model), _rank0_only(state), options=_full(loading=True))
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's whole state, keyed by parameter name: {"state": {fqn: {...}},
     "param_groups": [{..., "params": [fqn, ...]}]}, plain CPU tensors and Python values,
     loadable with torch.load(weights_only=True); a tied parameter once, under its first name.
-    Call it on every rank; with a process group only rank 0 gets it, the others {}. Before the
-    first step the state holds DCP's zero-lr step (optimizer_state_dict): save after it."""
+    Before the first step the state holds DCP's zero-lr step (optimizer_state_dict): save after it."""
     model = without_data_parallel(model)
     if not distributed():
         return _named_optimizer_state(model, optimizer)
-    return optimizer_state_dict(model, optimizer, _gather_to_rank0())
+    return optimizer_state_dict(model, optimizer, _full())
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -73,8 +74,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a name-keyed optimizer state (any strategy's) into `optimizer`, re-sharding it for
-    FSDP. Call it on every rank after the model is set up and the optimizer built; with a
-    process group rank 0's `state` is broadcast (the others may pass {})."""
+    FSDP, after the model is set up and the optimizer built."""
     settings_only, groups = not state.get("state"), state.get("param_groups")
     if distributed():  # rank 0's state decides: the other ranks may have passed {}
         holder = [(settings_only, groups)]
@@ -92,7 +92,7 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, _rank0_only(state), options=_load_options())
+    set_optimizer_state_dict(model, optimizer, _rank0_only(state), options=_full(loading=True))
 
 
 def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -122,18 +122,13 @@ def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     }
 
 
-def _gather_to_rank0() -> StateDictOptions:
-    # With a process group only rank 0 gets the full state (the others {}): N ranks never hold N copies in host memory.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def _load_options() -> StateDictOptions:
+def _full(loading: bool = False) -> StateDictOptions:
     # broadcast_from_rank0 needs a process group; one process simply loads its own state.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed())
+    if loading:
+        return StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed())
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _rank0_only(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,5 @@
-"""Validation: when it is due (`Evaluator.due`), the run's validation (`Evaluator.validate`), and
-the metrics of a model over a loader, the same for any number of ranks (`evaluate_parts`, which
-`ringtrain evaluate` uses too)."""
+"""Validation of a run (`Evaluator`), and a model's metrics over a loader, the same for any number
+of ranks (`evaluate_parts`, which `ringtrain evaluate` uses too)."""
 from __future__ import annotations
 
 import logging
@@ -40,7 +39,6 @@ class Evaluator:
         self.position = parts.progress.samples_into_epoch  # the epoch's global position before the step
 
     def due(self, step: int, position: int, epoch_done: bool) -> bool:
-        """After `step`, which brought the epoch to `position`."""
         before, self.position = self.position, position
         if step == self.parts.total_steps or (self.every and step % self.every == 0):
             return True
@@ -50,7 +48,6 @@ class Evaluator:
         return epoch_done and not (self.every or self.minutes)
 
     def time_is_up(self) -> bool:
-        """eval_every_minutes have passed on this rank's clock (rank 0's decides)."""
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
     def validate(self, run: Run, callbacks: Callbacks) -> bool:

@@ -36,8 +36,7 @@ FIRST_STEP_FIX = ("the model, the task and the data do not fit each other (check
 
 def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any,
         callbacks: Callbacks, checkpoints: CheckpointManager, stop: StopSignals, watchdog: Watchdog) -> FitResult:
-    """Train `parts` (loop/setup.py: set up, and restored from a checkpoint if the run resumes):
-    each step, then what follows it as `StepEnds.decide` decides, then that."""
+    """Train `parts` (set up by loop/setup.py, and restored there if the run resumes)."""
     cfg, progress = job.trainer, parts.progress
     run = Run(model=parts.model, module=parts.module, optimizer=parts.optimizer, scheduler=parts.scheduler,
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
@@ -46,11 +45,10 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
     evaluator = Evaluator(cfg, parts, task, dist, watchdog)
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None,
                                weight_norm=lambda: parts.strategy.weight_norm(parts.params))
-    saves = Saves(run, callbacks, checkpoints, watchdog)
     if checkpoints.resumed is not None:  # every registered part restored (loop/setup.py)
         callbacks.call("on_load_checkpoint", run, checkpoints.resumed.state)
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
-        ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop)
+        ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop, watchdog)
         try:
             _report_start(parts, dist, job)
             stop.lag_steps = agreement.lag_steps
@@ -97,14 +95,14 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
                                                    losses.tokens, lr, grad_norm, applied, logging_step),
                                            position, epoch_done)
                     if decision.save:
-                        saves.save(progress.step, decision.best)
+                        ends.save(progress.step, decision.best)
                     if decision.stop:
                         if decision.stop_kind != NONFINITE:  # whose line the decision logged
                             saved = "; last.pt saved" if cfg.checkpoint else " (trainer.checkpoint=false: nothing saved)"
                             log.info(f"stopped by {decision.stop} after step {progress.step}{saved}")
                         break
             checkpoints.flush()  # the final save, or a stop's, is on disk before fit returns
-            saves.report()
+            ends.report()
             result = FitResult(
                 metrics=run.metrics, monitor=task.monitor, mode=task.mode, best_metric=progress.best_metric,
                 steps=progress.step, train_seconds=time.perf_counter() - started, stopped=decision.stop,
@@ -132,7 +130,9 @@ class StepEnds:
     its own schedule and says whether it is due: the logging cadence (`logs`), `Evaluator.due`,
     `CheckpointManager.due`, the callbacks' requests (made in their hooks), eval_every_minutes
     (`Evaluator.time_is_up`) and stop signals. What a component says is due happens, unless the
-    decision says why not: a non-finite value stops the run first."""
+    decision says why not: a non-finite value stops the run first. Then the saves: every rank
+    gathers its part of the registered state and the callbacks add theirs (on_save_checkpoint);
+    callbacks hear of each save once it is on disk (a background save is, once written)."""
 
     trainer: Any
     run: Run
@@ -142,6 +142,7 @@ class StepEnds:
     nonfinite: NonFiniteWatch
     agreement: Agreement
     stop: StopSignals
+    watchdog: Watchdog
 
     def logs(self, step: int) -> bool:
         """The logging cadence: every trainer.log_every_n_steps, and the last step. Asked before
@@ -168,15 +169,13 @@ class StepEnds:
         return Decision()
 
     def decide(self, end: StepEnd, position: int, epoch_done: bool) -> Decision:
-        """After step `end.step` (which brought the epoch to `position`): asks every component,
-        gives on_step_end what the schedules made due, makes the step's one cross-rank agreement
-        (`Agreement.exchange`) and its one non-finite check (`NonFiniteWatch.check`, before any
-        value is logged, evaluated or saved), validates when due (a callback may stop the run
-        then: early stopping), and says whether to save and whether to stop."""
+        """After step `end.step` (which brought the epoch to `position`): on_step_end hears what the
+        schedules made due; then the step's one cross-rank agreement (`Agreement.exchange`), its one
+        non-finite check (`NonFiniteWatch.check`, before any value is logged, evaluated or saved),
+        and validation when due (a callback may stop the run then: early stopping)."""
         run, step = self.run, end.step
 
         def stops_nonfinite(grad_norm: Any) -> bool:
-            """on_nonfinite=stop: a value about to be logged, evaluated or saved is checked first."""
             if not self.nonfinite.check(step, grad_norm):
                 return False
             if run.dist.is_main:
@@ -212,15 +211,6 @@ class StepEnds:
             return Decision(stop=NONFINITE, stop_kind=NONFINITE)
         run.control.validate = run.control.save = False
         return Decision(save=save, best=best, stop=stop, stop_kind=kind)
-
-
-class Saves:
-    """A run's saves: every rank gathers its part of the registered state and the callbacks add
-    theirs (on_save_checkpoint), rank 0 writes it (checkpoints/manager.py); callbacks hear of
-    each save once it is on disk (a background save is, once written)."""
-
-    def __init__(self, run: Run, callbacks: Callbacks, checkpoints: CheckpointManager, watchdog: Watchdog):
-        self.run, self.callbacks, self.checkpoints, self.watchdog = run, callbacks, checkpoints, watchdog
 
     def save(self, step: int, best: bool) -> None:
         self.watchdog.feed(SAVING, step)

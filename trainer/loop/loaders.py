@@ -58,14 +58,13 @@ class ShuffledShards:
         self.length, self.rank, self.world_size = length, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.end = min(length, limit) if limit else length  # where the epoch's order ends
-        self.per_rank = self.share(0)
 
     def __len__(self) -> int:
         """Samples of a whole epoch on this rank."""
-        return self.per_rank
+        return self.share(0)
 
     def share(self, start: int) -> int:
-        """Samples this rank gets of the epoch from global position `start` on (the same on every rank)."""
+        """This rank's samples of the epoch after global position `start` (the same on every rank)."""
         left = max(0, self.end - start)
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
@@ -123,8 +122,7 @@ def ignore_stop_signals(names: tuple[str, ...], worker_id: int) -> None:
 
 
 def worker_options(trainer, device: torch.device) -> WorkerOptions:
-    """The DataLoader settings of the trainer section (trainer.num_workers, pin_memory...);
-    pin_memory null means: on when the batches go to a CUDA device."""
+    """trainer.num_workers, pin_memory...; pin_memory null: on when the batches go to a CUDA device."""
     pin = device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
     return WorkerOptions(
         num_workers=trainer.num_workers, pin_memory=pin, persistent_workers=trainer.persistent_workers,
@@ -146,24 +144,6 @@ class _EpochOrder(Sampler[int]):
         return len(self.indices)
 
 
-@dataclass
-class EpochPass:
-    """One pass over the rest of an epoch: its batches (each rank has `num_batches`), and
-    the global position in the epoch after any number of them."""
-
-    batches: Iterator[Batch]
-    num_batches: int
-    start: int  # samples of the epoch's global order consumed before this pass
-    share: int  # this rank's samples in the pass (every rank has as many)
-    batch_size: int
-    world_size: int
-
-    def position(self, batches_done: int) -> int:
-        """Samples of the epoch's global order consumed after `batches_done` batches of this
-        pass on every rank (past the epoch's samples by the padding at its end)."""
-        return self.start + min(batches_done * self.batch_size, self.share) * self.world_size
-
-
 class BatchLoader:
     def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
                  drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
@@ -178,8 +158,7 @@ class BatchLoader:
         self._epoch_order = _EpochOrder()
         self._generator = torch.Generator()
 
-    def __len__(self) -> int:
-        """Batches per epoch."""
+    def __len__(self) -> int:  # batches per epoch
         return self._batches_in(len(self.order))
 
     def _batches_in(self, samples: int) -> int:
@@ -190,10 +169,10 @@ class BatchLoader:
         """Batches of an epoch after its first `start` samples (the same on every rank)."""
         return self._batches_in(self.order.share(start))
 
-    def epoch(self, epoch: int = 0, start: int = 0) -> "EpochPass":
-        """The batches of `epoch` after its first `start` samples (see ShuffledShards), and how many."""
-        return EpochPass(self.batches(epoch, start), self.batches_left(start), start, self.order.share(start),
-                         self.batch_size, self.order.world_size)
+    def position(self, start: int, batches_done: int) -> int:
+        """Samples of the epoch's global order consumed after `batches_done` batches from `start`
+        on every rank (past the epoch's samples by the padding at its end)."""
+        return start + min(batches_done * self.batch_size, self.order.share(start)) * self.order.world_size
 
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         """The batches of `epoch`, on the device, after its first `start` samples (for resuming)."""

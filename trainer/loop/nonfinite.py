@@ -44,8 +44,7 @@ class NonFiniteWatch:
         self.first_skip: str | None = None  # skip: what was non-finite at the first skipped update
 
     @property
-    def needs_grad_norm(self) -> bool:
-        """Whether every step must measure the gradient norm (skip decides on it each step)."""
+    def needs_grad_norm(self) -> bool:  # skip decides on it at every step
         return self.policy == "skip" and not self.uses_scaler
 
     def allows_update(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> bool:
@@ -59,7 +58,7 @@ class NonFiniteWatch:
             watched_norm = grad_norm if not self.uses_scaler else None
             if watched_norm is not None:
                 bad = bad | ~torch.isfinite(watched_norm.float())
-            if not self._on_any_rank(bad):  # the one host sync skip costs
+            if not self._across_ranks(bad, torch_dist.ReduceOp.MAX):  # the one host sync skip costs
                 return True
             if self.first_skip is None:  # said once by the loop (fit.py); a second sync, once
                 self.first_skip = _what_was_nonfinite(losses, watched_norm)
@@ -83,7 +82,8 @@ class NonFiniteWatch:
         values = torch.stack(losses)
         bad = ~torch.isfinite(values)
         first = int(bad.nonzero()[0]) if bool(bad.any()) else None
-        earliest = self._earliest_on_any_rank(steps[first] if first is not None else _NONE_BAD)
+        earliest = self._across_ranks(torch.tensor(steps[first] if first is not None else _NONE_BAD,
+                                                   dtype=torch.float64), torch_dist.ReduceOp.MIN)
         if earliest == _NONE_BAD:
             return False
         # The value is this rank's, or unknown here: the step is where another rank found it.
@@ -91,18 +91,12 @@ class NonFiniteWatch:
         self._bad_value = float(values[first]) if first is not None and steps[first] == earliest else None
         return True
 
-    def _on_any_rank(self, bad: torch.Tensor) -> bool:
+    def _across_ranks(self, value: torch.Tensor, op: torch_dist.ReduceOp) -> float:
+        """One value reduced by `op` over every rank, read on the host."""
         if self.dist.is_distributed:
-            bad = bad.to(self.device, torch.int32)
-            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
-        return bool(bad)
-
-    def _earliest_on_any_rank(self, step: float) -> float:
-        if not self.dist.is_distributed:
-            return step
-        earliest = torch.tensor([step], dtype=torch.float64, device=self.device)
-        torch_dist.all_reduce(earliest, op=torch_dist.ReduceOp.MIN)
-        return float(earliest)
+            value = value.to(self.device, torch.float64)
+            torch_dist.all_reduce(value, op=op)
+        return float(value)
 
     def stop_message(self, step: int, last_checkpoint: Path) -> str:
         saved = f"{last_checkpoint} is from before it" if last_checkpoint.exists() else "nothing was saved"

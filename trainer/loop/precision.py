@@ -58,8 +58,7 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bring gradients back to their true scale (before clipping or reading their norm)."""
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:  # before clipping or reading the norm
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 

@@ -17,8 +17,7 @@ class Progress:
     skipped_steps: int = 0  # updates skipped for non-finite values
 
     def finish_step(self, position: int, epoch_done: bool, applied: bool = True) -> None:
-        """Count one optimizer step that brought the epoch to `position` (`applied`: its update
-        was not skipped)."""
+        """One optimizer step that brought the epoch to `position` (`applied`: not skipped)."""
         self.step += 1
         self.skipped_steps += not applied
         if epoch_done:
@@ -60,8 +59,7 @@ class Layout:
         return asdict(self)
 
     def changes_from(self, old: "Layout") -> str | None:
-        """`world size 1 -> 2, per-rank batch 32 -> 32` (accumulation too when it changed);
-        None when nothing did."""
+        """`world size 1 -> 2, per-rank batch 32 -> 32` (accumulation too when it changed), or None."""
         if old == self:
             return None
         text = f"world size {old.world_size} -> {self.world_size}, per-rank batch {old.batch_size} -> {self.batch_size}"

@@ -67,8 +67,8 @@ class TrainingParts:
             return
         while progress.step < self.total_steps:
             start, index = progress.samples_into_epoch, progress.epoch
-            epoch = loader.epoch(index, start=start)
-            if epoch.num_batches == 0:
+            num_batches = loader.batches_left(start)
+            if num_batches == 0:
                 if start == 0:  # refused before work; a data set that changed size since would spin here
                     raise ConfigError(f"epoch {progress.epoch} has no batch of {loader.batch_size}; lower trainer.batch_size")
                 # A run continued with more ranks or a bigger batch: the few samples left make no
@@ -77,19 +77,19 @@ class TrainingParts:
                          f"{loader.batch_size} per rank; continuing with epoch {progress.epoch + 1}")
                 progress.finish_epoch()
                 continue
-            taken = 0
+            batches, taken = loader.batches(index, start), 0
             while True:
                 watchdog.feed(LOADING_TRAINING_BATCHES, progress.step)
-                group = list(islice(epoch.batches, accumulate))
+                group = list(islice(batches, accumulate))
                 if not group:
                     break
                 taken += len(group)
-                yield group, epoch.position(taken), taken >= epoch.num_batches
+                yield group, loader.position(start, taken), taken >= num_batches
                 if progress.step >= self.total_steps or progress.epoch != index:
                     break
-            if taken < epoch.num_batches and progress.epoch == index and progress.step < self.total_steps:
+            if taken < num_batches and progress.epoch == index and progress.step < self.total_steps:
                 raise ConfigError(
-                    f"epoch {progress.epoch} ended after {taken} of its {epoch.num_batches} batches: the training "
+                    f"epoch {progress.epoch} ended after {taken} of its {num_batches} batches: the training "
                     f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree")
 
 

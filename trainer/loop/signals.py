@@ -48,10 +48,9 @@ class StopSignals:
     get signals sent to the whole process group (Ctrl-C, torchrun's killpg) and ignore the stop
     signals (loop/loaders.py)."""
 
-    def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, lag_steps: int = 0,
-                 repeat_grace_s: float = REPEAT_GRACE_SECONDS):
+    def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, repeat_grace_s: float = REPEAT_GRACE_SECONDS):
         self.signums = tuple(_signal_number(name) for name in names)
-        self.lag_steps = lag_steps  # steps between a rank seeing the signal and all stopping
+        self.lag_steps = 0  # steps between a rank seeing the signal and all stopping (Agreement's)
         self.repeat_grace_s = repeat_grace_s
         self.received: str | None = None  # the first stop signal's name, e.g. "SIGTERM"
         self._received_at = 0.0
@@ -64,9 +63,8 @@ class StopSignals:
         self._watcher: threading.Thread | None = None
 
     def poll(self, step: int) -> bool:
-        """Whether a stop signal has arrived; call it after optimizer step `step` finished."""
-        # Under the lock the watcher takes too: the step its log line names is then the one
-        # at which this poll, or the next one, first returns True.
+        """Whether a stop signal has arrived, after optimizer step `step`. Under the lock the watcher
+        takes too: the step its line names is the one at which this poll, or the next, first says so."""
         with self._lock:
             self._polled_step = step
             return self.received is not None
@@ -206,8 +204,7 @@ class Agreement:
         return agreed
 
     def agree_now(self, local_flag: bool) -> bool:
-        """Whether any rank's flag is up, now (a blocking all-reduce): once, before the first
-        step, so a signal that came during set-up stops every rank before it trains."""
+        """Whether any rank's flag is up, now: once, before the first step (a signal during set-up)."""
         if self._group is None:
             return local_flag
         flags = torch.tensor([int(local_flag)], dtype=torch.int32)

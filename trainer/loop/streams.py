@@ -56,7 +56,7 @@ class StreamLoader:
         self._batches: Iterator[Any] | None = None
 
     def restore(self, states: list[dict[str, Any]]) -> None:
-        """Continue at the position `states` (every rank's, from a checkpoint) keep for this rank."""
+        """Continue at this rank's position in `states` (every rank's, from a checkpoint)."""
         rank, world = self.dist.rank, self.dist.world_size
         if len(states) != world:
             raise ConfigError(

@@ -60,7 +60,7 @@ class Watchdog:
         self._fed = (time.monotonic(), activity, self._fed[2] if step is None else step)
 
     def watched(self, items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
-        """`items`, the watchdog told `fetching` before each is fetched and `using` once it is."""
+        """`items`, fed as `fetching` before each is fetched and `using` once it is."""
         iterator = iter(items)
         while True:
             self.feed(fetching)

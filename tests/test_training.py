@@ -239,3 +239,23 @@ def test_deterministic_runs_of_the_transformer_are_bit_identical(tmp_path, torch
     first, second = checkpoint_weights(tmp_path / "a"), checkpoint_weights(tmp_path / "b")
     assert first.keys() == second.keys()
     assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+VALIDATED_AT: list[float] = []
+
+
+class EpochAtValidation(Callback):
+    def on_validation_end(self, run, metrics):
+        VALIDATED_AT.append(round(run.epoch, 6))
+
+
+def test_a_finished_run_started_again_validates_at_the_epoch_its_checkpoint_stands(tmp_path):
+    """The same command on a finished run (a requeue) validates only, at the checkpoint's step
+    and epoch, not at epoch 0."""
+    VALIDATED_AT.clear()
+    args = ["trainer.max_steps=40", "trainer.eval_every_n_steps=40",
+            f"+callbacks.epoch_at_validation._target_={__name__}.EpochAtValidation"]
+    train_in_process(args, tmp_path)
+    train_in_process(args, tmp_path)  # nothing to train: validates again
+    assert len(VALIDATED_AT) == 2 and VALIDATED_AT[0] > 0
+    assert VALIDATED_AT[1] == VALIDATED_AT[0]

@@ -41,8 +41,8 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
     run = Run(model=parts.model, module=parts.module, optimizer=parts.optimizer, scheduler=parts.scheduler,
               dist=dist, run_dir=run_dir, config=job.resolved, task=task, trainer=cfg,
               total_steps=parts.total_steps, train_loader=parts.train_loader, group=job.group)
-    run.step, run.skipped_steps = progress.step, progress.skipped_steps
     evaluator = Evaluator(cfg, parts, task, dist, watchdog)
+    _follow(run, progress, evaluator)  # a resumed run starts where its checkpoint stands, epoch too
     nonfinite = NonFiniteWatch(cfg.on_nonfinite, dist, uses_scaler=parts.precision.scaler is not None,
                                weight_norm=lambda: parts.strategy.weight_norm(parts.params))
     if checkpoints.resumed is not None:  # every registered part restored (loop/setup.py)
@@ -88,8 +88,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
                     if not applied and not progress.skipped_steps and dist.is_main:
                         _report_first_skip(nonfinite, step)
                     progress.finish_step(position, epoch_done, applied)
-                    run.step, run.skipped_steps = progress.step, progress.skipped_steps
-                    run.epoch = progress.epoch + progress.samples_into_epoch / max(evaluator.epoch_length, 1)
+                    _follow(run, progress, evaluator)
                     # Decide what follows, then do it.
                     decision = ends.decide(StepEnd(step, run.epoch, losses.detached, losses.summed, losses.samples,
                                                    losses.tokens, lr, grad_norm, applied, logging_step),
@@ -112,6 +111,12 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
         except BaseException as err:
             callbacks.call("on_exception", run, err)
             raise
+
+
+def _follow(run: Run, progress: Any, evaluator: Evaluator) -> None:
+    """The callbacks' view of where training stands: step, skipped steps, fractional epoch."""
+    run.step, run.skipped_steps = progress.step, progress.skipped_steps
+    run.epoch = progress.epoch + progress.samples_into_epoch / max(evaluator.epoch_length, 1)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,9 @@ class RankEnded(Exception):
     """This process ends because another one did (a spawned worker failed, a peer was lost);
     that one's own output says why. The message is printed and the process exits `exit_code`."""
 
-    exit_code = 1
+    def __init__(self, message: str = "", exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class TrainingStopped(Exception):

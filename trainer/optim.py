@@ -44,11 +44,9 @@ def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale
     node = dict(node)
     decay_matrices_only = node.pop("decay_matrices_only", False)
     target = locate(node["_target_"], "optimizer")
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"params": [p for p in model.parameters() if p.requires_grad]}
     if decay_matrices_only:
         extra["params"] = parameter_groups(model, node.get("weight_decay", _default(target, "weight_decay", 0.0)))
-    else:
-        extra["params"] = [p for p in model.parameters() if p.requires_grad]
     if lr_scale != 1.0:
         extra["lr"] = node.get("lr", _default(target, "lr", None)) * lr_scale
     if "fused" not in node and "foreach" not in node:

@@ -109,12 +109,6 @@ class Strategy:
         writes each rank's shards instead returns {"shards": <directory name>}."""
         return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(model, optimizer)}
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        """The bare model inside what setup_module returned."""
-        from ringtrain.checkpoints.files import unwrap_model
-
-        return unwrap_model(module)
-
 
 class Single(Strategy):
     """One process on one device (conf/strategy/single.yaml)."""

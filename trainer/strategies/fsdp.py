@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ringtrain.checkpoints.files import unwrap_model
 from ringtrain.checkpoints.sharded import save_sharded
 from ringtrain.checkpoints.state_dicts import distributed
 from ringtrain.distributed import DistInfo, under_torchrun
@@ -84,7 +85,7 @@ class FSDP(ProcessGroupStrategy):
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         # A micro-batch that is not the last skips the reduce-scatter and accumulates unsharded
         # gradients locally; the last one reduces the sum.
-        sharded = self.unwrap(module)
+        sharded = unwrap_model(module)
         sharded.set_requires_gradient_sync(enabled)
         try:
             yield

@@ -4,9 +4,8 @@ decay. Every schedule steps once per optimizer step.
 
 Any torch (or user's) optimizer and scheduler works: ringtrain passes what only it knows, by
 argument name, and the node gives the rest:
-  optimizer  `params` (the model's parameters); `fused=True` when the node leaves `fused` and
-             `foreach` unset: on CUDA for an optimizer with a fused kernel, on the CPU for Adam
-             and AdamW (`fused_by_default`)
+  optimizer  `params` (the model's parameters); `fused=True` where it pays and the node leaves
+             `fused` and `foreach` unset (`fused_by_default`)
   scheduler  `optimizer`, and `total_steps` when the scheduler takes it (ours, OneCycleLR)
 ringtrain's own keys, read here and never passed to the target:
   optimizer.decay_matrices_only  weight decay on 2-D+ weights only, never biases or norms (adamw)

@@ -96,8 +96,7 @@ class FSDP(ProcessGroupStrategy):
         return sharded_grad_norm(params)
 
     def weight_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
-        weights = [p.detach() for p in params]  # each rank's shards: the norm all-reduces
-        return _total_norm(weights, 2.0) if weights else torch.zeros(())
+        return _total_norm([p.detach() for p in params], 2.0)  # each rank's shards: the norm all-reduces
 
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm is the full model's (not this rank's shard's), so every rank scales by the
@@ -267,16 +266,15 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
 def sharded_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The global norm of all gradients as a plain tensor, for plain and sharded (DTensor)
     gradients alike; under FSDP every rank must call it (it all-reduces)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return _total_norm(grads, norm_type) if grads else torch.zeros(())
+    return _total_norm([p.grad for p in params if p.grad is not None], norm_type)
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in (sharded, plain) if group]
-    if len(norms) == 1:
-        return norms[0]
+    if len(norms) < 2:  # none: the norm of nothing
+        return norms[0] if norms else torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 

@@ -24,12 +24,6 @@ EXTRAS = {"transformers": "hf", "datasets": "hf", "tokenizers": "hf", "safetenso
           "torchvision": "vision", "timm": "vision", "wandb": "wandb", "mlflow": "mlflow", "optuna": "sweep"}
 
 
-def missing_library(err: ModuleNotFoundError) -> str | None:
-    """`pip install 'ringtrain[hf]'` when the module not found is one of an extra's libraries."""
-    extra = EXTRAS.get((err.name or "").split(".")[0])
-    return f"pip install 'ringtrain[{extra}]'" if extra else None
-
-
 def locate(path: Any, key: str) -> Callable:
     """The class or function at import path `path`, or a ConfigError saying what is wrong."""
     if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
@@ -45,7 +39,8 @@ def locate(path: Any, key: str) -> Callable:
         except ModuleNotFoundError as err:
             if err.name is not None and not name.startswith(err.name):
                 # The module exists but something it imports does not: the user's code needs fixing.
-                fix = missing_library(err) or "install or fix that import"
+                extra = EXTRAS.get(err.name.split(".")[0])
+                fix = f"pip install 'ringtrain[{extra}]'" if extra else "install or fix that import"
                 raise ConfigError(f"{key}._target_={path!r}: importing {name} failed ({err}); {fix}") from None
         except Exception as err:  # the module exists and raised while importing
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -95,14 +90,19 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
     if not isinstance(node, Mapping) or "_target_" not in node:
         raise ConfigError(f"{key} has no _target_; give the class to build, e.g. {key}._target_=my_pkg.MyThing")
     target = locate(node["_target_"], key)
-    _check_interface(node, key, target, kind, passed)
+    _check_kind(node, key, target, kind)
     parameters = _parameters(target)
     if parameters is None or node.get("_partial_"):
         return target  # a builtin without a signature, or a partial that gets the rest later
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    for name in passed:
+        if name not in parameters and not takes_any:
+            wanted = _kind_name(kind) if kind is not None else f"a callable taking {name}"
+            raise ConfigError(f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes "
+                              f"it; point {key}._target_ at {wanted}")
     unknown_provided = provided is None
     provided, reserved = set(provided or ()), set(reserved)
     arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k not in reserved}
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     named = {n: p for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     unnamed = [name for name in arguments if name not in named]
     for name in unnamed:
@@ -123,9 +123,9 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
     return target
 
 
-def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passed: Iterable[str]) -> None:
+def _check_kind(node: Mapping, key: str, target: Callable, kind: Any) -> None:
     """The kind a class target is, or a function target returns where it says so (it is not
-    called to find out: calling may do anything), and the arguments ringtrain passes it."""
+    called to find out: calling may do anything)."""
     if kind is not None and inspect.isclass(target) and not issubclass(target, kind):
         raise ConfigError(f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
                           f"point {key}._target_ at one")
@@ -135,15 +135,6 @@ def _check_interface(node: Mapping, key: str, target: Callable, kind: Any, passe
             raise ConfigError(
                 f"{key}._target_={node['_target_']!r} returns a {_public_name(returns)}, not {_kind_name(kind)}; "
                 f"point {key}._target_ at one"
-            )
-    if _parameters(target) is None or node.get("_partial_"):
-        return
-    for name in passed:
-        if not accepts(target, name):
-            wanted = _kind_name(kind) if kind is not None else f"a callable taking {name}"
-            raise ConfigError(
-                f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes it; "
-                f"point {key}._target_ at {wanted}"
             )
 
 

@@ -28,10 +28,6 @@ class WorkerFailedError(RankEnded):
     """A rank of a self-launched job failed; its own error was printed above. `exit_code`, the
     whole job's, is the worker's own (2 for a mistake in the configuration, 1 for a crash)."""
 
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
-
 
 @dataclass(frozen=True)
 class DistInfo:

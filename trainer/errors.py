@@ -10,10 +10,6 @@ Exit statuses of `python train.py` (and of each rank):
        says why 143)
 The error bases live here, importing nothing of ringtrain, so every module can raise one and
 `exit_on_user_error` catch them all without importing those modules.
-
-A mistake is usually met by every rank at once: the first to report it says the line, through
-the job's store (torchrun's agent keeps one), and the others exit with its status silently, so
-the line is printed once per job.
 """
 from __future__ import annotations
 
@@ -68,7 +64,9 @@ class RankEnded(Exception):
     """This process ends because another one did (a spawned worker failed, a peer was lost);
     that one's own output says why. The message is printed and the process exits `exit_code`."""
 
-    exit_code = 1
+    def __init__(self, message: str = "", exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class TrainingStopped(Exception):
@@ -105,9 +103,10 @@ _REPORTED = "ringtrain/attempt-{}/reported"
 
 
 def first_to_report(status: int) -> bool:
-    """Whether this process says the job's error: alone always; among a job's ranks only the
-    first to ask. A rank that raises a mistake asks before it leaves the process group, so a
-    peer that then finds it gone learns it was reported."""
+    """Whether this process says the job's error: alone always; among a job's ranks, which
+    usually all meet a mistake at once, only the first to ask (the others exit with its status
+    silently: the line is printed once per job). A rank that raises a mistake asks before it
+    leaves the process group, so a peer that then finds it gone learns it was reported."""
     global _first_to_report
     if _first_to_report is None:
         _first_to_report = True  # alone, or the job's store is gone (the launcher ended): say it rather than lose it

@@ -4,9 +4,8 @@ decay. Every schedule steps once per optimizer step.
 
 Any torch (or user's) optimizer and scheduler works: ringtrain passes what only it knows, by
 argument name, and the node gives the rest:
-  optimizer  `params` (the model's parameters); `fused=True` when the node leaves `fused` and
-             `foreach` unset: on CUDA for an optimizer with a fused kernel, on the CPU for Adam
-             and AdamW (`fused_by_default`)
+  optimizer  `params` (the model's parameters); `fused=True` where it pays and the node leaves
+             `fused` and `foreach` unset (`fused_by_default`)
   scheduler  `optimizer`, and `total_steps` when the scheduler takes it (ours, OneCycleLR)
 ringtrain's own keys, read here and never passed to the target:
   optimizer.decay_matrices_only  weight decay on 2-D+ weights only, never biases or norms (adamw)
@@ -44,11 +43,9 @@ def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale
     node = dict(node)
     decay_matrices_only = node.pop("decay_matrices_only", False)
     target = locate(node["_target_"], "optimizer")
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"params": [p for p in model.parameters() if p.requires_grad]}
     if decay_matrices_only:
         extra["params"] = parameter_groups(model, node.get("weight_decay", _default(target, "weight_decay", 0.0)))
-    else:
-        extra["params"] = [p for p in model.parameters() if p.requires_grad]
     if lr_scale != 1.0:
         extra["lr"] = node.get("lr", _default(target, "lr", None)) * lr_scale
     if "fused" not in node and "foreach" not in node:

@@ -13,14 +13,11 @@
             self.steps = state["steps"]
 
 A callback overrides the hooks it needs (HOOKS; a method named on_* that is not one is refused
-before any work) and says where it runs: on every rank (the default: it may take part in
-collectives, and sees every rank's batches) or, with `rank_zero_only = True`, on rank 0 alone
-(writing files, printing); with `logging_steps_only = True`, its on_step_end runs at logging
-steps only. Hooks get the `Run`, through which a callback logs metrics, reads
-the model, and asks the loop to validate, save or stop. Its state_dict is rank 0's, kept in
-every checkpoint under the callback's name and given back to it on every rank when the run
-resumes. Hooks a callback does not override cost nothing: the loop calls each hook only on
-the callbacks that define it.
+before any work) and runs on every rank (the default: it may take part in collectives, and sees
+every rank's batches) or on rank 0 alone (writing files, printing). Hooks get the `Run`, through
+which a callback logs metrics, reads the model, and asks the loop to validate, save or stop. Its
+state_dict is rank 0's, kept in every checkpoint under the callback's name and given back to it
+on every rank when the run resumes.
 """
 from __future__ import annotations
 
@@ -58,9 +55,9 @@ ENDING_HOOKS = ("on_exception", "on_fit_end")
 
 
 class Callback:
-    """Override the hooks you need (HOOKS); `rank_zero_only`: run on rank 0 alone."""
+    """Override the hooks you need (HOOKS)."""
 
-    rank_zero_only = False
+    rank_zero_only = False  # True: run on rank 0 alone
     logging_steps_only = False  # True: on_step_end is called at logging steps only (it does nothing at others)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The Throughput callback: at every logging step, samples/s and tokens/s of all ranks
-together, ms per step, MFU and peak GPU memory.
+together, ms per step, MFU and peak GPU memory; and the Profiler callback, where the time goes.
 
 MFU (model FLOPs utilisation, PaLM's definition, as nanoGPT and torchtitan report it) is
 
@@ -15,10 +15,6 @@ CPU gets no MFU unless trainer.peak_tflops gives its peak.
 
 Everything here reads host-side values (a wall clock, sample counts, the caching allocator's
 statistics): a step costs nothing on the device, a logging step one small all-reduce.
-
-Where the time goes, step by step, is the Profiler callback's (trainer.profile_steps,
-debug=profiler): a torch.profiler trace of a few optimizer steps, for TensorBoard's PyTorch
-Profiler plugin or Perfetto.
 """
 from __future__ import annotations
 
@@ -141,8 +137,9 @@ def _flops(run: Run) -> tuple[float | None, float | None]:
 
 
 class Profiler(Callback):
-    """trainer.profile_steps > 0: torch.profiler over that many steps after two to settle, on
-    rank 0; the trace goes to <run dir>/profiler/rank0.<n>.pt.trace.json and the log names it."""
+    """trainer.profile_steps > 0 (debug=profiler): torch.profiler over that many steps after two
+    to settle, on rank 0; the trace goes to <run dir>/profiler/rank0.<n>.pt.trace.json, the log
+    names it, TensorBoard's PyTorch Profiler plugin or Perfetto shows it."""
 
     rank_zero_only = True
 

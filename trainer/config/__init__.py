@@ -1,7 +1,5 @@
-"""The configuration: every command's Hydra app (app.py: composed once, a mistake one line),
-the checked job (schema.py), the data, task and model nodes (builders.py, sizes.py), what a
-checkpoint records of its job and how a command replays it (recipe.py), the sweep summary
-(sweep.py).
+"""The configuration: every command's Hydra app, the checked job, the data, task and model
+nodes, a checkpoint's recipe and its replay, the sweep summary (a module each).
 
 May import: ringtrain.errors, ringtrain.distributed, ringtrain.components, ringtrain.checkpoints,
 ringtrain.optim, ringtrain.data, ringtrain.models, ringtrain.strategies, ringtrain.callbacks,

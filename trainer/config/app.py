@@ -91,8 +91,10 @@ class CommandLine:
         return any(arg in ("-m", "--multirun") for arg in self.args)
 
     @property
-    def gives_config_dir(self) -> bool:
-        return any(arg in ("--config-dir", "-cd") or arg.startswith("--config-dir=") for arg in self.args)
+    def config_dirs(self) -> list[str]:
+        """The folders --config-dir (-cd) names."""
+        given = [value for flag, value in zip(self.args, self.args[1:]) if flag in ("--config-dir", "-cd")]
+        return given + [arg.split("=", 1)[1] for arg in self.args if arg.startswith("--config-dir=")]
 
     def hydra_args(self) -> list[str]:
         """What Hydra reads: the user's arguments with the replayed overrides before their first
@@ -255,10 +257,7 @@ def _lines(err: Exception) -> list[str]:
 
 def _group_options(group: str, command: CommandLine) -> list[str]:
     """The options of `group`: ringtrain's, and those of the --config-dir folder the command line names."""
-    args = command.args
-    given = [value for flag, value in zip(args, args[1:]) if flag in ("--config-dir", "-cd")]
-    given += [arg.split("=", 1)[1] for arg in args if arg.startswith("--config-dir=")]
-    folders = [CONF_DIR / group, *(Path(folder) / group for folder in given)]
+    folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
     return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
 
 
@@ -277,7 +276,7 @@ def _missing_option_message(missing: str, options: list[str], command: CommandLi
         hint = f"; {TURNED_OFF_BY_REMOVAL[group]}"
     elif group.startswith("hydra/"):  # sweepers and launchers are plugins, installed as extras
         hint = " (Optuna and joblib come with pip install 'ringtrain[sweep]', submitit with 'ringtrain[slurm]')"
-    elif not close and not command.gives_config_dir:  # most likely the user's own, folder not given
+    elif not close and not command.config_dirs:  # most likely the user's own, folder not given
         hint = f"; your own? put {group}/{option}.yaml in a config folder and pass --config-dir <folder>"
     return f"{group}={option} is not an option of {group}; choose one of {', '.join(sorted(options))}{hint}"
 

@@ -3,11 +3,8 @@
 The data decides some of the model's sizes (`dims`; how they reach the model: config/sizes.py):
 a data component's `dims` attribute (ringtrain's know theirs from their arguments before
 `setup()`, where they can), or for `data.train` / `data.val` nodes `data.dims`, else the
-training Dataset's `dims`.
-
-The data's lengths against the batch and the number of ranks: a job whose ranks would get no
-sample, or no batch, is refused in one line; `check_data_lengths` on every rank once the data is
-built (ringtrain/run.py), `check_validation_limit` before anything starts (config/schema.py).
+training Dataset's `dims`. The data's lengths are held against the batch and the number of
+ranks too (`check_data_lengths`, `check_validation_limit`).
 """
 from __future__ import annotations
 

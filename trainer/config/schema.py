@@ -16,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from ringtrain.components import build, check, check_built, is_node
 from ringtrain.conf import composed, option_names
@@ -155,10 +158,6 @@ def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
 def check_optimization(optimizer: Any, scheduler: Any, max_steps: int) -> None:
     """The optimizer and schedule nodes against their targets, and built on a stand-in
     parameter, so that their own argument checks (a negative lr) fire before any work."""
-    import torch
-    from torch import nn
-    from torch.optim.lr_scheduler import LRScheduler
-
     from ringtrain.optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, build_optimizer, build_scheduler
 
     optimizer_class = scheduler_class = False
@@ -290,7 +289,7 @@ def _check_trainer(t: TrainerConfig) -> None:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} has no effect without compiling; add trainer.compile=true")
     if not (math.isfinite(t.peak_tflops) and t.peak_tflops >= 0):
         raise ConfigError(f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (the device's peak TFLOP/s; 0 looks the GPU up)")
-    cuda = _cuda_available()
+    cuda = torch.cuda.is_available()
     if t.accelerator == "cuda" and not cuda:
         raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible; use trainer.accelerator=cpu (or auto)")
     if t.precision == "16-mixed" and (t.accelerator == "cpu" or not cuda):
@@ -302,7 +301,7 @@ def _check_trainer(t: TrainerConfig) -> None:
 def gpu_preset_notice(t: TrainerConfig) -> str | None:
     """The line a preset sized for a GPU (trainer.cpu_alternative set) gives when the run will be
     on the CPU: such a run compiles for minutes or takes minutes a step, with nothing said."""
-    if not t.cpu_alternative or (t.accelerator != "cpu" and _cuda_available()):
+    if not t.cpu_alternative or (t.accelerator != "cpu" and torch.cuda.is_available()):
         return None
     return (f"this preset is sized for a GPU and the run is on the CPU (no GPU visible, or trainer.accelerator=cpu): "
             f"it will be very slow; use {t.cpu_alternative} instead")
@@ -324,9 +323,3 @@ def _check_run_control(t: TrainerConfig) -> None:
         if not isinstance(getattr(signal, str(name), None), signal.Signals) or name in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(f"trainer.stop_signals: {name!r} is not a signal this process can catch; use names "
                               f"like SIGTERM, SIGINT, SIGUSR1, SIGUSR2 (or [] to handle none)")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

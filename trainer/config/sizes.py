@@ -78,21 +78,16 @@ def references_data_sizes(node: Any) -> bool:
     return isinstance(node, str) and DIMS_REFERENCE.match(node) is not None
 
 
-def fill_mode(node: Mapping) -> str | list[str]:
+def names_filled(node: Mapping, names: list[str]) -> list[str]:
+    """Which of the data's size `names` the model node's target gets from the data."""
     mode = node.get(FILL_KEY, "named")
     if isinstance(mode, (list, tuple)) and all(isinstance(name, str) for name in mode):
-        return list(mode)
-    if mode not in FILL_MODES:
+        mode = list(mode)
+    elif mode not in FILL_MODES:
         raise ConfigError(
             f"model.{FILL_KEY}={mode!r} is not a way to fill the data's sizes; use named (the arguments the "
             f"model names), all (also **kwargs), none, or a list of size names"
         )
-    return mode
-
-
-def names_filled(node: Mapping, names: list[str]) -> list[str]:
-    """Which of the data's size `names` the model node's target gets from the data."""
-    mode = fill_mode(node)
     if mode == "none":
         return []
     try:

@@ -1,6 +1,4 @@
-"""What every logger implements, and what they share: the run's config flattened into
-hyperparameters, the names of the final and best metrics, and the one-line error for a
-logger whose library is missing."""
+"""What every logger implements, and the helpers they share."""
 from __future__ import annotations
 
 import importlib

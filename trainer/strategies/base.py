@@ -1,18 +1,11 @@
-"""The strategy interface, and what every strategy does as one process on one device does
+"""The strategy interface, and what every strategy does as one process on one device
 (which is `strategy=single`).
 
 A strategy is a small object built from conf/strategy/<option>.yaml by `_target_` (Lightning
 Fabric's idea, without its class tree), the only place that knows which strategy runs: the
-loop, the job and the tools call its methods, never ask its name. Yours is a subclass in your
-package and a YAML file in your --config-dir (README). The loop uses it in this order:
-    strategy.check(trainer)                      before any work: refusals, one line each
-    strategy.launch(fn, *args)                   fn on this process, or on N ranks
-      dist = strategy.setup_process(accelerator) every rank: process group, device
-      module = strategy.setup_module(model, dist, trainer)   wrap, shard, compile
-      with strategy.no_sync(module, enabled):    accumulation: reduce on the last micro-batch only
-      strategy.clip_gradients(params, max_norm)  / strategy.gradient_norm(params)
-      strategy.checkpoint_weights(...)           full state on rank 0, or each rank's shards
-      with strategy.inference(module):           evaluation
+loop, the job and the tools call its methods, never ask its name. docs/ARCHITECTURE.md's
+Strategies table lists them in the order a run calls them, with what each strategy does. Yours
+is a subclass in your package and a YAML file in your --config-dir (README).
 """
 from __future__ import annotations
 
@@ -76,8 +69,6 @@ class Strategy:
 
     def setup_module(self, model: nn.Module, dist: DistInfo, trainer: Any) -> nn.Module:
         """The module the loop calls: `model` placed, and compiled when trainer.compile is on."""
-        if not trainer.compile:
-            return model
         from ringtrain.strategies.compilation import compile_for_training
 
         return compile_for_training(model, trainer)
@@ -115,12 +106,6 @@ class Strategy:
         state, keyed by parameter name, on rank 0 (every rank takes part). A strategy that
         writes each rank's shards instead returns {"shards": <directory name>}."""
         return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(model, optimizer)}
-
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        """The bare model inside what setup_module returned."""
-        from ringtrain.checkpoints.files import unwrap_model
-
-        return unwrap_model(module)
 
 
 class Single(Strategy):

@@ -2,13 +2,8 @@
 
 DDP keeps the full parameters, gradients and optimizer state on every rank (16 bytes a
 parameter with fp32 AdamW); FSDP2 (`fully_shard`) keeps 1/N of each on each of N ranks and
-all-gathers one unit's parameters (a transformer Block) just before that unit runs.
-
-What differs from ddp, all of it here: the model is sharded in place (its parameters become
-DTensors, so the optimizer is built after), then compiled; accumulation skips the reduce-scatter
-(set_requires_gradient_sync); gradient norms and clipping reduce over the shards; evaluation
-runs under no_grad; bf16-mixed is FSDP2's own mixed precision; checkpoints are gathered to rank
-0 (`state_dict_type=full`) or written as each rank's shards (`sharded`, checkpoints/sharded.py).
+all-gathers one unit's parameters (a transformer Block) just before that unit runs. What
+differs from ddp is all here, each in the method the run calls for it.
 """
 from __future__ import annotations
 
@@ -26,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ringtrain.checkpoints.files import unwrap_model
 from ringtrain.checkpoints.sharded import save_sharded
 from ringtrain.checkpoints.state_dicts import distributed
 from ringtrain.distributed import DistInfo, under_torchrun
@@ -89,7 +85,7 @@ class FSDP(ProcessGroupStrategy):
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         # A micro-batch that is not the last skips the reduce-scatter and accumulates unsharded
         # gradients locally; the last one reduces the sum.
-        sharded = self.unwrap(module)
+        sharded = unwrap_model(module)
         sharded.set_requires_gradient_sync(enabled)
         try:
             yield
@@ -100,11 +96,26 @@ class FSDP(ProcessGroupStrategy):
         return sharded_grad_norm(params)
 
     def weight_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
-        weights = [p.detach() for p in params]  # each rank's shards: the norm all-reduces
-        return _total_norm(weights, 2.0) if weights else torch.zeros(())
+        return _total_norm([p.detach() for p in params], 2.0)  # each rank's shards: the norm all-reduces
 
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-        return clip_sharded_grad_norm(params, max_norm)
+        """The norm is the full model's (not this rank's shard's), so every rank scales by the
+        same factor; every rank must call it."""
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return torch.zeros(())
+        if all(isinstance(p.grad, DTensor) for p in params) or not any(isinstance(p.grad, DTensor) for p in params):
+            # clip_grad_norm_ handles all-DTensor gradients itself (the norm's reduction is a
+            # DTensor Partial -> all-reduce); it returns a DTensor norm then.
+            return _plain(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # A mix (parameters FSDP does not manage next to sharded ones): torch's foreach kernels
+        # refuse mixed Tensor/DTensor lists, so take the norm per kind and clip each kind with it.
+        total = _total_norm([p.grad for p in params], 2.0)
+        sharded = [p for p in params if isinstance(p.grad, DTensor)]
+        plain = [p for p in params if not isinstance(p.grad, DTensor)]
+        for group in (sharded, plain):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+        return total
 
     def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
         # Under inference_mode FSDP2 allocates its all-gather buffers as inference tensors, and the
@@ -255,37 +266,15 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
 def sharded_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The global norm of all gradients as a plain tensor, for plain and sharded (DTensor)
     gradients alike; under FSDP every rank must call it (it all-reduces)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return _total_norm(grads, norm_type) if grads else torch.zeros(())
-
-
-def clip_sharded_grad_norm(params: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale all gradients so that their global norm is at most `max_norm`; return the norm
-    before clipping as a plain tensor. Under FSDP the norm is the full model's (not this
-    rank's shard's), so every rank scales by the same factor; every rank must call it."""
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    if all(isinstance(p.grad, DTensor) for p in params) or not any(isinstance(p.grad, DTensor) for p in params):
-        # clip_grad_norm_ handles all-DTensor gradients itself (the norm's reduction is a
-        # DTensor Partial -> all-reduce); it returns a DTensor norm then.
-        return _plain(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
-    # A mix (parameters FSDP does not manage next to sharded ones): torch's foreach kernels
-    # refuse mixed Tensor/DTensor lists, so take the norm per kind and clip each kind with it.
-    total = _total_norm([p.grad for p in params], norm_type)
-    sharded = [p for p in params if isinstance(p.grad, DTensor)]
-    plain = [p for p in params if not isinstance(p.grad, DTensor)]
-    for group in (sharded, plain):
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
-    return total
+    return _total_norm([p.grad for p in params if p.grad is not None], norm_type)
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     sharded = [g for g in grads if isinstance(g, DTensor)]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in (sharded, plain) if group]
-    if len(norms) == 1:
-        return norms[0]
+    if len(norms) < 2:  # none: the norm of nothing
+        return norms[0] if norms else torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 

@@ -15,7 +15,6 @@ import os
 import pickle
 import select
 import signal
-import sys
 import threading
 import traceback
 import uuid
@@ -129,9 +128,7 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
     if getattr(outcome, "stopped_by_signal", False):
         # Stopped by a signal, last.pt saved. A launcher told to stop reads no results: a rank
         # that waited to hand its over would wait for elastic's 30-second shutdown deadline.
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(STOPPED_BY_SIGNAL_EXIT)
+        exit_rank(STOPPED_BY_SIGNAL_EXIT)
     # Once the result is handed over, end before interpreter finalisation (atexit handlers run
     # before it), which can abort on gloo's threads (distributed.exit_rank says why) and the
     # launcher would count as a failed rank.

@@ -1,7 +1,5 @@
 """What the strategies with one process per device (ddp, fsdp) share: the process group's
-options, joining it, and starting the ranks when no launcher did.
-
-Both ways into a multi-process run end in `join_process_group`: torchrun (or any launcher
+options, and joining it, by both ways into a multi-process run: torchrun (or any launcher
 setting RANK / WORLD_SIZE / MASTER_*), or `strategy.nproc_per_node=N` without one, which starts
 N ranks here through torch's elastic launcher (strategies/launch.py).
 """

@@ -69,6 +69,8 @@ class Strategy:
 
     def setup_module(self, model: nn.Module, dist: DistInfo, trainer: Any) -> nn.Module:
         """The module the loop calls: `model` placed, and compiled when trainer.compile is on."""
+        if not trainer.compile:  # a job that does not compile never loads the compile module
+            return model
         from ringtrain.strategies.compilation import compile_for_training
 
         return compile_for_training(model, trainer)

@@ -204,10 +204,12 @@ class StepProfile:
 def print_profile_differences(profiles: dict) -> None:
     """What each ringtrain row runs that its raw loop does not, per step: kernels by time,
     then CPU-side ops by count."""
-    for mode in ("eager", "compiled"):
-        ours, raw = profiles.get(f"ringtrain {mode}"), profiles.get(f"raw loop {mode}")
-        if ours is None or raw is None:
+    for row in [row for row in profiles if row.startswith("ringtrain")]:
+        mode = "eager" if row.endswith("eager") else "compiled"
+        ours, raw = profiles[row], profiles.get(f"raw loop {mode}")
+        if raw is None:
             continue
+        mode = row.removeprefix("ringtrain ")
         print(f"\nprofile, {mode}: ringtrain {ours.summary()}")
         print(f"profile, {mode}: raw loop  {raw.summary()}")
         names = set(ours.kernels) | set(raw.kernels)

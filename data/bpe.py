@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ringtrain.data.bundle import DataError
+from ringtrain.data.bundle import DataError, looked_in
 from ringtrain.data.vocab import BPEVocab
 
 # The byte alphabet is the first 256 ids; a BPE vocabulary has at least one merge beyond it.
@@ -61,7 +61,7 @@ def read_tokenizer(path: str, key: str = "data.tokenizer") -> BPEVocab:
     if file.is_dir():
         file = file / TOKENIZER_FILE
     if not file.is_file():
-        raise DataError(f"{key}={path!r}: no tokenizer file at {file} (looked in {Path.cwd()}); {how}")
+        raise DataError(f"{key}={path!r}: no tokenizer file at {file}{looked_in(file)}; {how}")
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:

@@ -10,6 +10,7 @@ catch mistakes), and `setup()` builds the splits, on every rank. ringtrain's own
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -19,6 +20,12 @@ from ringtrain.errors import UserError
 
 class DataError(UserError, ValueError):
     """A data set that cannot be built as configured; the message names the key and the fix."""
+
+
+def looked_in(path: str | Path) -> str:
+    """Where a path that is not there was looked for: the working directory, for a relative
+    path (hydra.job.chdir or a launcher may have moved it), nothing for an absolute one."""
+    return "" if Path(path).expanduser().is_absolute() else f" (looked in {Path.cwd()})"
 
 
 @dataclass

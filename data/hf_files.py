@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ringtrain.data.bundle import DataError
+from ringtrain.data.bundle import DataError, looked_in
 
 # File extension -> the datasets builder that reads it.
 FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -49,10 +49,10 @@ def data_files(path: str | Sequence[str] | None, key: str) -> list[str]:
         pattern = str(Path(str(entry)).expanduser())
         found = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not found:
-            raise DataError(f"{key}={entry!r} matches no file (looked in {Path.cwd()}); check the pattern")
+            raise DataError(f"{key}={entry!r} matches no file{looked_in(pattern)}; check the pattern")
         for file in found:
             if not Path(file).is_file():
-                raise DataError(f"{key}={entry!r}: {file} does not exist or is not a file (looked in {Path.cwd()})")
+                raise DataError(f"{key}={entry!r}: {file} does not exist or is not a file{looked_in(file)}")
         files.extend(found)
     return files
 

@@ -26,7 +26,7 @@ import torch
 
 from ringtrain.storage.atomic import open_atomically
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
+from ringtrain.data.bundle import DataError, DataModule, check_positive_ints, looked_in
 from ringtrain.data.tensors import SequenceDataset, windows_of
 from ringtrain.data.vocab import BPEVocab
 
@@ -43,7 +43,7 @@ def check_text_file(path: str) -> None:
         )
     file = Path(path).expanduser()
     if not file.exists():
-        raise DataError(f"data.path={path!r} does not exist (looked in {Path.cwd()}); pass a UTF-8 text file")
+        raise DataError(f"data.path={path!r} does not exist{looked_in(path)}; pass a UTF-8 text file")
     if not file.is_file():
         raise DataError(f"data.path={path!r} is not a file; pass a UTF-8 text file")
     with file.open("rb") as handle:

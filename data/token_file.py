@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ringtrain.storage.atomic import write_text_atomically
-from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data.bundle import DataError, DataModule, looked_in
 from ringtrain.data.token_ids import largest_token_id
 from ringtrain.data.vocab import vocab_from_state
 
@@ -212,7 +212,7 @@ def check_token_directory(path: str) -> Path:
         raise DataError(f"data.path is not set; pass a directory with train.bin, val.bin and meta.json ({_HOW_TO_MAKE})")
     directory = Path(path).expanduser()
     if not directory.exists():
-        raise DataError(f"data.path={path!r} does not exist (looked in {Path.cwd()}); {_HOW_TO_MAKE}")
+        raise DataError(f"data.path={path!r} does not exist{looked_in(path)}; {_HOW_TO_MAKE}")
     if not directory.is_dir():
         raise DataError(f"data.path={path!r} is not a directory; pass the directory holding train.bin, val.bin and meta.json")
     for name in (*(f"{split}.bin" for split in SPLITS), META_FILE):

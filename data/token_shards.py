@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 
 from ringtrain.data import token_ids
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data.bundle import DataError, DataModule, looked_in
 from ringtrain.data.token_file import META_FILE, SPLITS, check_token_directory, read_meta, window_rows
 
 log = logging.getLogger("ringtrain")
@@ -217,7 +217,7 @@ def find_shard_files(path: str) -> dict[str, list[tuple[Path, dict | None]]]:
     pattern = os.path.expanduser(path)
     matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
     if not matches or not os.path.lexists(matches[0]):
-        where = "matches no file" if glob.has_magic(pattern) else f"does not exist (looked in {Path.cwd()})"
+        where = "matches no file" if glob.has_magic(pattern) else f"does not exist{looked_in(pattern)}"
         raise DataError(f"data.path={path!r} {where}; pass a directory or a glob of token shards")
     found: dict[str, dict[Path, dict | None]] = {split: {} for split in SPLITS}
     for match in map(Path, matches):

@@ -15,6 +15,10 @@ from pathlib import Path
 # `cuda`: `RINGTRAIN_TEST_CUDA=1 pytest -m cuda` (benchmarks/gpu_checks.sh runs them).
 if os.environ.get("RINGTRAIN_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# The processes the tests start (hundreds of `python train.py` runs and torchrun ranks) write and
+# reuse Python's bytecode, as a user's would: where PYTHONDONTWRITEBYTECODE is set (this VM sets
+# it) each would compile ringtrain's modules from source again, ~0.1 s of CPU a process.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -44,13 +44,6 @@ from torch import nn
 log = logging.getLogger("ringtrain")
 
 
-def compile_for_training(model: nn.Module, trainer: Any) -> nn.Module:
-    """`model` compiled as trainer.compile, compile_mode and compile_scope say (or as it is)."""
-    if not trainer.compile:
-        return model
-    return CompiledModel(model, trainer.compile_mode, regional=trainer.compile_scope == "regional")
-
-
 def repeated_blocks(model: nn.Module) -> nn.ModuleList | None:
     """The nn.ModuleList of two or more modules of one class holding the most parameters (so the
     layers, not a list of experts inside a layer), or None."""

@@ -156,14 +156,13 @@ def _end_if_the_launcher_dies(launcher: int) -> None:
 
 @contextlib.contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
+    levels = {logger: logger.level for logger in map(logging.getLogger, _ELASTIC_LOGGERS)}
+    for logger in levels:
         logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in levels.items():
             logger.setLevel(level)
 
 

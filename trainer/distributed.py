@@ -117,24 +117,20 @@ def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta)
     return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
 
 
-class PeerLostError(RankEnded):
-    """Another rank ended (crashed, killed, its machine lost) while this one was talking to it.
-    That rank's own output says why; this one reports it in one line and exits 1 (RankEnded's)."""
-
-
 # What gloo and NCCL say when the other end of a collective went away.
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
               "remote process exited", "communicator was aborted")
 
 
-def peer_lost(err: BaseException, rank: int) -> PeerLostError | None:
-    """The one-line error for a collective that failed because another rank ended, else None."""
+def peer_lost(err: BaseException, rank: int) -> RankEnded | None:
+    """The one-line error (exit 1) for a collective that failed because another rank ended
+    (crashed, killed, its machine lost) while this one was talking to it, else None."""
     text = str(err).strip()
     if not isinstance(err, RuntimeError) or not any(marker in text.lower() for marker in _PEER_LOST):
         return None
     # "[/path/to/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:21635. This is ..."
     cause = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0][:200]
-    return PeerLostError(
+    return RankEnded(
         f"rank {rank}: another rank ended while this one was waiting for it ({cause}); its own output says "
         f"why. The checkpoints are intact: the same command with hydra.run.dir=<this run's directory> "
         f"continues from the last one"

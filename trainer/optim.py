@@ -99,14 +99,10 @@ class WarmupConstant(LRScheduler):
         self.warmup_steps = warmup_steps
         super().__init__(optimizer, last_epoch)
 
-    def factor(self, step: int) -> float:
-        """The lr multiplier of optimizer step `step` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        return 1.0
-
     def get_lr(self) -> list[float]:
-        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
+        # Optimizer step s (0-based) of the warmup uses lr * (s + 1) / warmup_steps.
+        factor = (self.last_epoch + 1) / self.warmup_steps if self.last_epoch < self.warmup_steps else 1.0
+        return [base * factor for base in self.base_lrs]
 
 
 class WarmupCosine(WarmupConstant):

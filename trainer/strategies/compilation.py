@@ -66,12 +66,10 @@ class CompiledModel(nn.Module):
         self.backward_checked = False  # the probe has run (or compiling was given up)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_compiled and not self.backward_checked and self.module.training and torch.is_grad_enabled():
+            self._probe_backward(args, kwargs)
         if not self.is_compiled:
             return self._eager(*args, **kwargs)
-        if not self.backward_checked and self.module.training and torch.is_grad_enabled():
-            self._probe_backward(args, kwargs)
-            if not self.is_compiled:
-                return self._eager(*args, **kwargs)
         try:
             return self.module(*args, **kwargs)
         except Exception as error:

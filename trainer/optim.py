@@ -62,9 +62,8 @@ def fused_by_default(target: Any, device: torch.device) -> bool:
     has one; on the CPU for Adam and AdamW, whose update of several ops a tensor it does in one
     vectorised pass (about 5x faster an AdamW step for the Transformer), while SGD's single op
     a tensor gains nothing there."""
-    if not accepts(target, "fused"):
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and isinstance(target, type) and issubclass(target, (torch.optim.Adam, torch.optim.AdamW)))
+    cpu_fused = device.type == "cpu" and isinstance(target, type) and issubclass(target, (torch.optim.Adam, torch.optim.AdamW))
+    return accepts(target, "fused") and (device.type == "cuda" or cpu_fused)
 
 
 def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:

@@ -109,9 +109,7 @@ def fsync_directory(directory: Path) -> None:
 
 def remove_if_present(path: Path) -> None:
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        Path(path).unlink(missing_ok=True)
     except OSError as err:
         log.warning(f"cannot remove {path} ({err.strerror}); delete it by hand")
 

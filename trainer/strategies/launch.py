@@ -130,8 +130,7 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
         # that waited to hand its over would wait for elastic's 30-second shutdown deadline.
         exit_rank(STOPPED_BY_SIGNAL_EXIT)
     # Once the result is handed over, end before interpreter finalisation (atexit handlers run
-    # before it), which can abort on gloo's threads (distributed.exit_rank says why) and the
-    # launcher would count as a failed rank.
+    # before it), as exit_rank does, and for its reason: else a rank that succeeded may count as failed.
     atexit.register(os._exit, 0)
     _end_if_the_launcher_dies(launcher)
     return pickle.dumps(outcome)
@@ -173,9 +172,8 @@ def _other_stop_signals_reach_ranks(names: Sequence[str]) -> Iterator[None]:
     def stop(signum: int, frame: Any) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    extra = [getattr(signal, name) for name in names if getattr(signal, name) not in _HANDLED_BY_ELASTIC]
-    if threading.current_thread() is not threading.main_thread():
-        extra = []
+    main = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    extra = [getattr(signal, name) for name in names if main and getattr(signal, name) not in _HANDLED_BY_ELASTIC]
     previous = {signum: signal.signal(signum, stop) for signum in extra}
     try:
         yield

@@ -85,10 +85,8 @@ class CheckpointManager:
         """Every rank: each part's state (what is gathered, full weights too, whole on rank 0 only)."""
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT}
         for name, part in self.parts.items():
-            if getattr(part, "spread", False):
-                state.update(part.state_dict())
-            else:
-                state[name] = part.state_dict()
+            saved = part.state_dict()
+            state.update(saved if getattr(part, "spread", False) else {name: saved})
         return state
 
     def restore(self) -> None:

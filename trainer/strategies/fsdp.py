@@ -34,7 +34,6 @@ NO_PROCESS_GROUP_MESSAGE = (
     "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
     "for one process use strategy=single or ddp"
 )
-STATE_DICT_TYPES = ("full", "sharded")
 
 
 class FSDP(ProcessGroupStrategy):
@@ -48,7 +47,7 @@ class FSDP(ProcessGroupStrategy):
                  cpu_offload: bool, state_dict_type: str) -> None:
         super().__init__(backend=backend, nproc_per_node=nproc_per_node, timeout_minutes=timeout_minutes,
                          max_restarts=max_restarts, scale_lr_by_world_size=scale_lr_by_world_size)
-        if state_dict_type not in STATE_DICT_TYPES:
+        if state_dict_type not in ("full", "sharded"):
             raise ConfigError(
                 f"strategy.state_dict_type={state_dict_type!r} is unknown; use full (one plain file) or sharded "
                 f"(each rank writes its own shards, for models too large to gather on one rank)"

@@ -92,34 +92,20 @@ def join_process_group(backend: str, accelerator: str, timeout_minutes: float) -
     if backend == "auto":  # strategy.check refused nccl for ranks without a CUDA device
         backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(minutes=timeout_minutes)
-    restarted = _store_for_restarted_workers(rank, world_size, timeout)
-    dist.init_process_group(
-        backend=backend, **({"store": restarted} if restarted else {"init_method": "env://"}),
-        rank=rank, world_size=world_size, timeout=timeout,
-    )
+    rendezvous: dict[str, Any] = {"init_method": "env://"}
+    if (attempt := int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)) > 0:
+        # Workers torchrun restarted keep this attempt's keys apart from earlier attempts'.
+        # torchrun's agent hosts one TCPStore for the job, and every process group writes the same
+        # keys in every attempt, so a restarted rank would read the killed attempt's: gloo dialled
+        # the dead rank's old address ("Connection refused") or the ranks waited until the timeout.
+        # (Elastic membership changes restart workers without counting a restart: not covered.)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        # "default_pg" inside, as init_process_group itself does when it makes the store.
+        rendezvous = {"store": dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))}
+    dist.init_process_group(backend=backend, **rendezvous, rank=rank, world_size=world_size, timeout=timeout)
     health = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes)) if world_size > 1 else None
     return DistInfo(rank, local_rank, world_size, device, backend, health)
-
-
-def _store_for_restarted_workers(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
-    """For workers torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0): the env:// store with
-    this attempt's keys apart from earlier attempts'; None otherwise. torchrun's agent hosts one
-    TCPStore for the job, and every process group writes the same keys in every attempt, so a
-    restarted rank would read the killed attempt's: gloo dialled the dead rank's old address
-    ("Connection refused") or the ranks waited until the timeout. (Elastic membership changes
-    restart workers without counting a restart: not covered.)"""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if attempt == 0:
-        return None
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    # "default_pg" inside, as init_process_group itself does when it makes the store.
-    return dist.PrefixStore("default_pg", dist.PrefixStore(f"ringtrain/attempt-{attempt}", store))
-
-
-class PeerLostError(RankEnded):
-    """Another rank ended (crashed, killed, its machine lost) while this one was talking to it.
-    That rank's own output says why; this one reports it in one line and exits 1 (RankEnded's)."""
 
 
 # What gloo and NCCL say when the other end of a collective went away.
@@ -127,14 +113,15 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken p
               "remote process exited", "communicator was aborted")
 
 
-def peer_lost(err: BaseException, rank: int) -> PeerLostError | None:
-    """The one-line error for a collective that failed because another rank ended, else None."""
+def peer_lost(err: BaseException, rank: int) -> RankEnded | None:
+    """The one-line error (exit 1) for a collective that failed because another rank ended
+    (crashed, killed, its machine lost) while this one was talking to it, else None."""
     text = str(err).strip()
     if not isinstance(err, RuntimeError) or not any(marker in text.lower() for marker in _PEER_LOST):
         return None
     # "[/path/to/gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:21635. This is ..."
     cause = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0][:200]
-    return PeerLostError(
+    return RankEnded(
         f"rank {rank}: another rank ended while this one was waiting for it ({cause}); its own output says "
         f"why. The checkpoints are intact: the same command with hydra.run.dir=<this run's directory> "
         f"continues from the last one"

@@ -25,7 +25,6 @@ from torch.optim.lr_scheduler import LinearLR, LRScheduler, SequentialLR
 from ringtrain.components import accepts, build, locate
 
 OPTIMIZER_KEYS = ("decay_matrices_only",)
-FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW)
 SCHEDULER_KEYS = ("warmup_steps",)
 
 
@@ -41,10 +40,9 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """The optimizer `node` describes, over `model`'s parameters."""
     node = dict(node)
-    decay_matrices_only = node.pop("decay_matrices_only", False)
     target = locate(node["_target_"], "optimizer")
     extra: dict[str, Any] = {"params": [p for p in model.parameters() if p.requires_grad]}
-    if decay_matrices_only:
+    if node.pop("decay_matrices_only", False):
         extra["params"] = parameter_groups(model, node.get("weight_decay", _default(target, "weight_decay", 0.0)))
     if lr_scale != 1.0:
         extra["lr"] = node.get("lr", _default(target, "lr", None)) * lr_scale
@@ -64,9 +62,8 @@ def fused_by_default(target: Any, device: torch.device) -> bool:
     has one; on the CPU for Adam and AdamW, whose update of several ops a tensor it does in one
     vectorised pass (about 5x faster an AdamW step for the Transformer), while SGD's single op
     a tensor gains nothing there."""
-    if not accepts(target, "fused"):
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and isinstance(target, type) and issubclass(target, FUSED_ON_CPU))
+    cpu_fused = device.type == "cpu" and isinstance(target, type) and issubclass(target, (torch.optim.Adam, torch.optim.AdamW))
+    return accepts(target, "fused") and (device.type == "cuda" or cpu_fused)
 
 
 def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_steps: int) -> LRScheduler:
@@ -101,14 +98,10 @@ class WarmupConstant(LRScheduler):
         self.warmup_steps = warmup_steps
         super().__init__(optimizer, last_epoch)
 
-    def factor(self, step: int) -> float:
-        """The lr multiplier of optimizer step `step` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        return 1.0
-
     def get_lr(self) -> list[float]:
-        return [base * self.factor(self.last_epoch) for base in self.base_lrs]
+        # Optimizer step s (0-based) of the warmup uses lr * (s + 1) / warmup_steps.
+        factor = (self.last_epoch + 1) / self.warmup_steps if self.last_epoch < self.warmup_steps else 1.0
+        return [base * factor for base in self.base_lrs]
 
 
 class WarmupCosine(WarmupConstant):
@@ -125,9 +118,8 @@ class WarmupCosine(WarmupConstant):
         super().__init__(optimizer, warmup_steps, last_epoch)
 
     def get_lr(self) -> list[float]:
-        step = self.last_epoch
-        if step < self.warmup_steps:
-            return [base * self.factor(step) for base in self.base_lrs]
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        if self.last_epoch < self.warmup_steps:
+            return super().get_lr()
+        progress = min(1.0, (self.last_epoch - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return [self.min_lr + (base - self.min_lr) * cosine for base in self.base_lrs]

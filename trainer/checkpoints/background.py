@@ -30,8 +30,13 @@ def detached_copy(state: Any, reuse: Any = None) -> Any:
 def _copy(state: Any, reuse: Any, copies: dict[tuple, torch.Tensor], used: set[int]) -> Any:
     if isinstance(state, torch.Tensor):
         key = (state.device, state.data_ptr(), state.dtype, tuple(state.shape), state.stride())
-        if key not in copies:
-            copies[key] = _tensor_copy(state, reuse, used)
+        if key in copies:
+            return copies[key]
+        fits = (isinstance(reuse, torch.Tensor) and reuse.device.type == "cpu" and reuse.dtype == state.dtype
+                and reuse.shape == state.shape and reuse.is_contiguous() and id(reuse) not in used)
+        if fits:
+            used.add(id(reuse))
+        copies[key] = reuse.copy_(state.detach()) if fits else state.detach().to("cpu", copy=True)
         return copies[key]
     if isinstance(state, dict):
         earlier = reuse if isinstance(reuse, dict) else {}
@@ -41,15 +46,6 @@ def _copy(state: Any, reuse: Any, copies: dict[tuple, torch.Tensor], used: set[i
         copied = [_copy(value, old, copies, used) for value, old in zip(state, earlier)]
         return copied if isinstance(state, list) else tuple(copied)
     return state
-
-
-def _tensor_copy(tensor: torch.Tensor, reuse: Any, used: set[int]) -> torch.Tensor:
-    fits = (isinstance(reuse, torch.Tensor) and reuse.device.type == "cpu" and reuse.dtype == tensor.dtype
-            and reuse.shape == tensor.shape and reuse.is_contiguous() and id(reuse) not in used)
-    if not fits:
-        return tensor.detach().to("cpu", copy=True)
-    used.add(id(reuse))
-    return reuse.copy_(tensor.detach())
 
 
 class BackgroundWriter:

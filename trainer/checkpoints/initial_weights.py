@@ -28,17 +28,14 @@ def load_initial_weights(model: nn.Module, path: str | Path, trusted: bool = Fal
     """Load the weights in `path` into the bare `model` after check_shapes_fit; returns how many
     tensors. `trusted`: a sharded checkpoint's index is unpickled whole (checkpoints/sharded.py)."""
     path = str(path)
-    if path.endswith(".safetensors"):
-        weights = _read_safetensors(path)
-    else:
-        state = _read_torch_file(path)
-        if "shards" in state:  # a sharded fsdp checkpoint: DCP reads its shards into the model
-            from ringtrain.checkpoints.sharded import load_sharded, sharded_model_shapes
+    state = {"model": _read_safetensors(path)} if path.endswith(".safetensors") else _read_torch_file(path)
+    if "shards" in state:  # a sharded fsdp checkpoint: DCP reads its shards into the model
+        from ringtrain.checkpoints.sharded import load_sharded, sharded_model_shapes
 
-            check_shapes_fit(model, sharded_model_shapes(state["shards"], trusted), f"trainer.init_from={path}")
-            load_sharded(state["shards"], model, trusted=trusted)
-            return len(model.state_dict())
-        weights = state["model"]
+        check_shapes_fit(model, sharded_model_shapes(state["shards"], trusted), f"trainer.init_from={path}")
+        load_sharded(state["shards"], model, trusted=trusted)
+        return len(model.state_dict())
+    weights = state["model"]
     check_shapes_fit(model, {name: tensor.shape for name, tensor in weights.items()}, f"trainer.init_from={path}")
     model.load_state_dict(weights, strict=False)  # strict in substance: check_shapes_fit
     return len(weights)

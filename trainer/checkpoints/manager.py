@@ -85,10 +85,8 @@ class CheckpointManager:
         """Every rank: each part's state (what is gathered, full weights too, whole on rank 0 only)."""
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT}
         for name, part in self.parts.items():
-            if getattr(part, "spread", False):
-                state.update(part.state_dict())
-            else:
-                state[name] = part.state_dict()
+            saved = part.state_dict()
+            state.update(saved if getattr(part, "spread", False) else {name: saved})
         return state
 
     def restore(self) -> None:
@@ -105,17 +103,15 @@ class CheckpointManager:
         """The checkpoint this run continues from, read on every rank (rank 0 decides which),
         or None. `kept`: the model section it must have been trained with. `given`: the one
         trainer.resume=<path> names, already read by this process (tools/train.py)."""
-        decision: tuple[str, str | None] = ("ok", None)
-        chosen = None
+        chosen, failure = None, None
         if self.dist.is_main:
             try:
                 chosen = self._choose(resume, kept, given)
-                decision = ("ok", str(chosen.path) if chosen else None)
             except (RunDirError, CheckpointError, ConfigError) as err:
-                decision = (type(err).__name__, str(err))
-        kind, value = broadcast_object(self.dist, decision)
-        if kind != "ok":
-            raise {"RunDirError": RunDirError, "CheckpointError": CheckpointError, "ConfigError": ConfigError}[kind](value)
+                failure = err
+        failure, value = broadcast_object(self.dist, (failure, str(chosen.path) if chosen else None))
+        if failure is not None:
+            raise failure
         if chosen is None and value is not None:  # another rank: its own read of the file rank 0 chose and verified
             chosen = Resumed(Path(value), _state_of(Path(value), given, verify=False))
         self.resumed = chosen

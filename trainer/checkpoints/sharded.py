@@ -104,7 +104,9 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
             with _single_process_is_intended():
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
         except dcp.CheckpointException as err:
-            failure = _shard_write_failure(directory, err)
+            os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
+            failure = (write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME) if os_errors
+                       else f"cannot save sharded checkpoint {directory}: {_first_failure(err)}")
     if failure is None:
         failure = _on_rank0(lambda: replace_directory(partial, directory), directory)
     if failure is not None:
@@ -179,13 +181,6 @@ def _on_rank0(action, directory: Path) -> str | None:
         dist.broadcast_object_list(holder, src=0)
         failure = holder[0]
     return failure
-
-
-def _shard_write_failure(directory: Path, err: dcp.CheckpointException) -> str:
-    os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
-    if os_errors:
-        return write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME)
-    return f"cannot save sharded checkpoint {directory}: {_first_failure(err)}"
 
 
 def _first_failure(err: dcp.CheckpointException) -> str:

@@ -53,9 +53,14 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     loadable with torch.load(weights_only=True); a tied parameter once, under its first name.
     Before the first step the state holds DCP's zero-lr step (optimizer_state_dict): save after it."""
     model = without_data_parallel(model)
-    if not distributed():
-        return _named_optimizer_state(model, optimizer)
-    return optimizer_state_dict(model, optimizer, _full())
+    if distributed():
+        return optimizer_state_dict(model, optimizer, _full())
+    # Without a process group: optimizer.state_dict() renamed (module docstring), with CPU tensors.
+    names, indexed = _parameter_names(model, optimizer), optimizer.state_dict()
+    state = {names[index]: {key: value.cpu() if torch.is_tensor(value) else value for key, value in values.items()}
+             for index, values in indexed["state"].items()}
+    groups = [{**group, "params": [names[index] for index in group["params"]]} for group in indexed["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -88,7 +93,12 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         return
     model = without_data_parallel(model)
     if not distributed():
-        optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state))
+        index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
+        optimizer.load_state_dict({
+            "state": {index[name]: values for name, values in state["state"].items()},
+            "param_groups": [{**saved, "params": [index[name] for name in saved["params"]]}
+                             for saved in state["param_groups"]],
+        })
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -100,26 +110,6 @@ def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
     tied parameter under its first name, as DCP names it."""
     names = {param: name for name, param in reversed(list(model.named_parameters(remove_duplicate=False)))}
     return [names[param] for group in optimizer.param_groups for param in group["params"]]
-
-
-def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """optimizer.state_dict() keyed by parameter name, with CPU tensors: DCP's full format."""
-    names = _parameter_names(model, optimizer)
-    indexed = optimizer.state_dict()
-    state = {names[index]: {key: value.cpu() if torch.is_tensor(value) else value for key, value in values.items()}
-             for index, values in indexed["state"].items()}
-    groups = [{**group, "params": [names[index] for index in group["params"]]} for group in indexed["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
-    """A name-keyed optimizer state (any strategy's) as `optimizer.load_state_dict` takes it."""
-    index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
-    return {
-        "state": {index[name]: values for name, values in state["state"].items()},
-        "param_groups": [{**saved, "params": [index[name] for name in saved["params"]]}
-                         for saved in state["param_groups"]],
-    }
 
 
 def _full(loading: bool = False) -> StateDictOptions:

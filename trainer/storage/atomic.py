@@ -25,7 +25,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 log = logging.getLogger("ringtrain")
 
@@ -34,16 +34,8 @@ log = logging.getLogger("ringtrain")
 _FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EACCES, errno.EISDIR}
 
 
-class WritableFile(Protocol):
-    """What `open_atomically` hands out: a binary file to `write` to (torch.save takes it)."""
-
-    def write(self, data: bytes) -> int: ...
-
-    def flush(self) -> None: ...
-
-
 @contextlib.contextmanager
-def open_atomically(path: str | os.PathLike) -> Iterator[WritableFile]:
+def open_atomically(path: str | os.PathLike) -> Iterator[_ErrorRecordingWriter]:
     """A binary file that replaces `path` when the `with` block ends without an error (missing
     parents are created durably). A write's OSError (ENOSPC) is raised as itself even where the
     serializer turned it into another error (torch.save makes it "unexpected pos ...")."""
@@ -102,27 +94,22 @@ def temp_name_pattern(names: str) -> re.Pattern[str]:
 
 def fsync_directory(directory: Path) -> None:
     """Make the renames and links in `directory` durable where the file system can (else a warning at most)."""
-    consequence = "a power cut may undo the latest rename there"
+    fd = None
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as err:  # e.g. Windows cannot open a directory
-        if err.errno not in _FSYNC_UNSUPPORTED:
-            log.warning(f"cannot open {directory} to fsync it ({err.strerror}); {consequence}")
-        return
-    try:
+        fd = os.open(directory, os.O_RDONLY)  # e.g. Windows cannot open a directory
         os.fsync(fd)
     except OSError as err:
         if err.errno not in _FSYNC_UNSUPPORTED:
-            log.warning(f"fsync of {directory} failed ({err.strerror}); {consequence}")
+            what = f"cannot open {directory} to fsync it" if fd is None else f"fsync of {directory} failed"
+            log.warning(f"{what} ({err.strerror}); a power cut may undo the latest rename there")
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def remove_if_present(path: Path) -> None:
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        Path(path).unlink(missing_ok=True)
     except OSError as err:
         log.warning(f"cannot remove {path} ({err.strerror}); delete it by hand")
 
@@ -144,7 +131,8 @@ def _replacing(path: Path) -> Iterator[Path]:
 
 
 class _ErrorRecordingWriter:
-    """A file's `write` that remembers the OSError it raised, which torch.save hides."""
+    """What `open_atomically` hands out (torch.save takes it): a binary file's `write` that
+    remembers the OSError it raised, which torch.save hides."""
 
     def __init__(self, file):
         self.file = file

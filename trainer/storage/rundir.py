@@ -135,30 +135,27 @@ class RunDirectory:
             write_text_atomically(self.path / RECORD_SUBDIR / name, text)
 
     def release(self, refused: bool = False) -> None:
-        """Let the directory go; `refused`: the job trained nothing, so take back what it added (log, record)."""
+        """Let the directory go; `refused`: the job trained nothing, so take back what it added (log,
+        record, lines appended to the run's train.log), and the directory if that leaves it empty."""
         if refused and self._found is not None:
-            self._take_back()
-        elif refused:  # refused before the claim (a logger that cannot work): the folder Hydra made, if empty
+            for handler in list(logging.getLogger().handlers):  # train.log, if this job made it
+                if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == self.path.absolute():
+                    handler.close()
+                    logging.getLogger().removeHandler(handler)
+            for name in set(os.listdir(self.path)) - self._found:
+                entry = self.path / name
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            for name, size in self._sizes.items():
+                if name != self.LOCK and (self.path / name).is_file() and (self.path / name).stat().st_size > size:
+                    os.truncate(self.path / name, size)
+            if self.LOCK in self._found and self._fd is not None:  # a run's lock file: as it was
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self._lock_text, 0)
+        if refused:  # also refused before the claim (a logger that cannot work): the folder Hydra made
             remove_if_empty(self.path)
         if self._fd is not None:
             os.close(self._fd)  # drops the flock
             self._fd = None
-
-    def _take_back(self) -> None:
-        for handler in list(logging.getLogger().handlers):  # train.log, if this job made it
-            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == self.path.absolute():
-                handler.close()
-                logging.getLogger().removeHandler(handler)
-        for name in set(os.listdir(self.path)) - self._found:
-            entry = self.path / name
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        for name, size in self._sizes.items():  # lines it appended to the run's train.log
-            if name != self.LOCK and (self.path / name).is_file() and (self.path / name).stat().st_size > size:
-                os.truncate(self.path / name, size)
-        if self.LOCK in self._found and self._fd is not None:  # a run's lock file: as it was
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, self._lock_text, 0)
-        remove_if_empty(self.path)
 
 
 def remove_if_empty(path: Path) -> None:

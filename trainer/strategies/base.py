@@ -71,9 +71,9 @@ class Strategy:
         """The module the loop calls: `model` placed, and compiled when trainer.compile is on."""
         if not trainer.compile:  # a job that does not compile never loads the compile module
             return model
-        from ringtrain.strategies.compilation import compile_for_training
+        from ringtrain.strategies.compilation import CompiledModel
 
-        return compile_for_training(model, trainer)
+        return CompiledModel(model, trainer.compile_mode, regional=trainer.compile_scope == "regional")
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Forward and backward inside reduce gradients across ranks only when `enabled`."""
@@ -81,13 +81,15 @@ class Strategy:
 
     def gradient_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
         """The global norm of all gradients (every rank calls it)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        return self.total_norm([p.grad for p in params if p.grad is not None])
 
     def weight_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
         """The global norm of all weights (every rank calls it): non-finite when any weight is."""
-        weights = [p.detach() for p in params]
-        return torch.nn.utils.get_total_norm(weights) if weights else torch.zeros(())
+        return self.total_norm([p.detach() for p in params])
+
+    def total_norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of all `tensors` together (0 for none); a strategy that shards them reduces it across ranks."""
+        return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros(())
 
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients to a global norm of at most `max_norm`; return the norm before."""

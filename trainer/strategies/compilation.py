@@ -1,14 +1,13 @@
 """`trainer.compile`: torch.compile for training, region by region, falling back to eager mode
 when compiling fails.
 
-What is compiled (`trainer.compile_scope`): `regional`, the default, compiles each block of the
-model's repeated blocks (`repeated_blocks`: the nn.ModuleList of two or more modules of one
-class that holds the most parameters, a Transformer's layers) and leaves the rest eager, as
+What is compiled (`trainer.compile_scope`): `regional`, the default, compiles each of the
+model's repeated blocks (`repeated_blocks`, a Transformer's layers) and leaves the rest eager, as
 torchtitan's apply_compile and Accelerate's regional compilation do: dynamo compiles one block
 and reuses its graph for the others (it guards on the block's class and shapes, not on the
 object), so a 16-block model compiles about one block's worth of graph instead of 16
-(benchmarks/bench_compile.py: 0.37x a whole-model compile's time to the third step on CPU). `whole`, or a model without repeated blocks,
-compiles the model in one graph. Either way in place, with `nn.Module.compile` (PyTorch's
+(benchmarks/bench_compile.py: 0.37x a whole-model compile's time to the third step on CPU).
+`whole`, or a model without repeated blocks, compiles the model in one graph. Either way in place, with `nn.Module.compile` (PyTorch's
 regional-compilation recipe): no wrapper enters the module tree, so state dicts keep their
 plain keys (no `_orig_mod.`) and checkpoints load compiled or not. The model's blocks stay
 compiled after training (the Python API's model); `torch.compiler.set_stance("force_eager")`
@@ -20,7 +19,7 @@ runs within DDP's forward, so dynamo's DDP optimizer splits the graph at DDP's b
 all-reduce still overlaps the backward (torch 2.13's `optimize_ddp` default, shown by
 `TORCH_LOGS=ddp_graphs`; tests/test_speed_features.py). That splitting refuses buckets
 below DDP's 1 MiB first one, so strategies/ddp.py refuses `bucket_cap_mb` < 1 with compiling
-(strategies/dp.py refuses DataParallel, which copies the model every forward). Under fsdp,
+(strategies/dp.py refuses compiling altogether). Under fsdp,
 FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eagerly, breaking
 the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers them
 outside autograd): it costs one forward, and a backward that fails to compile raises.
@@ -42,13 +41,6 @@ import torch
 from torch import nn
 
 log = logging.getLogger("ringtrain")
-
-
-def compile_for_training(model: nn.Module, trainer: Any) -> nn.Module:
-    """`model` compiled as trainer.compile, compile_mode and compile_scope say (or as it is)."""
-    if not trainer.compile:
-        return model
-    return CompiledModel(model, trainer.compile_mode, regional=trainer.compile_scope == "regional")
 
 
 def repeated_blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -73,12 +65,10 @@ class CompiledModel(nn.Module):
         self.backward_checked = False  # the probe has run (or compiling was given up)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.is_compiled and not self.backward_checked and self.module.training and torch.is_grad_enabled():
+            self._probe_backward(args, kwargs)
         if not self.is_compiled:
             return self._eager(*args, **kwargs)
-        if not self.backward_checked and self.module.training and torch.is_grad_enabled():
-            self._probe_backward(args, kwargs)
-            if not self.is_compiled:
-                return self._eager(*args, **kwargs)
         try:
             return self.module(*args, **kwargs)
         except Exception as error:

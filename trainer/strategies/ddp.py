@@ -30,9 +30,8 @@ class DDP(ProcessGroupStrategy):
         if bucket_cap_mb <= 0:
             raise ConfigError(f"strategy.bucket_cap_mb={bucket_cap_mb} must be positive")
         self.bucket_cap_mb = bucket_cap_mb
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
+        self.options = {"bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters,
+                        "gradient_as_bucket_view": gradient_as_bucket_view, "static_graph": static_graph}  # DDP's own
         self.forward_sync_buffers = forward_sync_buffers
 
     def check(self, trainer: Any) -> None:
@@ -66,10 +65,7 @@ class DDP(ProcessGroupStrategy):
             module,
             device_ids=[dist.device.index] if on_cuda else None,
             output_device=dist.device.index if on_cuda else None,
-            bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            static_graph=self.static_graph,
+            **self.options,
             **buffers,
         )
 

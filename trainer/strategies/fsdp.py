@@ -34,7 +34,6 @@ NO_PROCESS_GROUP_MESSAGE = (
     "strategy=fsdp needs a process group: run under torchrun or set strategy.nproc_per_node >= 2; "
     "for one process use strategy=single or ddp"
 )
-STATE_DICT_TYPES = ("full", "sharded")
 
 
 class FSDP(ProcessGroupStrategy):
@@ -48,7 +47,7 @@ class FSDP(ProcessGroupStrategy):
                  cpu_offload: bool, state_dict_type: str) -> None:
         super().__init__(backend=backend, nproc_per_node=nproc_per_node, timeout_minutes=timeout_minutes,
                          max_restarts=max_restarts, scale_lr_by_world_size=scale_lr_by_world_size)
-        if state_dict_type not in STATE_DICT_TYPES:
+        if state_dict_type not in ("full", "sharded"):
             raise ConfigError(
                 f"strategy.state_dict_type={state_dict_type!r} is unknown; use full (one plain file) or sharded "
                 f"(each rank writes its own shards, for models too large to gather on one rank)"
@@ -69,8 +68,6 @@ class FSDP(ProcessGroupStrategy):
         return "32" if precision == "bf16-mixed" else precision
 
     def setup_module(self, model: nn.Module, dist_info: DistInfo, trainer: Any) -> nn.Module:
-        from ringtrain.strategies.compilation import compile_for_training
-
         param_dtype = torch.bfloat16 if trainer.precision == "bf16-mixed" else None
         try:
             classes = resolve_shard_classes(model, self.shard_classes) if self.shard_classes else None
@@ -79,7 +76,7 @@ class FSDP(ProcessGroupStrategy):
                                   param_dtype=param_dtype, cpu_offload=self.cpu_offload)
         except ValueError as err:
             raise ConfigError(f"strategy=fsdp: {err}") from None
-        return compile_for_training(sharded, trainer)
+        return super().setup_module(sharded, dist_info, trainer)  # compiled after sharding
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
@@ -92,29 +89,19 @@ class FSDP(ProcessGroupStrategy):
         finally:
             sharded.set_requires_gradient_sync(True)  # a later backward outside this context syncs
 
-    def gradient_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
-        return sharded_grad_norm(params)
-
-    def weight_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
-        return _total_norm([p.detach() for p in params], 2.0)  # each rank's shards: the norm all-reduces
+    def total_norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return total_norm(tensors)  # each rank's shards: the norm all-reduces
 
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm is the full model's (not this rank's shard's), so every rank scales by the
         same factor; every rank must call it."""
         params = [p for p in params if p.grad is not None]
-        if not params:
-            return torch.zeros(())
-        if all(isinstance(p.grad, DTensor) for p in params) or not any(isinstance(p.grad, DTensor) for p in params):
-            # clip_grad_norm_ handles all-DTensor gradients itself (the norm's reduction is a
-            # DTensor Partial -> all-reduce); it returns a DTensor norm then.
-            return _plain(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        # A mix (parameters FSDP does not manage next to sharded ones): torch's foreach kernels
-        # refuse mixed Tensor/DTensor lists, so take the norm per kind and clip each kind with it.
-        total = _total_norm([p.grad for p in params], 2.0)
-        sharded = [p for p in params if isinstance(p.grad, DTensor)]
-        plain = [p for p in params if not isinstance(p.grad, DTensor)]
-        for group in (sharded, plain):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+        total = total_norm([p.grad for p in params])
+        # torch's foreach kernels refuse mixed Tensor/DTensor lists (parameters FSDP does not
+        # manage next to sharded ones): each kind is clipped apart, with the one global norm.
+        for sharded in (True, False):
+            if group := [p for p in params if isinstance(p.grad, DTensor) == sharded]:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
         return total
 
     def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
@@ -143,12 +130,8 @@ def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
                 if any(type(module).__name__ == name for module in model.modules())]
     if declared:
         return resolve_shard_classes(model, declared)
-    repeated = []
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            kinds = {type(child) for child in module}
-            if len(kinds) == 1 and next(iter(kinds)) not in repeated:
-                repeated.append(next(iter(kinds)))
+    repeated = list(dict.fromkeys(type(m[0]) for m in model.modules()
+                                  if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1))
     if not repeated:
         log.info(
             "fsdp: %s has no repeated layers in an nn.ModuleList; the whole model is one FSDP unit, "
@@ -205,20 +188,11 @@ def shard_model(model: nn.Module, device: torch.device, *, shard_classes: tuple[
     if not distributed():
         raise ValueError(NO_PROCESS_GROUP_MESSAGE)
 
-    options, root_options = _shard_options(device, param_dtype, cpu_offload)
-    # fully_shard groups the parameters not yet owned by a unit, so children go first.
-    for module in units:
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
-    fully_shard(model, **root_options)
-    return model
-
-
-def _shard_options(device: torch.device, param_dtype: torch.dtype | None,
-                   cpu_offload: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """fully_shard's options for the units and for the root, over all ranks."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    options: dict[str, Any] = {"mesh": mesh}
-    root_options: dict[str, Any] = {"mesh": mesh}
+    options: dict[str, Any] = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    if cpu_offload:
+        # Pinned memory makes host<->GPU copies asynchronous; without a GPU it cannot be allocated.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    root_options = dict(options)
     if param_dtype is not None:
         # float32 reduction: summing N ranks' bf16 gradients loses bits the optimizer needs.
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -227,10 +201,11 @@ def _shard_options(device: torch.device, param_dtype: torch.dtype | None,
         root_options["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
-    if cpu_offload:
-        # Pinned memory makes host<->GPU copies asynchronous; without a GPU it cannot be allocated.
-        options["offload_policy"] = root_options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    return options, root_options
+    # fully_shard groups the parameters not yet owned by a unit, so children go first.
+    for module in units:
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, **root_options)
+    return model
 
 
 def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) -> list[nn.Module]:
@@ -266,17 +241,15 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
 def sharded_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
     """The global norm of all gradients as a plain tensor, for plain and sharded (DTensor)
     gradients alike; under FSDP every rank must call it (it all-reduces)."""
-    return _total_norm([p.grad for p in params if p.grad is not None], norm_type)
+    return total_norm([p.grad for p in params if p.grad is not None], norm_type)
 
 
-def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    norms = [_plain(torch.nn.utils.get_total_norm(group, norm_type)) for group in (sharded, plain) if group]
+def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all `tensors`, plain and sharded (DTensor) alike, as a plain tensor."""
+    sharded = [t for t in tensors if isinstance(t, DTensor)]
+    plain = [t for t in tensors if not isinstance(t, DTensor)]
+    norms = [torch.nn.utils.get_total_norm(group, norm_type) for group in (sharded, plain) if group]
+    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
     if len(norms) < 2:  # none: the norm of nothing
         return norms[0] if norms else torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-
-
-def _plain(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm

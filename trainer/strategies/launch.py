@@ -42,7 +42,16 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
     """Run `fn(*args)` on `nprocs` ranks on this machine; return rank 0's result. A failing rank
     ends the job (after `max_restarts` restarts of the group) with WorkerFailedError carrying its
     exit status; a stop signal with TrainingStopped (143 for SIGTERM), last.pt saved."""
-    pickled_args = _pickled(args, nprocs)
+    # `args` go by value, as plain pickle bytes: handed to the launcher as they are, tensors in
+    # them (the Python API's model and data sets) would be moved into shared memory, one storage
+    # for all ranks, and each rank's optimizer would then update the same weights.
+    try:
+        pickled_args = pickle.dumps(args)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
+        raise ConfigError(
+            f"the {nprocs} ranks each need a copy of the model, data and task, and one does not "
+            f"pickle ({' '.join(str(err).split())[:200]}); define those classes and functions at module level"
+        ) from None
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"ringtrain-{uuid.uuid4()}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # as torchrun --standalone
@@ -86,21 +95,8 @@ def warn_if_ranks_share_cores(nprocs: int) -> None:
         )
 
 
-def _pickled(args: tuple, nprocs: int) -> bytes:
-    """`args` by value, as plain pickle bytes. Handed to the launcher as they are, tensors in
-    them (the Python API's model and data sets) would be moved into shared memory, one
-    storage for all ranks: each rank's optimizer would then update the same weights."""
-    try:
-        return pickle.dumps(args)
-    except (pickle.PicklingError, AttributeError, TypeError) as err:  # a lambda, a class local to a function
-        raise ConfigError(
-            f"the {nprocs} ranks each need a copy of the model, data and task, and one does not "
-            f"pickle ({' '.join(str(err).split())[:200]}); define those classes and functions at module level"
-        ) from None
-
-
 def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
-    """One rank's body. Its result travels back as bytes for the same reason its arguments do."""
+    """One rank's body. Its result travels back as bytes for the reason its arguments do (launch_ranks)."""
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N ranks with all cores' threads each would fight over the cores
         # (2.5x slower measured with 2 ranks on 2 cores). OMP_NUM_THREADS overrides this.
@@ -130,8 +126,7 @@ def _run_rank(fn: Callable[..., Any], pickled_args: bytes) -> bytes:
         # that waited to hand its over would wait for elastic's 30-second shutdown deadline.
         exit_rank(STOPPED_BY_SIGNAL_EXIT)
     # Once the result is handed over, end before interpreter finalisation (atexit handlers run
-    # before it), which can abort on gloo's threads (distributed.exit_rank says why) and the
-    # launcher would count as a failed rank.
+    # before it), as exit_rank does, and for its reason: else a rank that succeeded may count as failed.
     atexit.register(os._exit, 0)
     _end_if_the_launcher_dies(launcher)
     return pickle.dumps(outcome)
@@ -156,14 +151,13 @@ def _end_if_the_launcher_dies(launcher: int) -> None:
 
 @contextlib.contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
+    levels = {logger: logger.level for logger in map(logging.getLogger, _ELASTIC_LOGGERS)}
+    for logger in levels:
         logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels):
+        for logger, level in levels.items():
             logger.setLevel(level)
 
 
@@ -174,9 +168,8 @@ def _other_stop_signals_reach_ranks(names: Sequence[str]) -> Iterator[None]:
     def stop(signum: int, frame: Any) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    extra = [getattr(signal, name) for name in names if getattr(signal, name) not in _HANDLED_BY_ELASTIC]
-    if threading.current_thread() is not threading.main_thread():
-        extra = []
+    main = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    extra = [getattr(signal, name) for name in names if main and getattr(signal, name) not in _HANDLED_BY_ELASTIC]
     previous = {signum: signal.signal(signum, stop) for signum in extra}
     try:
         yield

@@ -1,7 +1,6 @@
-"""What the strategies with one process per device (ddp, fsdp) share: the process group's
-options, and joining it, by both ways into a multi-process run: torchrun (or any launcher
-setting RANK / WORLD_SIZE / MASTER_*), or `strategy.nproc_per_node=N` without one, which starts
-N ranks here through torch's elastic launcher (strategies/launch.py).
+"""What the strategies with one process per device (ddp, fsdp) share: the process group's options,
+and joining it, under torchrun (or any launcher setting RANK / WORLD_SIZE / MASTER_*) or, with
+`strategy.nproc_per_node=N` and no launcher, as one of N ranks started here (strategies/launch.py).
 """
 from __future__ import annotations
 

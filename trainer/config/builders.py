@@ -62,13 +62,13 @@ def check_task(task: Any) -> Any:
     return task
 
 
-def build_data(node: Mapping, dist: DistInfo | None = None, prepare: bool = True) -> DataBundle:
+def build_data(node: Mapping, dist: DistInfo | None = None) -> DataBundle:
     """The train and validation splits the data node describes (on each rank). A component's
     `prepare_data()` (a download) runs once per machine, on local rank 0, while the other ranks
-    wait (`prepare=False` skips it); then every rank runs `setup()`."""
+    wait; then every rank runs `setup()`."""
     if "_target_" in node:
         component = build(node, "data")
-        if prepare and hasattr(component, "prepare_data"):
+        if hasattr(component, "prepare_data"):
             if dist is None or dist.local_rank == 0:
                 _construct(component.prepare_data)
             if dist is not None:

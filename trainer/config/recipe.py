@@ -47,12 +47,11 @@ class Replay:
 
     source: Path  # the checkpoint they come from
     overrides: list[str] = field(default_factory=list)
-    choices: dict[str, str] = field(default_factory=dict)
     config_dirs: list[str] = field(default_factory=list)
 
     def config_dir_hint(self, group: str, option: str) -> str | None:
         """The line for an option the checkpoint picks that no config folder here has."""
-        if self.choices.get(group) != option and f"{group}={option}" not in self.overrides:
+        if f"{group}={option}" not in self.overrides:  # each replayed choice is one of them
             return None
         where = f" --config-dir {self.config_dirs[0]}" if self.config_dirs else " --config-dir <your config folder>"
         return (f"checkpoint {self.source} was trained with {group}={option}, which neither ringtrain's configs nor "
@@ -133,8 +132,7 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
         if wanted(parsed.key_or_group):  # what is not replayed needs no check
             _check_stored(parsed, source)
             overrides.append(parsed.input_line)
-    dirs = [str(d) for d in recipe.get("config_dirs") or [] if isinstance(d, str)]
-    return Replay(source, overrides, {g: o for g, o in recipe["choices"].items() if wanted(g)}, dirs)
+    return Replay(source, overrides, [d for d in recipe.get("config_dirs") or [] if isinstance(d, str)])
 
 
 def _check_stored(override: Any, source: Path) -> None:

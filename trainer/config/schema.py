@@ -117,6 +117,8 @@ def validate(cfg: Any) -> Job:
     """Check the composed config; return the Job, or raise ConfigError on the first mistake.
     A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
     gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
+    from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
+
     hydra = None
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
         hydra, cfg = cfg.hydra, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
@@ -137,7 +139,10 @@ def validate(cfg: Any) -> Job:
     check_optimization(resolved["optimizer"], resolved["scheduler"], trainer.max_steps)
     callbacks, loggers = named_nodes(resolved, "callbacks"), named_nodes(resolved, "logger")
     for name, node in callbacks.items():
-        check_callback(node, f"callbacks.{name}")
+        target = check(node, f"callbacks.{name}", kind=Callback)
+        if inspect.isclass(target) and (unknown := unknown_hooks(target)):
+            raise ConfigError(f"callbacks.{name}: {node['_target_']} defines {', '.join(unknown)}, which ringtrain never "
+                              f"calls; its hooks are {', '.join(HOOKS)} (Lightning's on_train_batch_end is on_step_end)")
     for name, node in loggers.items():
         check(node, f"logger.{name}", kind=Logger)
     adapter = resolved.get("adapter")
@@ -171,15 +176,6 @@ def check_optimization(optimizer: Any, scheduler: Any, max_steps: int) -> None:
         built = check_built(build_optimizer(optimizer, nn.Linear(2, 2), torch.device("cpu")), "optimizer", torch.optim.Optimizer)
         if scheduler is None or scheduler_class:
             check_built(build_scheduler(scheduler, built, max(max_steps, 1000)), "scheduler", LRScheduler)
-
-
-def check_callback(node: Any, key: str) -> None:
-    from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
-
-    target = check(node, key, kind=Callback)
-    if inspect.isclass(target) and (unknown := unknown_hooks(target)):
-        raise ConfigError(f"{key}: {node['_target_']} defines {', '.join(unknown)}, which ringtrain never calls; its "
-                          f"hooks are {', '.join(HOOKS)} (Lightning's on_train_batch_end is on_step_end)")
 
 
 def named_nodes(resolved: dict, section: str) -> dict[str, Any]:

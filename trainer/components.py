@@ -1,9 +1,6 @@
-"""Components from `_target_` nodes: checked against their target's signature, then built.
-
-Every model, data set, task, optimizer, scheduler, strategy, callback and logger, ringtrain's or
-a user's, is a node naming a class or function by import path plus its arguments. `check` holds
-the node against the target's signature (names, required ones, annotated types, the kind it
-builds), each mistake one line naming the key and the fix; `build` is Hydra's instantiate.
+"""Components from `_target_` nodes (every model, data set, task, optimizer, scheduler, strategy,
+callback and logger, ringtrain's or a user's): `check` holds a node against its target's
+signature, each mistake one line naming the key and the fix; `build` is Hydra's instantiate.
 """
 from __future__ import annotations
 

@@ -73,8 +73,7 @@ def launch(job: Job, run_dir: str, built: Built | None = None, given: Resumed | 
 
 
 def stopped_error(result: FitResult, checkpoint: bool) -> TrainingStopped | None:
-    """The exit a run's early end means: 3 for non-finite values, 143 for a stop signal (after
-    its save), none (exit 0) for a stop a callback asked for (early stopping)."""
+    """The exit a run's early end means; none (exit 0) for a stop a callback asked for (early stopping)."""
     if result.stop_kind == "non-finite":
         return TrainingStopped("training stopped on a non-finite value (see the log)", NONFINITE_EXIT)
     if result.stop_kind != "signal":
@@ -167,8 +166,7 @@ def _claim(directory: RunDirectory | None, run_dir: str, dist: DistInfo) -> Path
 
 
 def _build(job: Job, built: Built | None, dist: DistInfo, resumed: Resumed | None) -> tuple[nn.Module, DataBundle, Any]:
-    """The data, the task and the model, on this rank: the same initial weights on every rank
-    (the same seed), then trainer.init_from's weights unless the run resumes, then adapters."""
+    """The data, the task and the model, on this rank, with the same initial weights on every rank."""
     cfg = job.trainer
     with failures_reported_as_mistakes(f"building the data{component_name(job.data)}", "check the data.* settings", dist):
         data = built.data if built else build_data(job.data, dist)
@@ -227,7 +225,6 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
 
 
 def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
-    """metrics.json (strict JSON: a non-finite metric is null) and the run's last lines."""
     write_text_atomically(run_dir / "metrics.json", json_text(result.summary(), indent=2, default=str))
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
     # What ended it, in its own words: a signal, a callback's reason (early stopping's), non-finite values.

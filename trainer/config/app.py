@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
 from ringtrain.storage.rundir import log_file, rank_tag, run_directory, run_name
 from ringtrain.conf import CONF_DIR, options_defining
@@ -112,10 +118,6 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
     """Run `task` as the Hydra app of conf/<primary.name>.yaml on `command` (the entry module put
     its arguments, the replayed ones among them, where Hydra reads them); a composition mistake
     is one line."""
-    import hydra
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
-    from yaml import YAMLError
-
     register_resolvers()
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its exception rather than printing a report
     # transformers' progress bars (loading weights) would come between a command's lines, or
@@ -148,8 +150,6 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
 
 
 def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
     resolvers = {
         "ringtrain.run_name": run_name, "ringtrain.run_dir": run_directory, "ringtrain.log_file": log_file,
         "ringtrain.rank_tag": rank_tag, "ringtrain.direction": optimization_direction,
@@ -185,9 +185,6 @@ def scratch_directory() -> str:
 
 def composition_message(err: Exception, primary: PrimaryConfig, command: CommandLine) -> str:
     """Hydra's exception as one line naming the fix, read from its fields."""
-    from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
-    from omegaconf.errors import OmegaConfBaseException
-
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
         if options := err.options or _group_options(err.missing_cfg_file.rpartition("/")[0], command):
@@ -239,9 +236,6 @@ def _replayed_override_refused(err: Exception, command: CommandLine) -> str | No
 
 def _sweep_outside_a_multirun(command: CommandLine) -> str | None:
     """The command line's first sweep override (a=1,2) when it is not a multirun, as typed."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     if command.multirun:
         return None
     try:

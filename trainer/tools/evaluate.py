@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+
 from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.checkpoints.manager import Resumed
@@ -49,8 +52,6 @@ def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None
              weights: str = "model", trust_checkpoint: bool = False) -> tuple[dict, EvalResult | None]:
     """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
     records and rank 0's result (None on the other ranks)."""
-    from hydra.core.hydra_config import HydraConfig
-
     keys = [override.lstrip("+~").split("=", 1)[0] for override in command.overrides]
     for section in (key.split(".")[0] for key in keys):
         if section in ("optimizer", "scheduler"):
@@ -165,8 +166,6 @@ def show(evaluated: tuple[dict, EvalResult | None]) -> None:
 
 
 def main(command: CommandLine) -> None:
-    from hydra.core.config_store import ConfigStore
-
     # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
     ConfigStore.instance().store(group="strategy", name="auto",
                                  node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})

@@ -1,12 +1,8 @@
-"""Every command's Hydra app: composed once by @hydra.main, a composition mistake one line.
+"""Every command's Hydra app (primary config conf/<name>.yaml): composed once by @hydra.main.
 
-Each command (train, evaluate, sample, consolidate, export, prepare_tokens) is a Hydra app
-whose primary config is conf/<name>.yaml, so `--help`, `--cfg job`, `+key`, `~key`,
-`--config-dir` and `-m` (with any sweeper and launcher) are Hydra's own. `run_app` turns off
-Hydra's printed report of an error (HYDRA_FULL_ERROR: Hydra raises instead), so that a
-composition mistake arrives as Hydra's exception, whose fields (the key, the options there
-are) make one line naming the fix, exit 2. The `${ringtrain.*:}` resolvers the configs use are
-registered here too.
+`run_app` has Hydra raise its exception rather than print a report (HYDRA_FULL_ERROR), so that
+a composition mistake's fields (the key, the options there are) make one line naming the fix,
+exit 2. The `${ringtrain.*:}` resolvers the configs use are registered here too.
 """
 from __future__ import annotations
 
@@ -78,9 +74,8 @@ class PrimaryConfig:
 
 @dataclass
 class CommandLine:
-    """This process's command line, as the entry module (ringtrain/__main__.py) read it: the
-    only module that reads the process's arguments. `replay`: the overrides a checkpoint records, which go
-    before the user's (config/recipe.py); `checkpoint`: that checkpoint, read once."""
+    """This process's command line, as the entry module (ringtrain/__main__.py) read it. `replay`: the
+    overrides a checkpoint records, which go before the user's; `checkpoint`: that checkpoint, read once."""
 
     program: str
     args: list[str]
@@ -119,7 +114,7 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
     its arguments, the replayed ones among them, where Hydra reads them); a composition mistake
     is one line."""
     register_resolvers()
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its exception rather than printing a report
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     # transformers' progress bars (loading weights) would come between a command's lines, or
     # before its one-line refusal; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -275,14 +270,10 @@ def _missing_option_message(missing: str, options: list[str], command: CommandLi
     return f"{group}={option} is not an option of {group}; choose one of {', '.join(sorted(options))}{hint}"
 
 
-def _typed_key(full_key: str, command: CommandLine) -> str:
-    """The key the command line typed that `full_key` (the part Hydra found missing) begins."""
-    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in command.overrides]
-    return next((key for key in reversed(keys) if key == full_key or key.startswith(full_key + ".")), full_key)
-
-
 def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, command: CommandLine) -> str:
-    key = _typed_key(full_key, command)
+    # The key as the command line typed it, which `full_key` (the part Hydra found missing) begins.
+    typed = [arg.split("=", 1)[0].lstrip("+~") for arg in command.overrides]
+    key = next((k for k in reversed(typed) if k == full_key or k.startswith(full_key + ".")), full_key)
     section, _, rest = key.partition(".")
     if hint := primary.hints.get(key) or primary.hints.get(section):
         return f"{key} is not a setting here; {hint}"

@@ -38,10 +38,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
              top_k: int | None = None, generator: torch.Generator | None = None, task: Any = None,
              until: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Continue the (B, T) token ids `idx` by up to `max_new_tokens` tokens; returns (B, T + new).
-    Each step picks the argmax (`temperature` 0) or a draw over the `top_k` likeliest, in eval
-    mode; `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model
-    mapping (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache,
-    the whole context is recomputed each step."""
+    `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model mapping
+    (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
     if top_k is not None and top_k < 1:

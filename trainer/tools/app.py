@@ -7,8 +7,6 @@ job's sections (conf/job.yaml) reach its `job` parameter, resolved.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -85,9 +83,6 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
     """A tool module's `main(command)`: each job of the command line is `tool(**settings)`, its
     result `show`n; a `command` parameter gets the command line (and the checkpoints it read)."""
     def main(command: CommandLine) -> None:
-        # `_target_: my_pkg.MyNet` in your own config imports from where you run, as for training.
-        sys.path.insert(1, os.getcwd())
-
         def job(cfg: Any) -> None:
             with exit_on_user_error():
                 settings = settings_for(tool, cfg, primary)

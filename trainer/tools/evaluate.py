@@ -7,7 +7,6 @@ val/loss the run logged at that step, on any number of ranks.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from ringtrain.config.builders import build_data, check_data, check_model, check
 from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_section
 from ringtrain.data.bundle import DataBundle
 from ringtrain.data.vocab import same_ids
-from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
+from ringtrain.distributed import env_rank, exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError
 from ringtrain.loop.evaluation import evaluate_parts
 from ringtrain.loop.loaders import build_val_loader, worker_options
@@ -65,7 +64,7 @@ def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None
     record["overrides"] = [o for o, key in zip(command.overrides, keys)
                            if "." in key and key.split(".")[0] in (*SECTIONS, "adapter")]
     result = eval_job.strategy.launch(evaluate_worker, eval_job, accelerator=eval_job.trainer.accelerator)
-    result = result if int(os.environ.get("RANK", "0")) == 0 else None  # rank 0's alone
+    result = result if env_rank() == 0 else None  # rank 0's alone
     if result is not None:
         path = Path(record["output"])
         try:  # replaced atomically (a reader never sees half a file); a NaN metric as null

@@ -58,10 +58,6 @@ def prepare(command: CommandLine) -> list[CommandLine]:
 
 
 def main(command: CommandLine) -> None:
-    # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
-    # script or `python train.py` puts only its own folder on the path).
-    sys.path.insert(1, os.getcwd())
-
     def train(cfg: Any) -> float:
         return train_job(cfg, command)
 

@@ -75,7 +75,7 @@ class Trainer:
         from omegaconf import OmegaConf
 
         from ringtrain.loggers.tensorboard import TensorBoardLogger
-        from ringtrain.run import Built, launch
+        from ringtrain.run import launch
 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit() needs an nn.Module as the model, got {type(model).__name__}")
@@ -84,12 +84,12 @@ class Trainer:
         # for each run: their state is the run's.
         defaults = OmegaConf.to_container(composed()["callbacks"])
         loggers = self.loggers if self.loggers is not None else {"tensorboard": TensorBoardLogger()}
-        job = Job(self.trainer, self.strategy, task, None, None, self.optimizer, self.scheduler,
+        data = DataBundle(train_set, val_set, vocab=vocab)
+        job = Job(self.trainer, self.strategy, task, model, data, self.optimizer, self.scheduler,
                   {**{name: build(node, f"callbacks.{name}") for name, node in defaults.items()}, **self.callbacks},
                   loggers, resolved=self._resolved(model, task))
         run_dir = self.run_dir or Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}_api{next(_runs)}"
-        result = launch(job, str(run_dir), Built(model, DataBundle(train_set, val_set, vocab=vocab), task),
-                        return_weights=True)
+        result = launch(job, str(run_dir), return_weights=True)
         if result.model_state is not None:  # trained in spawned processes: bring the weights home
             model.load_state_dict(result.model_state)
             result = dataclasses.replace(result, model_state=None)

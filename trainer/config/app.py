@@ -148,7 +148,9 @@ def register_resolvers() -> None:
     resolvers = {
         "ringtrain.run_name": run_name, "ringtrain.run_dir": run_directory, "ringtrain.log_file": log_file,
         "ringtrain.rank_tag": rank_tag, "ringtrain.direction": optimization_direction,
-        "ringtrain.scratch_dir": scratch_directory, "ringtrain.one_name": one_path_name,
+        "ringtrain.scratch_dir": scratch_directory,
+        # one directory name: a sweep job's overrides may hold paths (a/b), which would nest its directory
+        "ringtrain.one_name": lambda text: str(text).replace(os.sep, "_"),
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
@@ -161,12 +163,6 @@ def optimization_direction(mode: str) -> str:
     if mode not in ("min", "max"):
         raise ValueError(f"task.mode={mode!r} must be min or max")
     return "maximize" if mode == "max" else "minimize"
-
-
-def one_path_name(text: str) -> str:
-    """`text` as one directory name: a sweep job's overrides may hold paths (a/b), which would
-    nest the job's directory."""
-    return str(text).replace(os.sep, "_")
 
 
 @functools.cache

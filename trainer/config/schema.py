@@ -27,6 +27,7 @@ from ringtrain.conf import composed, option_names
 from ringtrain.config.builders import check_data, check_model, check_task, check_validation_limit
 from ringtrain.config.recipe import record
 from ringtrain.config.sizes import resolve
+from ringtrain.data.bundle import DataBundle
 from ringtrain.errors import ConfigError
 from ringtrain.loggers.base import Logger
 from ringtrain.strategies.base import Strategy
@@ -101,8 +102,8 @@ class Job:
     trainer: TrainerConfig
     strategy: Strategy
     task: Any  # the built task (or its node, when a function builds it: not called before the run)
-    model: dict | None  # None: the Python API's model
-    data: dict | None  # None: the Python API's data sets
+    model: dict | nn.Module  # a node, or the Python API's model
+    data: dict | DataBundle  # a node, or the Python API's data sets
     optimizer: dict | Callable
     scheduler: dict | Callable | None
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> node, or a Callback (Python API)

@@ -153,14 +153,6 @@ def validate(cfg: Any) -> Job:
                resolved["scheduler"], callbacks, loggers, adapter, resolved, record(hydra, resolved) if hydra else None)
 
 
-def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
-    """The cross-field checks of the trainer section, then the strategy's own refusals (its
-    ranks against torchrun's among them), then what needs its ranks."""
-    _check_trainer(trainer)
-    strategy.check(trainer)
-    check_validation_limit(trainer, strategy.planned_ranks())
-
-
 def check_optimization(optimizer: Any, scheduler: Any, max_steps: int) -> None:
     """The optimizer and schedule nodes against their targets, and built on a stand-in
     parameter, so that their own argument checks (a negative lr) fire before any work."""
@@ -256,7 +248,9 @@ CHOICES = {"precision": PRECISIONS, "accelerator": ACCELERATORS, "compile_mode":
 _LIGHTNING_PRECISIONS = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}
 
 
-def _check_trainer(t: TrainerConfig) -> None:
+def check_options(t: TrainerConfig, strategy: Strategy) -> None:
+    """The cross-field checks of the trainer section, then the strategy's own refusals (its
+    ranks against torchrun's among them), then what needs its ranks."""
     for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps", "prefetch_factor", "keep_last_k"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
@@ -293,6 +287,8 @@ def _check_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
                           "trainer.precision=bf16-mixed or 32")
     _check_run_control(t)
+    strategy.check(t)
+    check_validation_limit(t, strategy.planned_ranks())
 
 
 def gpu_preset_notice(t: TrainerConfig) -> str | None:

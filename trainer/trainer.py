@@ -55,8 +55,7 @@ class Trainer:
         self.trainer = trainer_config(**trainer_options)
         self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
-        check_optimization(optimizer if isinstance(optimizer, dict) else None,
-                           scheduler if isinstance(scheduler, dict) else None, self.trainer.max_steps)
+        check_optimization(optimizer, scheduler, self.trainer.max_steps)  # the nodes; a callable is the caller's
         self.optimizer, self.scheduler = optimizer, scheduler
         self.callbacks = _named(callbacks)
         for name, callback in self.callbacks.items():

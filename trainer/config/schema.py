@@ -90,7 +90,7 @@ class TrainerConfig:
 def trainer_config(**settings: Any) -> TrainerConfig:
     """conf/trainer/default.yaml's settings (composed by Hydra) with `settings` changed, checked and typed."""
     defaults = OmegaConf.to_container(composed()["trainer"])
-    return typed_section({**defaults, **settings}, TrainerConfig, "trainer")
+    return typed_trainer({**defaults, **settings})
 
 
 @dataclass
@@ -129,7 +129,7 @@ def validate(cfg: Any) -> Job:
         raise ConfigError(f"config: {_omegaconf_message(err)}") from None
     resolved.pop("hydra", None)
     _check_sections(resolved)
-    trainer = typed_section(resolved["trainer"], TrainerConfig, "trainer")
+    trainer = typed_trainer(resolved["trainer"])
     strategy = build_strategy(resolved["strategy"])
     check_options(trainer, strategy)
     dims = check_data(resolved["data"])
@@ -211,13 +211,12 @@ def _check_sections(resolved: dict) -> None:
             raise ConfigError(f"config section '{key}' is missing; pick one with {key}=<option>")
 
 
-def typed_section(node: DictConfig | dict, schema: type, section: str):
-    """Merge `node` onto the dataclass `schema`: unknown keys and wrong types fail here."""
-    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+def typed_trainer(values: dict) -> TrainerConfig:
+    """`values` merged onto TrainerConfig: unknown keys and wrong types fail here."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), values))
     except OmegaConfBaseException as err:
-        raise ConfigError(f"{section}.{_omegaconf_message(err)}") from None
+        raise ConfigError(f"trainer.{_omegaconf_message(err)}") from None
     except (ValueError, TypeError) as err:  # the dataclass's own __post_init__ checks
         raise ConfigError(str(err)) from None
 

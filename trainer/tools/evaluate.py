@@ -21,7 +21,7 @@ from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
 from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
-from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_section
+from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_trainer
 from ringtrain.data.bundle import DataBundle
 from ringtrain.data.vocab import same_ids
 from ringtrain.distributed import env_rank, exit_rank, teardown_distributed, under_torchrun
@@ -80,7 +80,7 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     """Check the settings; return the job and what the metrics file records of it."""
     # The run's trainer settings (precision, val_batch_size, ...), but never its resume file
     # nor its starting weights: the checkpoint's own weights are evaluated.
-    trainer_settings = typed_section({**job["trainer"], "resume": None, "init_from": None}, TrainerConfig, "trainer")
+    trainer_settings = typed_trainer({**job["trainer"], "resume": None, "init_from": None})
     strategy = build_strategy(job["strategy"])
     if under_torchrun() and not strategy.spans_processes:
         raise ConfigError(f"strategy={strategy_name} under torchrun would evaluate on every rank alone; use "

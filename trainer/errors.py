@@ -118,7 +118,6 @@ def first_to_report(status: int) -> bool:
 
 
 def _reported_status(default: int) -> int:
-    """The status of the error the first rank reported (see first_to_report)."""
     try:
         key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
         return int(_job_store().get(key))

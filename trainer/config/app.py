@@ -93,7 +93,6 @@ class CommandLine:
 
     @property
     def config_dirs(self) -> list[str]:
-        """The folders --config-dir (-cd) names."""
         given = [value for flag, value in zip(self.args, self.args[1:]) if flag in ("--config-dir", "-cd")]
         return given + [arg.split("=", 1)[1] for arg in self.args if arg.startswith("--config-dir=")]
 
@@ -241,7 +240,6 @@ def _lines(err: Exception) -> list[str]:
 
 
 def _group_options(group: str, command: CommandLine) -> list[str]:
-    """The options of `group`: ringtrain's, and those of the --config-dir folder the command line names."""
     folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
     return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
 

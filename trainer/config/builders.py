@@ -100,7 +100,6 @@ def check_model(node: Mapping, dims: Mapping[str, Any] | None, provided_by: str)
 
 
 def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:
-    """The model `node` describes, given the data's sizes (config/sizes.py)."""
     arguments = fill_data_sizes({k: v for k, v in node.items() if k != FILL_KEY}, dims)
     model = build(arguments, "model", **model_arguments(node, dims))
     return check_built(model, "model", nn.Module)

@@ -300,7 +300,6 @@ def gpu_preset_notice(t: TrainerConfig) -> str | None:
 
 
 def _check_run_control(t: TrainerConfig) -> None:
-    """Resuming and stopping: the files named exist, the signals can be caught."""
     if t.resume not in (None, "auto") and (not isinstance(t.resume, str) or not os.path.isfile(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
                           f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null")

@@ -108,7 +108,6 @@ class EvalResult:
 
 
 def evaluate_worker(job: EvalJob) -> EvalResult:
-    """One rank's part: build the data, task and model, evaluate, all-reduce."""
     dist = job.strategy.setup_process(job.trainer.accelerator)
     clean_exit = False
     try:

@@ -74,7 +74,6 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
 
 
 def encode_prompt(vocab: Vocab, prompt: str) -> torch.Tensor:
-    """The prompt's ids; refuses characters the model never saw, naming all of them."""
     if not prompt:
         raise ConfigError('prompt is empty; give the text to continue, e.g. prompt="ROMEO:"')
     if isinstance(vocab, CharVocab):
@@ -173,7 +172,6 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
 
 
 def choose_device(name: str) -> torch.device:
-    """`auto`: the GPU when there is one, else the CPU; `cuda` without a GPU is refused."""
     if name not in DEVICES:
         raise ConfigError(f"device={name!r} is unknown; use one of {', '.join(DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():

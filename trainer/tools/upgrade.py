@@ -21,7 +21,6 @@ from ringtrain.errors import ConfigError
 from ringtrain.tools.app import tool_main
 
 def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None = None) -> Path:
-    """Rewrite the format-2 `checkpoint` as format 3; returns the file written."""
     path = Path(checkpoint)
     run_record = path.absolute().parent.parent / ".hydra" / "hydra.yaml"  # the run's own, as Hydra wrote it
     if not trust_checkpoint:

@@ -14,7 +14,6 @@ Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
 """
 import difflib
 import gc
-import importlib
 import importlib.util
 import os
 import re

@@ -16,7 +16,6 @@ built (a text file's vocabulary), `resolve` leaves the references as text for
 """
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.components import locate
+from ringtrain.components import locate, parameters_of
 from ringtrain.errors import ConfigError
 
 FILL_KEY = "fill_sizes"
@@ -81,9 +80,8 @@ def names_filled(node: Mapping, names: list[str]) -> list[str]:
         )
     if mode == "none":
         return []
-    try:
-        parameters = inspect.signature(locate(node["_target_"], "model")).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
+    parameters = parameters_of(locate(node["_target_"], "model"))
+    if parameters is None:  # a builtin without a signature
         return []
     named = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())

@@ -140,7 +140,14 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
         except OSError as err:
             if jobs_started or not err.filename:
                 raise
-            raise ConfigError(output_directory_message(err, command)) from None  # Hydra making the run (or sweep) directory
+            # Hydra making the run (or sweep) directory
+            key = "hydra.sweep.dir" if command.multirun else "hydra.run.dir"
+            path = Path(err.filename)
+            existing = next(parent for parent in path.parents if parent.exists())
+            why = (f"{existing} is a file, not a directory" if existing.is_file()
+                   else f"nothing can be written in {existing} ({err.strerror})")
+            raise ConfigError(f"the {key.split('.')[1]} directory {path} ({key}) cannot be created: {why}; set {key} "
+                              f"to a directory you can write to") from None
 
 
 def register_resolvers() -> None:
@@ -200,16 +207,6 @@ def composition_message(err: Exception, primary: PrimaryConfig, command: Command
         context = f" ({err.context} that starts at line {start.line + 1}, column {start.column + 1})" if start else ""
         return f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: {err.problem}{context}; fix the YAML syntax there"
     return "; ".join(_lines(err)) + f"; see `{primary.program} --help`"
-
-
-def output_directory_message(err: OSError, command: CommandLine) -> str:
-    key = "hydra.sweep.dir" if command.multirun else "hydra.run.dir"
-    path = Path(err.filename)
-    existing = next(parent for parent in path.parents if parent.exists())
-    why = (f"{existing} is a file, not a directory" if existing.is_file()
-           else f"nothing can be written in {existing} ({err.strerror})")
-    return (f"the {key.split('.')[1]} directory {path} ({key}) cannot be created: {why}; set {key} to a directory "
-            f"you can write to")
 
 
 def _replayed_override_refused(err: Exception, command: CommandLine) -> str | None:

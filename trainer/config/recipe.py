@@ -69,18 +69,14 @@ def local_paths(resolved: Mapping[str, Any], base: str = ".") -> dict[str, str]:
         if isinstance(node, (Mapping, list)):  # a list's items by index: data.files.1=/home/me/b.txt
             for name, value in (node.items() if isinstance(node, Mapping) else enumerate(node)):
                 walk(value, f"{key}.{name}")
-        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node \
-                and _names_files(os.path.join(base, node)):
-            found[key] = os.path.abspath(os.path.join(base, node))
+        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node:
+            path = os.path.join(base, node)  # a file, a folder, or a glob that matches some (corpus/*.jsonl)
+            if os.path.exists(path) or (any(sign in path for sign in "*?[") and glob.glob(path)):
+                found[key] = os.path.abspath(path)
 
     for section in ("model", "data", "task", "trainer", "adapter"):
         walk(resolved.get(section), section)
     return found
-
-
-def _names_files(path: str) -> bool:
-    """A file, a folder, or a glob that matches some (data=stream's `corpus/*.jsonl`)."""
-    return os.path.exists(path) or (any(sign in path for sign in "*?[") and bool(glob.glob(path)))
 
 
 def record(hydra: Any, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from ringtrain.components import build
 from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_trainer
-from ringtrain.data.bundle import DataBundle
 from ringtrain.data.vocab import same_ids
 from ringtrain.distributed import env_rank, exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError
@@ -113,7 +112,19 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
     try:
         data = build_data(job.job["data"], dist)
         state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
-        check_data_fits(data, state)
+        # The data must give the sizes and vocabulary the checkpoint's model was trained with.
+        for name, value in data.dims.items():
+            trained = (state.get("data_dims") or {}).get(name)
+            if value is not None and trained is not None and value != trained:
+                raise ConfigError(
+                    f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
+                    f"evaluate on data of the same kind"
+                )
+        if data.vocab is not None and state.get("vocab") is not None and not same_ids(data.vocab, state["vocab"]):
+            raise ConfigError(
+                "the data's vocabulary differs from the one the model was trained with (same size, other "
+                "characters or order), so its ids mean other things; evaluate on text with the same characters"
+            )
         dataset = data.val if job.split == "val" else data.train
         named = data.val_sources if job.split == "val" and data.val_sources else {"": dataset}  # a mixture's sources
         for name, part in named.items():
@@ -135,22 +146,6 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
         return EvalResult({f"{job.split}/{name}": value for name, value in sums.items()}, dist.world_size)
     finally:
         teardown_distributed(clean_exit)
-
-
-def check_data_fits(data: DataBundle, state: dict) -> None:
-    """The data must give the sizes and vocabulary the model of the checkpoint `state` was trained with."""
-    for name, value in data.dims.items():
-        trained = (state.get("data_dims") or {}).get(name)
-        if value is not None and trained is not None and value != trained:
-            raise ConfigError(
-                f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
-                f"evaluate on data of the same kind"
-            )
-    if data.vocab is not None and state.get("vocab") is not None and not same_ids(data.vocab, state["vocab"]):
-        raise ConfigError(
-            "the data's vocabulary differs from the one the model was trained with (same size, other "
-            "characters or order), so its ids mean other things; evaluate on text with the same characters"
-        )
 
 
 def show(evaluated: tuple[dict, EvalResult | None]) -> None:

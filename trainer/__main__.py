@@ -14,7 +14,6 @@ Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
 """
 import difflib
 import gc
-import importlib
 import importlib.util
 import os
 import re
@@ -54,6 +53,9 @@ def main(tool: str | None = None) -> None:
         with exit_on_user_error():
             # A tool with no checkpoint to read first (prepare_tokens, upgrade) has no `prepare`.
             commands = getattr(module, "prepare", lambda command: [command])(CommandLine(program, args))
+        # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
+        # script or `python train.py` puts only its own folder on the path).
+        sys.path.insert(1, os.getcwd())
         for command in commands:  # one, or a multirun's per checkpoint recipe (tools/app.py)
             sys.argv[:] = [program, *command.hydra_args()]  # what Hydra's own parser reads
             module.main(command)

@@ -1,9 +1,6 @@
-"""Components from `_target_` nodes: checked against their target's signature, then built.
-
-Every model, data set, task, optimizer, scheduler, strategy, callback and logger, ringtrain's or
-a user's, is a node naming a class or function by import path plus its arguments. `check` holds
-the node against the target's signature (names, required ones, annotated types, the kind it
-builds), each mistake one line naming the key and the fix; `build` is Hydra's instantiate.
+"""Components from `_target_` nodes (every model, data set, task, optimizer, scheduler, strategy,
+callback and logger, ringtrain's or a user's): `check` holds a node against its target's
+signature, each mistake one line naming the key and the fix; `build` is Hydra's instantiate.
 """
 from __future__ import annotations
 
@@ -73,7 +70,7 @@ def accepts(target: Any, name: str) -> bool:
     """Whether calling `target` (a callable or an import path) can take argument `name`."""
     if isinstance(target, str):
         target = locate(target, "?")
-    parameters = _parameters(target)
+    parameters = parameters_of(target)
     return parameters is not None and (name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
 
 
@@ -91,7 +88,7 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
         raise ConfigError(f"{key} has no _target_; give the class to build, e.g. {key}._target_=my_pkg.MyThing")
     target = locate(node["_target_"], key)
     _check_kind(node, key, target, kind)
-    parameters = _parameters(target)
+    parameters = parameters_of(target)
     if parameters is None or node.get("_partial_"):
         return target  # a builtin without a signature, or a partial that gets the rest later
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
@@ -169,7 +166,7 @@ def _check_forwarded(node: Mapping, key: str, target: Callable, name: str) -> No
     built = None if inspect.isclass(target) else _type_hints(target).get("return")
     if not inspect.isclass(built):
         return
-    parameters = _parameters(built)
+    parameters = parameters_of(built)
     if parameters is None or any(p.kind is p.VAR_KEYWORD for p in parameters.values()) or name in parameters:
         return
     close = difflib.get_close_matches(name, [n for n in parameters if n != "self"], n=1, cutoff=0.8)
@@ -212,7 +209,7 @@ def is_node(value: Any) -> bool:
     return isinstance(value, Mapping) and "_target_" in value
 
 
-def _parameters(target: Any) -> Mapping[str, inspect.Parameter] | None:
+def parameters_of(target: Any) -> Mapping[str, inspect.Parameter] | None:
     try:
         return inspect.signature(target).parameters
     except (TypeError, ValueError):

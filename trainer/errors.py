@@ -60,22 +60,20 @@ def _raised_at(err: BaseException) -> str:
     return f"{path}:{frame.lineno} in {frame.name}"
 
 
-class RankEnded(Exception):
-    """This process ends because another one did (a spawned worker failed, a peer was lost);
-    that one's own output says why. The message is printed and the process exits `exit_code`."""
-
+class _Ending(Exception):
     def __init__(self, message: str = "", exit_code: int = 1):
         super().__init__(message)
         self.exit_code = exit_code
 
 
-class TrainingStopped(Exception):
+class RankEnded(_Ending):
+    """This process ends because another one did (a spawned worker failed, a peer was lost);
+    that one's own output says why. The message is printed and the process exits `exit_code`."""
+
+
+class TrainingStopped(_Ending):
     """Training ended before its last step; `exit_code` is the process's status (above).
     What happened is already in the log, so nothing more is printed."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @contextlib.contextmanager
@@ -120,7 +118,6 @@ def first_to_report(status: int) -> bool:
 
 
 def _reported_status(default: int) -> int:
-    """The status of the error the first rank reported (see first_to_report)."""
     try:
         key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
         return int(_job_store().get(key))

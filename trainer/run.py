@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,27 +53,17 @@ from ringtrain.models.pretrained import architecture
 log = logging.getLogger("ringtrain")
 
 
-@dataclass
-class Built:
-    """What the Python API was handed: the model, the splits and the task, already built."""
-
-    model: nn.Module
-    data: DataBundle
-    task: Any
-
-
-def launch(job: Job, run_dir: str, built: Built | None = None, given: Resumed | None = None,
-           record: dict[str, str] | None = None, return_weights: bool = False) -> FitResult:
+def launch(job: Job, run_dir: str, given: Resumed | None = None, record: dict[str, str] | None = None,
+           return_weights: bool = False) -> FitResult:
     """Train on this process, or on the ranks the strategy starts (ddp/fsdp without torchrun);
     the stop signals reach those ranks through this process too (Ctrl-C, `kill`). `given`: the
     checkpoint trainer.resume=<path> names, read already; `record`: the job's .hydra/ files."""
-    return job.strategy.launch(train_rank, job, run_dir, built, given, record, return_weights,
+    return job.strategy.launch(train_rank, job, run_dir, given, record, return_weights,
                                stop_signals=tuple(job.trainer.stop_signals), accelerator=job.trainer.accelerator)
 
 
 def stopped_error(result: FitResult, checkpoint: bool) -> TrainingStopped | None:
-    """The exit a run's early end means: 3 for non-finite values, 143 for a stop signal (after
-    its save), none (exit 0) for a stop a callback asked for (early stopping)."""
+    """The exit a run's early end means; none (exit 0) for a stop a callback asked for (early stopping)."""
     if result.stop_kind == "non-finite":
         return TrainingStopped("training stopped on a non-finite value (see the log)", NONFINITE_EXIT)
     if result.stop_kind != "signal":
@@ -96,8 +85,8 @@ def sweep_value(result: FitResult) -> float:
     return value
 
 
-def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resumed | None = None,
-               record: dict[str, str] | None = None, return_weights: bool = False) -> FitResult:
+def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dict[str, str] | None = None,
+               return_weights: bool = False) -> FitResult:
     """Everything one rank does, with stop signals watched from the start. `return_weights`:
     rank 0's result carries the model's full weights (`model_state`), gathered from every rank
     while the process group lives (the Python API's caller may live in another process)."""
@@ -111,7 +100,7 @@ def train_rank(job: Job, run_dir: str, built: Built | None = None, given: Resume
             shared_dir = _claim(directory, run_dir, dist)
             checkpoints = CheckpointManager(shared_dir / "checkpoints", job.trainer, dist)
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
-            model, data, task = _build(job, built, dist, resumed)
+            model, data, task = _build(job, dist, resumed)
             check_monitors(callbacks.all, validation_metrics(task))
             # Saved, never restored: what rebuilds the model (its recipe, config/recipe.py; sizes; vocabulary;
             # the resolved config for the record only), the same at every save: described once, here, on the
@@ -166,20 +155,19 @@ def _claim(directory: RunDirectory | None, run_dir: str, dist: DistInfo) -> Path
     return shared_dir
 
 
-def _build(job: Job, built: Built | None, dist: DistInfo, resumed: Resumed | None) -> tuple[nn.Module, DataBundle, Any]:
-    """The data, the task and the model, on this rank: the same initial weights on every rank
-    (the same seed), then trainer.init_from's weights unless the run resumes, then adapters."""
+def _build(job: Job, dist: DistInfo, resumed: Resumed | None) -> tuple[nn.Module, DataBundle, Any]:
+    """The data, the task and the model, on this rank, with the same initial weights on every rank."""
     cfg = job.trainer
     with failures_reported_as_mistakes(f"building the data{component_name(job.data)}", "check the data.* settings", dist):
-        data = built.data if built else build_data(job.data, dist)
+        data = job.data if isinstance(job.data, DataBundle) else build_data(job.data, dist)
     with failures_reported_as_mistakes(f"building the task{component_name(job.task)}", "check the task.* settings", dist):
-        task = built.task if built else (check_task(build(job.task, "task")) if is_node(job.task) else job.task)
+        task = check_task(build(job.task, "task")) if is_node(job.task) else job.task
     # Each rank trains and validates on its own share (refused here where the data's lengths need it built).
     if not is_stream(data.train):  # a stream has no length: each rank reads its own share (loop/streams.py)
         check_data_lengths(len(data.train), len(data.val), cfg, dist.world_size)
     torch.manual_seed(cfg.seed)
     with failures_reported_as_mistakes(f"building the model{component_name(job.model)}", "check the model.* settings", dist):
-        model = built.model if built else build_model(job.model, data.dims)
+        model = job.model if isinstance(job.model, nn.Module) else build_model(job.model, data.dims)
     check_model_sizes(model, data.dims, data.train, job.data)
     # A resumed run's weights are its checkpoint's, except a frozen base the checkpoint only names.
     if cfg.init_from is not None and (resumed is None or "base" in resumed.state):
@@ -227,7 +215,6 @@ def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
 
 
 def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:
-    """metrics.json (strict JSON: a non-finite metric is null) and the run's last lines."""
     write_text_atomically(run_dir / "metrics.json", json_text(result.summary(), indent=2, default=str))
     metrics = " ".join(f"{k}={v:.5g}" for k, v in result.metrics.items())
     # What ended it, in its own words: a signal, a callback's reason (early stopping's), non-finite values.

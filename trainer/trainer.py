@@ -25,7 +25,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
-from ringtrain.components import build
 from ringtrain.conf import composed
 from ringtrain.config.builders import check_task
 from ringtrain.config.schema import Job, TrainerConfig, check_optimization, check_options, strategy_option, trainer_config
@@ -55,8 +54,7 @@ class Trainer:
         self.trainer = trainer_config(**trainer_options)
         self.strategy = strategy if isinstance(strategy, Strategy) else _strategy(strategy)
         check_options(self.trainer, self.strategy)
-        check_optimization(optimizer if isinstance(optimizer, dict) else None,
-                           scheduler if isinstance(scheduler, dict) else None, self.trainer.max_steps)
+        check_optimization(optimizer, scheduler, self.trainer.max_steps)  # the nodes; a callable is the caller's
         self.optimizer, self.scheduler = optimizer, scheduler
         self.callbacks = _named(callbacks)
         for name, callback in self.callbacks.items():
@@ -75,21 +73,21 @@ class Trainer:
         from omegaconf import OmegaConf
 
         from ringtrain.loggers.tensorboard import TensorBoardLogger
-        from ringtrain.run import Built, launch
+        from ringtrain.run import launch
 
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit() needs an nn.Module as the model, got {type(model).__name__}")
         check_task(task)
-        # ringtrain's own callbacks (conf/callbacks/default.yaml's, composed by Hydra) and logger are made
-        # for each run: their state is the run's.
+        # ringtrain's own callbacks (conf/callbacks/default.yaml's nodes, composed by Hydra, built on each
+        # rank as a command line's are) and logger are made for each run: their state is the run's.
         defaults = OmegaConf.to_container(composed()["callbacks"])
         loggers = self.loggers if self.loggers is not None else {"tensorboard": TensorBoardLogger()}
-        job = Job(self.trainer, self.strategy, task, None, None, self.optimizer, self.scheduler,
-                  {**{name: build(node, f"callbacks.{name}") for name, node in defaults.items()}, **self.callbacks},
+        data = DataBundle(train_set, val_set, vocab=vocab)
+        job = Job(self.trainer, self.strategy, task, model, data, self.optimizer, self.scheduler,
+                  {**defaults, **self.callbacks},
                   loggers, resolved=self._resolved(model, task))
         run_dir = self.run_dir or Path("outputs/runs") / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}_api{next(_runs)}"
-        result = launch(job, str(run_dir), Built(model, DataBundle(train_set, val_set, vocab=vocab), task),
-                        return_weights=True)
+        result = launch(job, str(run_dir), return_weights=True)
         if result.model_state is not None:  # trained in spawned processes: bring the weights home
             model.load_state_dict(result.model_state)
             result = dataclasses.replace(result, model_state=None)

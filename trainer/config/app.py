@@ -1,12 +1,8 @@
-"""Every command's Hydra app: composed once by @hydra.main, a composition mistake one line.
+"""Every command's Hydra app (primary config conf/<name>.yaml): composed once by @hydra.main.
 
-Each command (train, evaluate, sample, consolidate, export, prepare_tokens) is a Hydra app
-whose primary config is conf/<name>.yaml, so `--help`, `--cfg job`, `+key`, `~key`,
-`--config-dir` and `-m` (with any sweeper and launcher) are Hydra's own. `run_app` turns off
-Hydra's printed report of an error (HYDRA_FULL_ERROR: Hydra raises instead), so that a
-composition mistake arrives as Hydra's exception, whose fields (the key, the options there
-are) make one line naming the fix, exit 2. The `${ringtrain.*:}` resolvers the configs use are
-registered here too.
+`run_app` has Hydra raise its exception rather than print a report (HYDRA_FULL_ERROR), so that
+a composition mistake's fields (the key, the options there are) make one line naming the fix,
+exit 2. The `${ringtrain.*:}` resolvers the configs use are registered here too.
 """
 from __future__ import annotations
 
@@ -21,7 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
 from ringtrain.storage.rundir import log_file, rank_tag, run_directory, run_name
 from ringtrain.conf import CONF_DIR, options_defining
@@ -72,9 +74,8 @@ class PrimaryConfig:
 
 @dataclass
 class CommandLine:
-    """This process's command line, as the entry module (ringtrain/__main__.py) read it: the
-    only module that reads the process's arguments. `replay`: the overrides a checkpoint records, which go
-    before the user's (config/recipe.py); `checkpoint`: that checkpoint, read once."""
+    """This process's command line, as the entry module (ringtrain/__main__.py) read it. `replay`: the
+    overrides a checkpoint records, which go before the user's; `checkpoint`: that checkpoint, read once."""
 
     program: str
     args: list[str]
@@ -92,7 +93,6 @@ class CommandLine:
 
     @property
     def config_dirs(self) -> list[str]:
-        """The folders --config-dir (-cd) names."""
         given = [value for flag, value in zip(self.args, self.args[1:]) if flag in ("--config-dir", "-cd")]
         return given + [arg.split("=", 1)[1] for arg in self.args if arg.startswith("--config-dir=")]
 
@@ -112,12 +112,8 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
     """Run `task` as the Hydra app of conf/<primary.name>.yaml on `command` (the entry module put
     its arguments, the replayed ones among them, where Hydra reads them); a composition mistake
     is one line."""
-    import hydra
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
-    from yaml import YAMLError
-
     register_resolvers()
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its exception rather than printing a report
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     # transformers' progress bars (loading weights) would come between a command's lines, or
     # before its one-line refusal; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -144,16 +140,23 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
         except OSError as err:
             if jobs_started or not err.filename:
                 raise
-            raise ConfigError(output_directory_message(err, command)) from None  # Hydra making the run (or sweep) directory
+            # Hydra making the run (or sweep) directory
+            key = "hydra.sweep.dir" if command.multirun else "hydra.run.dir"
+            path = Path(err.filename)
+            existing = next(parent for parent in path.parents if parent.exists())
+            why = (f"{existing} is a file, not a directory" if existing.is_file()
+                   else f"nothing can be written in {existing} ({err.strerror})")
+            raise ConfigError(f"the {key.split('.')[1]} directory {path} ({key}) cannot be created: {why}; set {key} "
+                              f"to a directory you can write to") from None
 
 
 def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
     resolvers = {
         "ringtrain.run_name": run_name, "ringtrain.run_dir": run_directory, "ringtrain.log_file": log_file,
         "ringtrain.rank_tag": rank_tag, "ringtrain.direction": optimization_direction,
-        "ringtrain.scratch_dir": scratch_directory, "ringtrain.one_name": one_path_name,
+        "ringtrain.scratch_dir": scratch_directory,
+        # one directory name: a sweep job's overrides may hold paths (a/b), which would nest its directory
+        "ringtrain.one_name": lambda text: str(text).replace(os.sep, "_"),
     }
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
@@ -168,12 +171,6 @@ def optimization_direction(mode: str) -> str:
     return "maximize" if mode == "max" else "minimize"
 
 
-def one_path_name(text: str) -> str:
-    """`text` as one directory name: a sweep job's overrides may hold paths (a/b), which would
-    nest the job's directory."""
-    return str(text).replace(os.sep, "_")
-
-
 @functools.cache
 def scratch_directory() -> str:
     """Where a tool's multirun keeps the multirun.yaml Hydra's sweeper writes (the tools write
@@ -185,9 +182,6 @@ def scratch_directory() -> str:
 
 def composition_message(err: Exception, primary: PrimaryConfig, command: CommandLine) -> str:
     """Hydra's exception as one line naming the fix, read from its fields."""
-    from hydra.errors import MissingConfigException, OverrideParseException, SearchPathException
-    from omegaconf.errors import OmegaConfBaseException
-
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
         if options := err.options or _group_options(err.missing_cfg_file.rpartition("/")[0], command):
@@ -215,16 +209,6 @@ def composition_message(err: Exception, primary: PrimaryConfig, command: Command
     return "; ".join(_lines(err)) + f"; see `{primary.program} --help`"
 
 
-def output_directory_message(err: OSError, command: CommandLine) -> str:
-    key = "hydra.sweep.dir" if command.multirun else "hydra.run.dir"
-    path = Path(err.filename)
-    existing = next(parent for parent in path.parents if parent.exists())
-    why = (f"{existing} is a file, not a directory" if existing.is_file()
-           else f"nothing can be written in {existing} ({err.strerror})")
-    return (f"the {key.split('.')[1]} directory {path} ({key}) cannot be created: {why}; set {key} to a directory "
-            f"you can write to")
-
-
 def _replayed_override_refused(err: Exception, command: CommandLine) -> str | None:
     """Hydra refusing an override the checkpoint recorded (a key the config composed here lacks),
     named as the checkpoint's."""
@@ -239,9 +223,6 @@ def _replayed_override_refused(err: Exception, command: CommandLine) -> str | No
 
 def _sweep_outside_a_multirun(command: CommandLine) -> str | None:
     """The command line's first sweep override (a=1,2) when it is not a multirun, as typed."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     if command.multirun:
         return None
     try:
@@ -256,7 +237,6 @@ def _lines(err: Exception) -> list[str]:
 
 
 def _group_options(group: str, command: CommandLine) -> list[str]:
-    """The options of `group`: ringtrain's, and those of the --config-dir folder the command line names."""
     folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
     return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
 
@@ -281,14 +261,10 @@ def _missing_option_message(missing: str, options: list[str], command: CommandLi
     return f"{group}={option} is not an option of {group}; choose one of {', '.join(sorted(options))}{hint}"
 
 
-def _typed_key(full_key: str, command: CommandLine) -> str:
-    """The key the command line typed that `full_key` (the part Hydra found missing) begins."""
-    keys = [arg.split("=", 1)[0].lstrip("+~") for arg in command.overrides]
-    return next((key for key in reversed(keys) if key == full_key or key.startswith(full_key + ".")), full_key)
-
-
 def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, command: CommandLine) -> str:
-    key = _typed_key(full_key, command)
+    # The key as the command line typed it, which `full_key` (the part Hydra found missing) begins.
+    typed = [arg.split("=", 1)[0].lstrip("+~") for arg in command.overrides]
+    key = next((k for k in reversed(typed) if k == full_key or k.startswith(full_key + ".")), full_key)
     section, _, rest = key.partition(".")
     if hint := primary.hints.get(key) or primary.hints.get(section):
         return f"{key} is not a setting here; {hint}"

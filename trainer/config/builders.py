@@ -62,13 +62,13 @@ def check_task(task: Any) -> Any:
     return task
 
 
-def build_data(node: Mapping, dist: DistInfo | None = None, prepare: bool = True) -> DataBundle:
+def build_data(node: Mapping, dist: DistInfo | None = None) -> DataBundle:
     """The train and validation splits the data node describes (on each rank). A component's
     `prepare_data()` (a download) runs once per machine, on local rank 0, while the other ranks
-    wait (`prepare=False` skips it); then every rank runs `setup()`."""
+    wait; then every rank runs `setup()`."""
     if "_target_" in node:
         component = build(node, "data")
-        if prepare and hasattr(component, "prepare_data"):
+        if hasattr(component, "prepare_data"):
             if dist is None or dist.local_rank == 0:
                 _construct(component.prepare_data)
             if dist is not None:
@@ -100,7 +100,6 @@ def check_model(node: Mapping, dims: Mapping[str, Any] | None, provided_by: str)
 
 
 def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:
-    """The model `node` describes, given the data's sizes (config/sizes.py)."""
     arguments = fill_data_sizes({k: v for k, v in node.items() if k != FILL_KEY}, dims)
     model = build(arguments, "model", **model_arguments(node, dims))
     return check_built(model, "model", nn.Module)

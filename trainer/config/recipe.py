@@ -47,12 +47,11 @@ class Replay:
 
     source: Path  # the checkpoint they come from
     overrides: list[str] = field(default_factory=list)
-    choices: dict[str, str] = field(default_factory=dict)
     config_dirs: list[str] = field(default_factory=list)
 
     def config_dir_hint(self, group: str, option: str) -> str | None:
         """The line for an option the checkpoint picks that no config folder here has."""
-        if self.choices.get(group) != option and f"{group}={option}" not in self.overrides:
+        if f"{group}={option}" not in self.overrides:  # each replayed choice is one of them
             return None
         where = f" --config-dir {self.config_dirs[0]}" if self.config_dirs else " --config-dir <your config folder>"
         return (f"checkpoint {self.source} was trained with {group}={option}, which neither ringtrain's configs nor "
@@ -70,18 +69,14 @@ def local_paths(resolved: Mapping[str, Any], base: str = ".") -> dict[str, str]:
         if isinstance(node, (Mapping, list)):  # a list's items by index: data.files.1=/home/me/b.txt
             for name, value in (node.items() if isinstance(node, Mapping) else enumerate(node)):
                 walk(value, f"{key}.{name}")
-        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node \
-                and _names_files(os.path.join(base, node)):
-            found[key] = os.path.abspath(os.path.join(base, node))
+        elif isinstance(node, str) and node and not os.path.isabs(node) and "${" not in node:
+            path = os.path.join(base, node)  # a file, a folder, or a glob that matches some (corpus/*.jsonl)
+            if os.path.exists(path) or (any(sign in path for sign in "*?[") and glob.glob(path)):
+                found[key] = os.path.abspath(path)
 
     for section in ("model", "data", "task", "trainer", "adapter"):
         walk(resolved.get(section), section)
     return found
-
-
-def _names_files(path: str) -> bool:
-    """A file, a folder, or a glob that matches some (data=stream's `corpus/*.jsonl`)."""
-    return os.path.exists(path) or (any(sign in path for sign in "*?[") and bool(glob.glob(path)))
 
 
 def record(hydra: Any, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -133,8 +128,7 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
         if wanted(parsed.key_or_group):  # what is not replayed needs no check
             _check_stored(parsed, source)
             overrides.append(parsed.input_line)
-    dirs = [str(d) for d in recipe.get("config_dirs") or [] if isinstance(d, str)]
-    return Replay(source, overrides, {g: o for g, o in recipe["choices"].items() if wanted(g)}, dirs)
+    return Replay(source, overrides, [d for d in recipe.get("config_dirs") or [] if isinstance(d, str)])
 
 
 def _check_stored(override: Any, source: Path) -> None:

@@ -27,6 +27,7 @@ from ringtrain.conf import composed, option_names
 from ringtrain.config.builders import check_data, check_model, check_task, check_validation_limit
 from ringtrain.config.recipe import record
 from ringtrain.config.sizes import resolve
+from ringtrain.data.bundle import DataBundle
 from ringtrain.errors import ConfigError
 from ringtrain.loggers.base import Logger
 from ringtrain.strategies.base import Strategy
@@ -89,7 +90,7 @@ class TrainerConfig:
 def trainer_config(**settings: Any) -> TrainerConfig:
     """conf/trainer/default.yaml's settings (composed by Hydra) with `settings` changed, checked and typed."""
     defaults = OmegaConf.to_container(composed()["trainer"])
-    return typed_section({**defaults, **settings}, TrainerConfig, "trainer")
+    return typed_trainer({**defaults, **settings})
 
 
 @dataclass
@@ -101,8 +102,8 @@ class Job:
     trainer: TrainerConfig
     strategy: Strategy
     task: Any  # the built task (or its node, when a function builds it: not called before the run)
-    model: dict | None  # None: the Python API's model
-    data: dict | None  # None: the Python API's data sets
+    model: dict | nn.Module  # a node, or the Python API's model
+    data: dict | DataBundle  # a node, or the Python API's data sets
     optimizer: dict | Callable
     scheduler: dict | Callable | None
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> node, or a Callback (Python API)
@@ -117,6 +118,8 @@ def validate(cfg: Any) -> Job:
     """Check the composed config; return the Job, or raise ConfigError on the first mistake.
     A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
     gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
+    from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
+
     hydra = None
     if isinstance(cfg, DictConfig) and "hydra" in cfg:
         hydra, cfg = cfg.hydra, OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
@@ -126,7 +129,7 @@ def validate(cfg: Any) -> Job:
         raise ConfigError(f"config: {_omegaconf_message(err)}") from None
     resolved.pop("hydra", None)
     _check_sections(resolved)
-    trainer = typed_section(resolved["trainer"], TrainerConfig, "trainer")
+    trainer = typed_trainer(resolved["trainer"])
     strategy = build_strategy(resolved["strategy"])
     check_options(trainer, strategy)
     dims = check_data(resolved["data"])
@@ -137,7 +140,10 @@ def validate(cfg: Any) -> Job:
     check_optimization(resolved["optimizer"], resolved["scheduler"], trainer.max_steps)
     callbacks, loggers = named_nodes(resolved, "callbacks"), named_nodes(resolved, "logger")
     for name, node in callbacks.items():
-        check_callback(node, f"callbacks.{name}")
+        target = check(node, f"callbacks.{name}", kind=Callback)
+        if inspect.isclass(target) and (unknown := unknown_hooks(target)):
+            raise ConfigError(f"callbacks.{name}: {node['_target_']} defines {', '.join(unknown)}, which ringtrain never "
+                              f"calls; its hooks are {', '.join(HOOKS)} (Lightning's on_train_batch_end is on_step_end)")
     for name, node in loggers.items():
         check(node, f"logger.{name}", kind=Logger)
     adapter = resolved.get("adapter")
@@ -145,14 +151,6 @@ def validate(cfg: Any) -> Job:
         check(adapter, "adapter")
     return Job(trainer, strategy, task, resolved["model"], resolved["data"], resolved["optimizer"],
                resolved["scheduler"], callbacks, loggers, adapter, resolved, record(hydra, resolved) if hydra else None)
-
-
-def check_options(trainer: TrainerConfig, strategy: Strategy) -> None:
-    """The cross-field checks of the trainer section, then the strategy's own refusals (its
-    ranks against torchrun's among them), then what needs its ranks."""
-    _check_trainer(trainer)
-    strategy.check(trainer)
-    check_validation_limit(trainer, strategy.planned_ranks())
 
 
 def check_optimization(optimizer: Any, scheduler: Any, max_steps: int) -> None:
@@ -171,15 +169,6 @@ def check_optimization(optimizer: Any, scheduler: Any, max_steps: int) -> None:
         built = check_built(build_optimizer(optimizer, nn.Linear(2, 2), torch.device("cpu")), "optimizer", torch.optim.Optimizer)
         if scheduler is None or scheduler_class:
             check_built(build_scheduler(scheduler, built, max(max_steps, 1000)), "scheduler", LRScheduler)
-
-
-def check_callback(node: Any, key: str) -> None:
-    from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
-
-    target = check(node, key, kind=Callback)
-    if inspect.isclass(target) and (unknown := unknown_hooks(target)):
-        raise ConfigError(f"{key}: {node['_target_']} defines {', '.join(unknown)}, which ringtrain never calls; its "
-                          f"hooks are {', '.join(HOOKS)} (Lightning's on_train_batch_end is on_step_end)")
 
 
 def named_nodes(resolved: dict, section: str) -> dict[str, Any]:
@@ -222,13 +211,12 @@ def _check_sections(resolved: dict) -> None:
             raise ConfigError(f"config section '{key}' is missing; pick one with {key}=<option>")
 
 
-def typed_section(node: DictConfig | dict, schema: type, section: str):
-    """Merge `node` onto the dataclass `schema`: unknown keys and wrong types fail here."""
-    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+def typed_trainer(values: dict) -> TrainerConfig:
+    """`values` merged onto TrainerConfig: unknown keys and wrong types fail here."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), values))
     except OmegaConfBaseException as err:
-        raise ConfigError(f"{section}.{_omegaconf_message(err)}") from None
+        raise ConfigError(f"trainer.{_omegaconf_message(err)}") from None
     except (ValueError, TypeError) as err:  # the dataclass's own __post_init__ checks
         raise ConfigError(str(err)) from None
 
@@ -259,7 +247,9 @@ CHOICES = {"precision": PRECISIONS, "accelerator": ACCELERATORS, "compile_mode":
 _LIGHTNING_PRECISIONS = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "32-true": "32"}
 
 
-def _check_trainer(t: TrainerConfig) -> None:
+def check_options(t: TrainerConfig, strategy: Strategy) -> None:
+    """The cross-field checks of the trainer section, then the strategy's own refusals (its
+    ranks against torchrun's among them), then what needs its ranks."""
     for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps", "prefetch_factor", "keep_last_k"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
@@ -296,6 +286,8 @@ def _check_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.precision=16-mixed needs a CUDA device (GradScaler); on CPU use "
                           "trainer.precision=bf16-mixed or 32")
     _check_run_control(t)
+    strategy.check(t)
+    check_validation_limit(t, strategy.planned_ranks())
 
 
 def gpu_preset_notice(t: TrainerConfig) -> str | None:
@@ -308,7 +300,6 @@ def gpu_preset_notice(t: TrainerConfig) -> str | None:
 
 
 def _check_run_control(t: TrainerConfig) -> None:
-    """Resuming and stopping: the files named exist, the signals can be caught."""
     if t.resume not in (None, "auto") and (not isinstance(t.resume, str) or not os.path.isfile(t.resume)):
         raise ConfigError(f"trainer.resume={t.resume!r} is not a file; pass the path of a checkpoint "
                           f"(e.g. trainer.resume=outputs/runs/<run>/checkpoints/last.pt), auto or null")

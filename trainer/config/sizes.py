@@ -16,7 +16,6 @@ built (a text file's vocabulary), `resolve` leaves the references as text for
 """
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.components import locate
+from ringtrain.components import locate, parameters_of
 from ringtrain.errors import ConfigError
 
 FILL_KEY = "fill_sizes"
@@ -69,15 +68,6 @@ def fill_data_sizes(node: Any, dims: Mapping[str, Any], key: str = "model") -> A
     return dims[match[1]]
 
 
-def references_data_sizes(node: Any) -> bool:
-    """Whether `node` still holds a `${data.dims.<name>}` to fill."""
-    if isinstance(node, Mapping):
-        return any(references_data_sizes(v) for v in node.values())
-    if isinstance(node, list):
-        return any(references_data_sizes(v) for v in node)
-    return isinstance(node, str) and DIMS_REFERENCE.match(node) is not None
-
-
 def names_filled(node: Mapping, names: list[str]) -> list[str]:
     """Which of the data's size `names` the model node's target gets from the data."""
     mode = node.get(FILL_KEY, "named")
@@ -90,9 +80,8 @@ def names_filled(node: Mapping, names: list[str]) -> list[str]:
         )
     if mode == "none":
         return []
-    try:
-        parameters = inspect.signature(locate(node["_target_"], "model")).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
+    parameters = parameters_of(locate(node["_target_"], "model"))
+    if parameters is None:  # a builtin without a signature
         return []
     named = {n for n, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
@@ -156,16 +145,6 @@ def position_limit(model: nn.Module) -> tuple[str, int] | None:
             value = getattr(owner, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 return name, value
-    return None
-
-
-def sequence_length(inputs: Any) -> int | None:
-    """The length of a batch's token sequences: the last dimension of its first integer
-    tensor of 2 or more dimensions (input_ids, or the inputs of a tensor pair)."""
-    tensors = inputs.values() if isinstance(inputs, Mapping) else (inputs if isinstance(inputs, (tuple, list)) else [inputs])
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and not tensor.is_floating_point():
-            return tensor.shape[-1]
     return None
 
 

@@ -7,16 +7,20 @@ job's sections (conf/job.yaml) reach its `job` parameter, resolved.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
+from omegaconf.errors import OmegaConfBaseException
+
+from ringtrain.checkpoints.files import load_checkpoint
+from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import fits
 from ringtrain.conf import composed
-from ringtrain.config.app import CommandLine, PrimaryConfig, run_app
+from ringtrain.config.app import CommandLine, PrimaryConfig, register_resolvers, run_app
 from ringtrain.config.recipe import replay
 from ringtrain.config.schema import OPTIONAL_SECTIONS, SECTIONS
 from ringtrain.config.sizes import resolve
@@ -30,12 +34,6 @@ def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) ->
     """`command` with the checkpoint its `key=<file>` names read once, and its recipe to replay.
     A multirun over several (-m key=a,b) is one command per recipe: checkpoints trained with the
     same choices and overrides share one sweep, each other recipe gets a sweep of its own."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    from ringtrain.checkpoints.files import load_checkpoint
-    from ringtrain.checkpoints.manager import Resumed
-
     try:
         parsed = OverridesParser.create().parse_overrides(command.overrides)
     except OverrideParseException:
@@ -68,8 +66,6 @@ def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) ->
 def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | Path | None = None) -> dict:
     """The job of a checkpoint as a tool composes it, for a caller in Python (`sample(...)` without
     `job`): its recipe replayed before `overrides` (`config_dir`: as --config-dir); resolved."""
-    from ringtrain.config.app import register_resolvers
-
     register_resolvers()
     overrides = list(overrides)
     replayed = replay(state.get("job"), Path(path), overrides, skip=TOOLS_DO_NOT_REPLAY)
@@ -87,9 +83,6 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
     """A tool module's `main(command)`: each job of the command line is `tool(**settings)`, its
     result `show`n; a `command` parameter gets the command line (and the checkpoints it read)."""
     def main(command: CommandLine) -> None:
-        # `_target_: my_pkg.MyNet` in your own config imports from where you run, as for training.
-        sys.path.insert(1, os.getcwd())
-
         def job(cfg: Any) -> None:
             with exit_on_user_error():
                 settings = settings_for(tool, cfg, primary)
@@ -105,8 +98,6 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
 
 def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig) -> dict[str, Any]:
     """The composed config as `function`'s keyword arguments (see the module docstring)."""
-    from omegaconf.errors import OmegaConfBaseException
-
     parameters = inspect.signature(function).parameters
     hints = typing.get_type_hints(getattr(function, "func", function))  # through a functools.partial
     try:

@@ -21,6 +21,7 @@ from ringtrain.components import build, is_node, locate
 from ringtrain.config.builders import build_model, check_model
 from ringtrain.errors import ConfigError, UserError, component_failed
 from ringtrain.models.pretrained import from_architecture
+from ringtrain.tools.app import composed_job
 
 
 def read_checkpoint(path: str, loaded: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -37,8 +38,6 @@ def build_checked_model(state: Mapping[str, Any], path: str, job: Mapping[str, A
                         trusted: bool = False) -> nn.Module:
     """The model of `job` (None: composed now from the checkpoint's recipe) with fresh weights, its adapters applied."""
     if job is None:
-        from ringtrain.tools.app import composed_job
-
         job = composed_job(dict(state), path)
     node = job.get("model")
     if not isinstance(node, Mapping) or "_target_" not in node:

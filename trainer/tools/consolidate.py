@@ -24,7 +24,6 @@ from ringtrain.tools.checkpoint_model import build_checked_model, read_checkpoin
 
 def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bool = False,
                 job: dict | None = None, command: Any = None) -> Path:
-    """Write the sharded `checkpoint` as one plain checkpoint file; returns its path."""
     state = read_checkpoint(checkpoint, command.checkpoint if command else None)
     job = job if job is not None else composed_job(state, checkpoint)
     if "shards" not in state:

@@ -7,11 +7,13 @@ val/loss the run logged at that step, on any number of ranks.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 
 from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import load_checkpoint
@@ -19,10 +21,9 @@ from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
 from ringtrain.config.app import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
-from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_section
-from ringtrain.data.bundle import DataBundle
+from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_trainer
 from ringtrain.data.vocab import same_ids
-from ringtrain.distributed import exit_rank, teardown_distributed, under_torchrun
+from ringtrain.distributed import env_rank, exit_rank, teardown_distributed, under_torchrun
 from ringtrain.errors import ConfigError
 from ringtrain.loop.evaluation import evaluate_parts
 from ringtrain.loop.loaders import build_val_loader, worker_options
@@ -49,8 +50,6 @@ def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None
              weights: str = "model", trust_checkpoint: bool = False) -> tuple[dict, EvalResult | None]:
     """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
     records and rank 0's result (None on the other ranks)."""
-    from hydra.core.hydra_config import HydraConfig
-
     keys = [override.lstrip("+~").split("=", 1)[0] for override in command.overrides]
     for section in (key.split(".")[0] for key in keys):
         if section in ("optimizer", "scheduler"):
@@ -64,7 +63,7 @@ def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None
     record["overrides"] = [o for o, key in zip(command.overrides, keys)
                            if "." in key and key.split(".")[0] in (*SECTIONS, "adapter")]
     result = eval_job.strategy.launch(evaluate_worker, eval_job, accelerator=eval_job.trainer.accelerator)
-    result = result if int(os.environ.get("RANK", "0")) == 0 else None  # rank 0's alone
+    result = result if env_rank() == 0 else None  # rank 0's alone
     if result is not None:
         path = Path(record["output"])
         try:  # replaced atomically (a reader never sees half a file); a NaN metric as null
@@ -80,7 +79,7 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     """Check the settings; return the job and what the metrics file records of it."""
     # The run's trainer settings (precision, val_batch_size, ...), but never its resume file
     # nor its starting weights: the checkpoint's own weights are evaluated.
-    trainer_settings = typed_section({**job["trainer"], "resume": None, "init_from": None}, TrainerConfig, "trainer")
+    trainer_settings = typed_trainer({**job["trainer"], "resume": None, "init_from": None})
     strategy = build_strategy(job["strategy"])
     if under_torchrun() and not strategy.spans_processes:
         raise ConfigError(f"strategy={strategy_name} under torchrun would evaluate on every rank alone; use "
@@ -108,13 +107,24 @@ class EvalResult:
 
 
 def evaluate_worker(job: EvalJob) -> EvalResult:
-    """One rank's part: build the data, task and model, evaluate, all-reduce."""
     dist = job.strategy.setup_process(job.trainer.accelerator)
     clean_exit = False
     try:
         data = build_data(job.job["data"], dist)
         state = job.checkpoint.state if job.checkpoint.state is not None else load_checkpoint(job.checkpoint.path, mmap=True)
-        check_data_fits(data, state)
+        # The data must give the sizes and vocabulary the checkpoint's model was trained with.
+        for name, value in data.dims.items():
+            trained = (state.get("data_dims") or {}).get(name)
+            if value is not None and trained is not None and value != trained:
+                raise ConfigError(
+                    f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
+                    f"evaluate on data of the same kind"
+                )
+        if data.vocab is not None and state.get("vocab") is not None and not same_ids(data.vocab, state["vocab"]):
+            raise ConfigError(
+                "the data's vocabulary differs from the one the model was trained with (same size, other "
+                "characters or order), so its ids mean other things; evaluate on text with the same characters"
+            )
         dataset = data.val if job.split == "val" else data.train
         named = data.val_sources if job.split == "val" and data.val_sources else {"": dataset}  # a mixture's sources
         for name, part in named.items():
@@ -138,22 +148,6 @@ def evaluate_worker(job: EvalJob) -> EvalResult:
         teardown_distributed(clean_exit)
 
 
-def check_data_fits(data: DataBundle, state: dict) -> None:
-    """The data must give the sizes and vocabulary the model of the checkpoint `state` was trained with."""
-    for name, value in data.dims.items():
-        trained = (state.get("data_dims") or {}).get(name)
-        if value is not None and trained is not None and value != trained:
-            raise ConfigError(
-                f"the data gives {name}={value} but the checkpoint's model was trained with {name}={trained}; "
-                f"evaluate on data of the same kind"
-            )
-    if data.vocab is not None and state.get("vocab") is not None and not same_ids(data.vocab, state["vocab"]):
-        raise ConfigError(
-            "the data's vocabulary differs from the one the model was trained with (same size, other "
-            "characters or order), so its ids mean other things; evaluate on text with the same characters"
-        )
-
-
 def show(evaluated: tuple[dict, EvalResult | None]) -> None:
     record, result = evaluated
     if result is not None:
@@ -165,8 +159,6 @@ def show(evaluated: tuple[dict, EvalResult | None]) -> None:
 
 
 def main(command: CommandLine) -> None:
-    from hydra.core.config_store import ConfigStore
-
     # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
     ConfigStore.instance().store(group="strategy", name="auto",
                                  node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})

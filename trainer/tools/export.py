@@ -95,9 +95,8 @@ def write_directory(target: Path, fill: Callable[[Path], Any], overwrite: bool =
         fill(partial)
         written = sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
         (partial / MARK).write_text(MANIFEST_HEADER + "".join(f"{name}\n" for name in written))
-        for file in partial.rglob("*"):
-            if file.is_file():
-                _finish_file(file)
+        for name in [*written, MARK]:
+            _finish_file(partial / name)
         if target.is_dir():
             _keep_what_no_export_wrote(target, partial, set(written), overwrite)
         fsync_directory(partial)

@@ -38,10 +38,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
              top_k: int | None = None, generator: torch.Generator | None = None, task: Any = None,
              until: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     """Continue the (B, T) token ids `idx` by up to `max_new_tokens` tokens; returns (B, T + new).
-    Each step picks the argmax (`temperature` 0) or a draw over the `top_k` likeliest, in eval
-    mode; `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model
-    mapping (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache,
-    the whole context is recomputed each step."""
+    `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model mapping
+    (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
     if top_k is not None and top_k < 1:
@@ -76,7 +74,6 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
 
 
 def encode_prompt(vocab: Vocab, prompt: str) -> torch.Tensor:
-    """The prompt's ids; refuses characters the model never saw, naming all of them."""
     if not prompt:
         raise ConfigError('prompt is empty; give the text to continue, e.g. prompt="ROMEO:"')
     if isinstance(vocab, CharVocab):
@@ -175,7 +172,6 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
 
 
 def choose_device(name: str) -> torch.device:
-    """`auto`: the GPU when there is one, else the CPU; `cuda` without a GPU is refused."""
     if name not in DEVICES:
         raise ConfigError(f"device={name!r} is unknown; use one of {', '.join(DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():

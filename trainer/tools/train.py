@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
 from ringtrain.storage.rundir import remove_if_empty
 from ringtrain.config.app import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
@@ -54,10 +58,6 @@ def prepare(command: CommandLine) -> list[CommandLine]:
 
 
 def main(command: CommandLine) -> None:
-    # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
-    # script or `python train.py` puts only its own folder on the path).
-    sys.path.insert(1, os.getcwd())
-
     def train(cfg: Any) -> float:
         return train_job(cfg, command)
 
@@ -73,10 +73,6 @@ def main(command: CommandLine) -> None:
 
 def train_job(cfg: Any, command: CommandLine) -> float:
     """One job of the command (a multirun has several): check it, train it on its ranks."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
     hydra = HydraConfig.get()
     run_dir, in_sweep = hydra.runtime.output_dir, hydra.mode == RunMode.MULTIRUN
     resume, checkpointing = cfg.trainer.resume, cfg.trainer.checkpoint

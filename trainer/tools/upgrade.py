@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, Unusable, check_file_bytes, save_checkpoint
 from ringtrain.config.app import PrimaryConfig
@@ -20,9 +21,6 @@ from ringtrain.errors import ConfigError
 from ringtrain.tools.app import tool_main
 
 def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None = None) -> Path:
-    """Rewrite the format-2 `checkpoint` as format 3; returns the file written."""
-    from omegaconf import OmegaConf
-
     path = Path(checkpoint)
     run_record = path.absolute().parent.parent / ".hydra" / "hydra.yaml"  # the run's own, as Hydra wrote it
     if not trust_checkpoint:

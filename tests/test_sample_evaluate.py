@@ -233,7 +233,7 @@ def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):
     (["prompt='Zebra#'"], ["prompt has characters", "'#'", "'Z'", "'b'"]),  # Hydra's quotes: # is a sign
     (["top_k=0"], ["top_k=0 must be at least 1"]),
     (["temperature=-0.5"], ["temperature=-0.5 must be >= 0"]),
-    (["max_tokens=5"], ["max_tokens is not a setting of ringtrain sample", "max_new_tokens"]),
+    (["max_tokens=5"], ["max_tokens is not a setting of ringtrain sample; did you mean max_new_tokens? the settings are"]),
     (["seed=x"], ["seed='x' is not of type int; write e.g. seed=0"]),
 ])
 def test_sample_refusals_are_one_line_and_exit_2(char_run, args, phrases):

@@ -270,12 +270,13 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
         return f"{key} is not a setting here; {hint}"
     known = sorted(str(k) for k in parent.keys() if k not in ("_target_", "hydra")) if parent is not None else []
     if "." not in full_key:  # the top level of the config
-        if not primary.presets:  # a tool: its top level is its settings
-            return f"{key} is not a setting of {primary.program}; the settings are {', '.join(known)}"
         names = known + list(primary.presets)
         close = difflib.get_close_matches(section, names, n=1)
+        mean = f"did you mean {close[0]}? " if close else ""
+        if not primary.presets:  # a tool: its top level is its settings
+            return f"{key} is not a setting of {primary.program}; {mean}the settings are {', '.join(known)}"
         what = "a config group or setting" if not rest else "a config group"
-        return f"{section} is not {what}; {f'did you mean {close[0]}? ' if close else ''}the groups are {', '.join(names)}"
+        return f"{section} is not {what}; {mean}the groups are {', '.join(names)}"
     owner, _, name = full_key.rpartition(".")
     owners = options_defining(section, rest) if section in COMPONENT_SECTIONS else []
     if owners:

@@ -73,43 +73,37 @@ class Evaluator:
 def evaluate_parts(model: nn.Module, loaders: dict[str, BatchLoader], task, precision: Precision, dist: DistInfo,
                    strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, float]:
     """The task's metrics over a set of named parts (a mixture's sources; {"": loader} for a set of
-    one): the whole set's metrics from the parts' sums, and each named part's as <part>/<name>,
-    in one pass over the samples."""
-    sums = {name: evaluate_sums(model, loader, task, precision, dist, strategy, watchdog)
-            for name, loader in loaders.items()}
-    whole: dict[str, torch.Tensor] = {}
-    for totals in sums.values():
-        for key, value in totals.items():
-            whole[key] = whole.get(key, 0) + value
-    return {**metrics_from_sums(whole), **{f"{name}/{k}": v for name, totals in sums.items() if name
-                                           for k, v in metrics_from_sums(totals).items()}}
-
-
-def evaluate_sums(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
-                  strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, torch.Tensor]:
-    """The task's sums and counts over every batch of `loader` on every rank (each rank has at
-    least one), added up in float64 and all-reduced (on the CPU), so that the metrics they give
+    one), in one pass over the samples: the whole set's from the parts' sums, and each named
+    part's as <part>/<name>. A part's sums and counts over its batches on every rank (each rank
+    has at least one) are added up in float64 and all-reduced (on the CPU), so that the metrics
     are the same for any number of ranks. Leaves the model in eval mode."""
     model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    # The shards are not padded, so ranks may have a batch more or less. A sharded forward is a
-    # collective: there, a rank that is done repeats its last batch, uncounted, until every
-    # rank is (else the others would wait for it forever). Agreed before the first forward.
-    lockstep = strategy.forwards_in_lockstep and dist.is_distributed
-    most = max(gather_objects(dist, len(loader))) if lockstep else 0
-    count, last = 0, None
-    # Eagerly: blocks compiled for training would recompile for inference mode and each new shape.
-    with strategy.inference(model), torch.compiler.set_stance("force_eager"):
-        batches = loader.batches()
-        for batch in (watchdog.watched(batches, LOADING_VALIDATION_BATCH, EVALUATING) if watchdog else batches):
-            with precision.autocast():
-                outputs, targets = predictions(task, model, batch)
-            for key, value in task.eval_sums(outputs, targets).items():
-                sums[key] = sums.get(key, 0) + value.double()
-            count, last = count + 1, batch
-        for _ in range(most - count):
-            with precision.autocast():
-                predictions(task, model, last)
-    keys = sorted(sums)  # the same task, so the same keys on every rank
-    totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
-    return dict(zip(keys, totals))
+    whole: dict[str, torch.Tensor] = {}
+    by_part: dict[str, float] = {}
+    for name, loader in loaders.items():
+        sums: dict[str, torch.Tensor] = {}
+        # The shards are not padded, so ranks may have a batch more or less. A sharded forward is a
+        # collective: there, a rank that is done repeats its last batch, uncounted, until every
+        # rank is (else the others would wait for it forever). Agreed before the first forward.
+        lockstep = strategy.forwards_in_lockstep and dist.is_distributed
+        most = max(gather_objects(dist, len(loader))) if lockstep else 0
+        count, last = 0, None
+        # Eagerly: blocks compiled for training would recompile for inference mode and each new shape.
+        with strategy.inference(model), torch.compiler.set_stance("force_eager"):
+            batches = loader.batches()
+            for batch in (watchdog.watched(batches, LOADING_VALIDATION_BATCH, EVALUATING) if watchdog else batches):
+                with precision.autocast():
+                    outputs, targets = predictions(task, model, batch)
+                for key, value in task.eval_sums(outputs, targets).items():
+                    sums[key] = sums.get(key, 0) + value.double()
+                count, last = count + 1, batch
+            for _ in range(most - count):
+                with precision.autocast():
+                    predictions(task, model, last)
+        keys = sorted(sums)  # the same task, so the same keys on every rank
+        totals = dict(zip(keys, all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()))
+        for key, value in totals.items():
+            whole[key] = whole.get(key, 0) + value
+        if name:
+            by_part.update({f"{name}/{k}": v for k, v in metrics_from_sums(totals).items()})
+    return {**metrics_from_sums(whole), **by_part}

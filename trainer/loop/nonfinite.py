@@ -20,7 +20,7 @@ the same way; on_nonfinite then watches the loss only.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -47,9 +47,10 @@ class NonFiniteWatch:
     def needs_grad_norm(self) -> bool:  # skip decides on it at every step
         return self.policy == "skip" and not self.uses_scaler
 
-    def allows_update(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> bool:
-        """After the backward of `step` (its micro-batches' detached `losses`): whether to
+    def allows_update(self, step: int, detached: list[tuple[torch.Tensor, Any]], grad_norm: torch.Tensor | None) -> bool:
+        """After the backward of `step` (its micro-batches' detached (loss, count)): whether to
         apply the update. stop only notes the losses (no device op); skip reads one flag."""
+        losses = [loss for loss, _ in detached]
         if self.policy == "stop":
             self._unchecked.extend((step, loss) for loss in losses)
             return True

@@ -111,11 +111,13 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     elif state is not None and "shards" not in state:
         load_model_weights(model, state, resumed.path)
     module = strategy.setup_module(model, dist, cfg)
-    if not any(p.requires_grad for p in model.parameters()):
+    # Only what trains: the optimizer, clipping, the non-finite watch and zeroing see no frozen weight.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
         raise ConfigError(f"{type(model).__name__} has no trainable parameters (none, or all frozen): nothing to "
                           f"train; point model._target_ at a model with parameters, or leave some trainable")
     train_loader, val_loader, val_sources = _loaders(cfg, dist, data)
-    optimizer = (job.optimizer([p for p in model.parameters() if p.requires_grad]) if callable(job.optimizer)
+    optimizer = (job.optimizer(trainable) if callable(job.optimizer)
                  else build_optimizer(job.optimizer, model, dist.device, strategy.lr_scale(dist.world_size)))
     layout = Layout(dist.world_size, cfg.batch_size, cfg.accumulate_grad_batches)
     progress = Progress()
@@ -123,8 +125,6 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     scheduler = job.scheduler(optimizer) if callable(job.scheduler) else build_scheduler(job.scheduler, optimizer, total)
     set_matmul_precision(dist.device, cfg.tf32)
     precision = Precision(strategy.autocast_precision(cfg.precision), dist.device)
-    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
-    trainable = [p for p in model.parameters() if p.requires_grad]
     parts = TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
                           train_loader, val_loader, layout, progress, layout, total, val_sources)
     _register(checkpoints, parts, dist, base, cfg.trust_checkpoint)

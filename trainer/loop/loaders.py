@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ringtrain.data.batches import collate_of, to_device
 
@@ -128,19 +128,6 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
     )
 
 
-class _EpochOrder(Sampler[int]):
-    """The indices of the epoch being read; the loader sets them before each pass."""
-
-    def __init__(self) -> None:
-        self.indices = torch.empty(0, dtype=torch.long)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices.tolist())
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 class BatchLoader:
     def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
                  drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
@@ -152,7 +139,7 @@ class BatchLoader:
         self.limit_batches = limit_batches  # > 0: only the first batches of each epoch (overfit_batches)
         self.workers = workers
         self._loader: DataLoader | None = None  # built on first use, kept (persistent workers)
-        self._epoch_order = _EpochOrder()
+        self._epoch_order: list[int] = []  # the DataLoader's sampler: the epoch being read, set before each pass
         self._generator = torch.Generator()
 
     def __len__(self) -> int:  # batches per epoch
@@ -185,7 +172,7 @@ class BatchLoader:
                 targets = targets.to(self.device, non_blocking=True)
                 yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
             return
-        self._epoch_order.indices = indices
+        self._epoch_order[:] = indices.tolist()
         # Worker seeds for this pass: a function of (seed, epoch), so a resumed run's workers
         # draw what the uninterrupted run's did, and the global RNG is left alone.
         self._generator.manual_seed(self.workers.seed * 1_000_003 + epoch)

@@ -61,8 +61,11 @@ class NonFiniteWatch:
                 bad = bad | ~torch.isfinite(watched_norm.float())
             if not self._across_ranks(bad, torch_dist.ReduceOp.MAX):  # the one host sync skip costs
                 return True
-            if self.first_skip is None:  # said once by the loop (fit.py); a second sync, once
-                self.first_skip = _what_was_nonfinite(losses, watched_norm)
+            if self.first_skip is None:  # "loss nan", "gradient norm inf", or both; said once by the loop (fit.py)
+                found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
+                if watched_norm is not None and not torch.isfinite(watched_norm.float()):
+                    found.append(f"gradient norm {float(watched_norm)}")
+                self.first_skip = " and ".join(found) or "loss on another rank"  # a second sync, once
             return False
         return True
 
@@ -106,11 +109,3 @@ class NonFiniteWatch:
             f"at step {self._first_bad}; stopped at step {step} "
             f"({saved}): lower optimizer.lr, clip with trainer.grad_clip_norm, or set trainer.on_nonfinite=skip"
         )
-
-
-def _what_was_nonfinite(losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> str:
-    """"loss nan", "gradient norm inf", or both: what made on_nonfinite=skip skip an update."""
-    found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
-    if grad_norm is not None and not torch.isfinite(grad_norm.float()):
-        found.append(f"gradient norm {float(grad_norm)}")
-    return " and ".join(found) or "loss on another rank"

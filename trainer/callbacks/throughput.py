@@ -85,8 +85,6 @@ def peak_tflops_for(peaks: PeakTFLOPS, precision: str, tf32: bool) -> float | No
 
 
 class Throughput(Callback):
-    """samples/s, tokens/s, ms per step, MFU and peak GPU memory at each logging step."""
-
     def on_fit_start(self, run: Run) -> None:
         self.samples = self.tokens = 0
         self.last_step, self.since = run.step, time.perf_counter()

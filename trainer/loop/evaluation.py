@@ -72,11 +72,10 @@ class Evaluator:
 
 def evaluate_parts(model: nn.Module, loaders: dict[str, BatchLoader], task, precision: Precision, dist: DistInfo,
                    strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, float]:
-    """The task's metrics over a set of named parts (a mixture's sources; {"": loader} for a set of
-    one), in one pass over the samples: the whole set's from the parts' sums, and each named
-    part's as <part>/<name>. A part's sums and counts over its batches on every rank (each rank
-    has at least one) are added up in float64 and all-reduced (on the CPU), so that the metrics
-    are the same for any number of ranks. Leaves the model in eval mode."""
+    """The task's metrics over named parts (a mixture's sources; {"": loader} for one), in one pass:
+    the whole set's from the parts' sums, each named part's as <part>/<name>. Sums and counts are
+    added up in float64 and all-reduced (on the CPU), so that the metrics are the same for any
+    number of ranks (each has at least one batch). Leaves the model in eval mode."""
     model.eval()
     whole: dict[str, torch.Tensor] = {}
     by_part: dict[str, float] = {}

@@ -36,7 +36,6 @@ class NonFiniteWatch:
         self.uses_scaler = uses_scaler
         self.weight_norm = weight_norm  # the update's own norm where no gradient norm was measured
         self.dist = dist
-        self.device = dist.device
         # stop: (step, loss) of every micro-batch since the last check, read at the next one.
         self._unchecked: list[tuple[int, torch.Tensor]] = []
         self._first_bad: int | None = None  # the first non-finite step found
@@ -79,7 +78,7 @@ class NonFiniteWatch:
         losses = [loss.float() for _, loss in self._unchecked]
         self._unchecked = []
         if not self.uses_scaler:  # the update of `step`: its gradient, else what it made
-            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).float().to(self.device))
+            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).float().to(self.dist.device))
             steps.append(step)
         if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
             return False
@@ -98,7 +97,7 @@ class NonFiniteWatch:
     def _across_ranks(self, value: torch.Tensor, op: torch_dist.ReduceOp) -> float:
         """One value reduced by `op` over every rank, read on the host."""
         if self.dist.is_distributed:
-            value = value.to(self.device, torch.float64)
+            value = value.to(self.dist.device, torch.float64)
             torch_dist.all_reduce(value, op=op)
         return float(value)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -95,9 +95,8 @@ class TrainingParts:
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
                     checkpoints: CheckpointManager) -> TrainingParts:
-    """Place the model (with the checkpoint's full weights), let the strategy wrap, shard or
-    compile it, then the loaders, the optimizer, the lr schedule and the precision; register them
-    with `checkpoints` and, when the run resumes, restore every registered part (callbacks too)."""
+    """The parts (see the module), registered with `checkpoints`, and when the run resumes every
+    registered part restored (callbacks too)."""
     cfg, strategy, resumed = job.trainer, job.strategy, checkpoints.resumed
     state = resumed.state if resumed else None
     model = model.to(dist.device)
@@ -177,7 +176,7 @@ def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistIn
 
     checkpoints.register(
         weights=Part(weights, load_weights, spread=True), scheduler=parts.scheduler, scaler=parts.precision,
-        layout=Part(parts.layout.state_dict, lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
+        layout=Part(lambda: asdict(parts.layout), lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
         progress=parts.progress, rng=Part(lambda: gather_objects(dist, {"cpu": torch.get_rng_state(), **(
             {"cuda": torch.cuda.get_rng_state(cuda)} if cuda is not None else {})}), load_rng),
         **({"data_stream": Part(lambda: gather_objects(dist, loader.state_dict()), load_stream)} if parts.streamed else {}))

@@ -61,15 +61,11 @@ class Watchdog:
 
     def watched(self, items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
         """`items`, fed as `fetching` before each is fetched and `using` once it is."""
-        iterator = iter(items)
-        while True:
-            self.feed(fetching)
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
+        self.feed(fetching)
+        for item in items:
             self.feed(using)
             yield item
+            self.feed(fetching)
 
     def __enter__(self) -> "Watchdog":
         self.feed(SETTING_UP, 0)

@@ -87,9 +87,8 @@ class StepEnd:
 
 @dataclass
 class Control:
-    """What callbacks ask of the loop. Asked by callbacks that run on every rank (so every rank
-    asks alike), the loop does it after this round of hooks; asked by a rank-0-only one in a
-    job of several ranks, it is `local` until every rank has agreed (a step later)."""
+    """What callbacks ask of the loop (Run.request_*): a rank-0-only one's, in a job of several
+    ranks, is `local` until every rank has agreed."""
 
     stop_reason: str | None = None
     validate: bool = False

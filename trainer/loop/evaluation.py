@@ -51,9 +51,8 @@ class Evaluator:
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
     def validate(self, run: Run, callbacks: Callbacks) -> bool:
-        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of named
-        parts; identical for any number of ranks) into run.metrics, logged; whether the monitored
-        one is the best so far."""
+        """The validation metrics (val/<name>, val/<part>/<name>: evaluate_parts) into run.metrics,
+        logged; whether the monitored one is the best so far."""
         parts = self.parts
         callbacks.call("on_validation_start", run)
         metrics = evaluate_parts(parts.model, parts.val_sources or {"": parts.val_loader}, self.task, parts.precision,

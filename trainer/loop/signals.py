@@ -171,10 +171,9 @@ def _signal_number(name: str) -> int:
 
 
 class Agreement:
-    """The flags every rank agrees on, a step late: each `exchange` starts an async all-reduce
-    (max) of this rank's flags and returns the previous call's result, the same on every rank.
-    One process: the flags themselves, at once. Make it on every rank at the same point
-    (new_group is collective) and call `exchange` once per step on every rank."""
+    """The flags every rank agrees on, a step late (see the module); one process gets its own at
+    once. Make it on every rank at the same point (new_group is collective) and call `exchange`
+    once per step on every rank."""
 
     FLAGS = ("stop_signal", "stop_request", "validate", "save")
 

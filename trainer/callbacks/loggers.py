@@ -35,10 +35,9 @@ class Loggers(Callback):
                 self.loggers[key].load_state_dict(saved)
 
     def on_fit_start(self, run: Run) -> None:
-        name = run.run_dir.name
         for key, logger in self.loggers.items():
             with _writing(key, run):
-                logger.start(run.run_dir, name, run.group, run.config)
+                logger.start(run.run_dir, run.run_dir.name, run.group, run.config)
             self.started[key] = logger
 
     def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:

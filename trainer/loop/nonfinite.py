@@ -41,10 +41,7 @@ class NonFiniteWatch:
         self._first_bad: int | None = None  # the first non-finite step found
         self._bad_value: float | None = None  # None: found on another rank
         self.first_skip: str | None = None  # skip: what was non-finite at the first skipped update
-
-    @property
-    def needs_grad_norm(self) -> bool:  # skip decides on it at every step
-        return self.policy == "skip" and not self.uses_scaler
+        self.needs_grad_norm = policy == "skip" and not uses_scaler  # skip decides on it at every step
 
     def allows_update(self, step: int, detached: list[tuple[torch.Tensor, Any]], grad_norm: torch.Tensor | None) -> bool:
         """After the backward of `step` (its micro-batches' detached (loss, count)): whether to

@@ -184,10 +184,7 @@ class Agreement:
             # The job's collective timeout, not gloo's 30-minute default.
             timeout = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
             self._group = dist.new_group(backend="gloo", **timeout)
-
-    @property
-    def lag_steps(self) -> int:
-        return 0 if self._group is None else 1
+        self.lag_steps = 0 if self._group is None else 1  # steps between a flag raised and agreed
 
     def exchange(self, **flags: bool) -> dict[str, bool]:
         """This rank's flags now; every rank's (any raised) from one step ago."""

@@ -38,8 +38,7 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard.summary import hparams
 
         final = {f"final/{k}": (v if math.isfinite(v) else float("nan")) for k, v in summary["final"].items()}
-        _, session_start, session_end = hparams(flatten(self.config), final)
-        self.writer.file_writer.add_summary(session_start)
-        self.writer.file_writer.add_summary(session_end)
+        for session_record in hparams(flatten(self.config), final)[1:]:  # its start and its end
+            self.writer.file_writer.add_summary(session_record)
         self.log_metrics(final, summary["steps"])
         self.writer.close()

@@ -23,15 +23,12 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from types import FrameType, TracebackType
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.loop.watchdog import flush_within
-
-DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-REPEAT_GRACE_SECONDS = 2.0
 
 log = logging.getLogger("ringtrain")
 
@@ -48,7 +45,7 @@ class StopSignals:
     get signals sent to the whole process group (Ctrl-C, torchrun's killpg) and ignore the stop
     signals (loop/loaders.py)."""
 
-    def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, repeat_grace_s: float = REPEAT_GRACE_SECONDS):
+    def __init__(self, names: tuple[str, ...] | list[str] = ("SIGTERM", "SIGINT", "SIGUSR1"), repeat_grace_s: float = 2.0):
         self.signums = tuple(_signal_number(name) for name in names)
         self.lag_steps = 0  # steps between a rank seeing the signal and all stopping (Agreement's)
         self.repeat_grace_s = repeat_grace_s
@@ -76,8 +73,8 @@ class StopSignals:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)  # set_wakeup_fd requires it: a handler never blocks
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        for signum in self.signums:
-            self._previous_handlers[signum] = signal.signal(signum, _do_nothing)
+        for signum in self.signums:  # a Python handler that does nothing: the watcher thread does the work
+            self._previous_handlers[signum] = signal.signal(signum, lambda signum, frame: None)
         self._watcher = threading.Thread(target=self._watch, name="ringtrain-stop-signals", daemon=True)
         self._watcher.start()
         self._installed = True
@@ -149,10 +146,6 @@ class StopSignals:
             flush_within(1.0, lambda: log.warning(f"received {name} again: exiting at once with status {status}, "
                                                   f"without saving"))
             os._exit(status)
-
-
-def _do_nothing(signum: int, frame: FrameType | None) -> None:
-    """The Python-level handler: the watcher thread does the work (see StopSignals)."""
 
 
 def _restore_handlers(previous: dict[int, object]) -> None:

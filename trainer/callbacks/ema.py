@@ -25,10 +25,8 @@ class EMA(Callback):
 
     def on_fit_start(self, run: Run) -> None:
         self.params = {name: p for name, p in run.model.named_parameters() if p.requires_grad}
-        if self._saved:
-            self.averages = {name: _placed_like(self._saved[name], p, name) for name, p in self.params.items()}
-        else:
-            self.averages = {name: p.detach().clone() for name, p in self.params.items()}
+        self.averages = {name: _placed_like(self._saved[name], p, name) if self._saved else p.detach().clone()
+                         for name, p in self.params.items()}
 
     @torch.no_grad()
     def on_step_end(self, run: Run, step: StepEnd) -> None:

@@ -18,8 +18,7 @@ class TensorBoardLogger(Logger):
 
         self.config = config
         self.writer = SummaryWriter(log_dir=str(run_dir))
-        text = json.dumps(config, indent=2, default=str)
-        self.writer.add_text("config", "```\n" + text + "\n```", 0)
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """All `metrics` as one event: SummaryWriter.add_scalar writes an event per tag at about

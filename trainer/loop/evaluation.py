@@ -32,8 +32,7 @@ class Evaluator:
     def __init__(self, trainer: Any, parts: Any, task: Any, dist: DistInfo, watchdog: Watchdog):
         self.every, self.fraction, self.minutes = trainer.eval_every_n_steps, trainer.eval_every_fraction, trainer.eval_every_minutes
         self.parts, self.task, self.dist, self.watchdog = parts, task, dist, watchdog
-        order = getattr(parts.train_loader, "order", None)  # a stream has no epochs (loop/streams.py)
-        self.epoch_length = order.end if order is not None else 0  # samples of an epoch's global order
+        self.epoch_length = getattr(getattr(parts.train_loader, "order", None), "end", 0)  # 0: a stream's, no epochs
         self.samples_per_step = trainer.batch_size * trainer.accumulate_grad_batches * dist.world_size
         self.since = time.monotonic()
         self.position = parts.progress.samples_into_epoch  # the epoch's global position before the step

@@ -189,10 +189,8 @@ def check_monitors(callbacks: dict[str, Callback], names: tuple[str, ...]) -> No
     """Before the first step: each callback's `monitor` (early stopping's, best-k's, a user's
     own) is one of `names`, the metrics the task will report (data/tasks.py validation_metrics;
     none: the task does not say, and the first validation checks)."""
-    if not names:
-        return
     for name, callback in callbacks.items():
-        if isinstance(monitor := getattr(callback, "monitor", None), str) and monitor not in names:
+        if names and isinstance(monitor := getattr(callback, "monitor", None), str) and monitor not in names:
             raise _not_a_metric(f"callbacks.{name}.monitor", monitor, names)
 
 

@@ -68,11 +68,7 @@ GPU_PEAKS: list[tuple[str, PeakTFLOPS]] = [
 
 def gpu_peaks(device_name: str) -> PeakTFLOPS | None:
     """The peaks of the GPU `torch.cuda.get_device_name()` calls `device_name`, if known."""
-    name = device_name.lower()
-    for pattern, peaks in GPU_PEAKS:
-        if re.search(pattern, name):
-            return peaks
-    return None
+    return next((peaks for pattern, peaks in GPU_PEAKS if re.search(pattern, device_name.lower())), None)
 
 
 def peak_tflops_for(peaks: PeakTFLOPS, precision: str, tf32: bool) -> float | None:

@@ -87,9 +87,8 @@ class StepEnd:
 
 @dataclass
 class Control:
-    """What callbacks ask of the loop. Asked by callbacks that run on every rank (so every rank
-    asks alike), the loop does it after this round of hooks; asked by a rank-0-only one in a
-    job of several ranks, it is `local` until every rank has agreed (a step later)."""
+    """What callbacks ask of the loop (Run.request_*): a rank-0-only one's, in a job of several
+    ranks, is `local` until every rank has agreed."""
 
     stop_reason: str | None = None
     validate: bool = False
@@ -151,31 +150,24 @@ class Callbacks:
             return
         for callback in hooked:
             if hook in ENDING_HOOKS:
-                self._call_while_ending(callback, hook, run, *args)
+                try:
+                    getattr(callback, hook)(run, *args)
+                except Exception as err:
+                    name = next(name for name, cb in self.all.items() if cb is callback)
+                    log.warning(str(component_failed(f"callbacks.{name}.{hook}", err, "the run ends as it would have without it")))
             elif callback.rank_zero_only and self._several_ranks:
-                self._call_on_rank_zero(callback, hook, run, *args)
+                # A rank-0-only callback's requests wait for every rank's agreement (Control.local).
+                asked, run.control = run.control, Control()
+                try:
+                    getattr(callback, hook)(run, *args)
+                finally:
+                    mine, run.control = run.control, asked
+                    run.control.local.update({k: v for k, v in vars(mine).items() if k != "local" and v})
             else:
                 getattr(callback, hook)(run, *args)
         if run.logged and hook != "on_log":
             logged, run.logged = run.logged, {}
             self.call("on_log", run, logged, run.step)
-
-    def _call_while_ending(self, callback: Callback, hook: str, run: Run, *args: Any) -> None:
-        try:
-            getattr(callback, hook)(run, *args)
-        except Exception as err:
-            name = next(name for name, cb in self.all.items() if cb is callback)
-            log.warning(str(component_failed(f"callbacks.{name}.{hook}", err, "the run ends as it would have without it")))
-
-    @staticmethod
-    def _call_on_rank_zero(callback: Callback, hook: str, run: Run, *args: Any) -> None:
-        """A rank-0-only callback's requests wait for every rank's agreement (Control.local)."""
-        asked, run.control = run.control, Control()
-        try:
-            getattr(callback, hook)(run, *args)
-        finally:
-            mine, run.control = run.control, asked
-            run.control.local.update({k: v for k, v in vars(mine).items() if k != "local" and v})
 
     def state_dict(self) -> dict[str, dict]:
         return {name: state for name, cb in self.all.items() if (state := cb.state_dict())}
@@ -197,10 +189,8 @@ def check_monitors(callbacks: dict[str, Callback], names: tuple[str, ...]) -> No
     """Before the first step: each callback's `monitor` (early stopping's, best-k's, a user's
     own) is one of `names`, the metrics the task will report (data/tasks.py validation_metrics;
     none: the task does not say, and the first validation checks)."""
-    if not names:
-        return
     for name, callback in callbacks.items():
-        if isinstance(monitor := getattr(callback, "monitor", None), str) and monitor not in names:
+        if names and isinstance(monitor := getattr(callback, "monitor", None), str) and monitor not in names:
             raise _not_a_metric(f"callbacks.{name}.monitor", monitor, names)
 
 

@@ -1,5 +1,4 @@
-"""The EarlyStopping callback: end the run once the monitored validation metric has not
-improved for `patience` validations (Lightning's EarlyStopping, ringtrain's names)."""
+"""The EarlyStopping callback (Lightning's EarlyStopping, ringtrain's names)."""
 from __future__ import annotations
 
 import math

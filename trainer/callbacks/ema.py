@@ -25,10 +25,8 @@ class EMA(Callback):
 
     def on_fit_start(self, run: Run) -> None:
         self.params = {name: p for name, p in run.model.named_parameters() if p.requires_grad}
-        if self._saved:
-            self.averages = {name: _placed_like(self._saved[name], p, name) for name, p in self.params.items()}
-        else:
-            self.averages = {name: p.detach().clone() for name, p in self.params.items()}
+        self.averages = {name: _placed_like(self._saved[name], p, name) if self._saved else p.detach().clone()
+                         for name, p in self.params.items()}
 
     @torch.no_grad()
     def on_step_end(self, run: Run, step: StepEnd) -> None:
@@ -57,14 +55,11 @@ class EMA(Callback):
     def state_dict(self) -> dict:
         """The averages in full (gathered from the shards under fsdp: every rank calls this)."""
         averages = self.averages or self._saved  # before on_fit_start places a checkpoint's: those
-        return {"decay": self.decay, "weights": {name: _full(average) for name, average in averages.items()}}
+        return {"decay": self.decay, "weights": {name: (a.full_tensor() if hasattr(a, "full_tensor") else a).detach().cpu()
+                                                 for name, a in averages.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._saved = state["weights"]
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor().cpu() if hasattr(tensor, "full_tensor") else tensor.detach().cpu()
 
 
 def _placed_like(saved: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:

@@ -35,10 +35,9 @@ class Loggers(Callback):
                 self.loggers[key].load_state_dict(saved)
 
     def on_fit_start(self, run: Run) -> None:
-        name = run.run_dir.name
         for key, logger in self.loggers.items():
             with _writing(key, run):
-                logger.start(run.run_dir, name, run.group, run.config)
+                logger.start(run.run_dir, run.run_dir.name, run.group, run.config)
             self.started[key] = logger
 
     def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
@@ -51,12 +50,11 @@ class Loggers(Callback):
                 raise
 
     def on_fit_end(self, run: Run, result) -> None:
-        summary = result.summary()
         best = {result.monitor: result.best_metric} if result.best_metric is not None else None
         # An early stop a callback asked for ends the run as complete; a stop signal or a
         # non-finite value leaves it to be continued or looked into.
         stopped = result.stopped is not None and result.stop_kind != "requested"
-        self._finish({**summary, "best": best}, "stopped" if stopped else "completed")
+        self._finish({**result.summary(), "best": best}, "stopped" if stopped else "completed")
 
     def on_exception(self, run: Run, error: BaseException) -> None:
         self._finish({"final": run.metrics, "best": None, "steps": run.step}, "failed", failing=True)

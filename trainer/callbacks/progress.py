@@ -32,7 +32,19 @@ class ProgressBar(Callback):
     def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
         if "train/loss" not in metrics:
             return
-        shown = {"loss": f"{metrics['train/loss']:.4g}", **speed_fields(metrics)}
+        # The loss and the speed figures, short enough for a progress bar.
+        shown = {"loss": f"{metrics['train/loss']:.4g}"}
+        if "throughput/tokens_per_sec" in metrics:
+            shown["tok/s"] = _si(metrics["throughput/tokens_per_sec"])
+        elif "throughput/samples_per_sec" in metrics:
+            shown["samples/s"] = _si(metrics["throughput/samples_per_sec"])
+        if "throughput/step_ms" in metrics:
+            ms = metrics["throughput/step_ms"]
+            shown["ms/step"] = f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+        if "throughput/mfu_percent" in metrics:
+            shown["mfu"] = f"{metrics['throughput/mfu_percent']:.1f}%"
+        if "memory/peak_allocated_gib" in metrics:
+            shown["mem"] = f"{metrics['memory/peak_allocated_gib']:.2f}GiB"
         if self.bar is not None:
             self.bar.set_postfix(shown, refresh=False)
         else:
@@ -45,23 +57,6 @@ class ProgressBar(Callback):
         self._console.close()
 
     on_exception = on_fit_end
-
-
-def speed_fields(values: dict[str, float]) -> dict[str, str]:
-    """The speed figures of a logging step, short enough for a progress bar."""
-    fields = {}
-    if "throughput/tokens_per_sec" in values:
-        fields["tok/s"] = _si(values["throughput/tokens_per_sec"])
-    elif "throughput/samples_per_sec" in values:
-        fields["samples/s"] = _si(values["throughput/samples_per_sec"])
-    if "throughput/step_ms" in values:
-        ms = values["throughput/step_ms"]
-        fields["ms/step"] = f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
-    if "throughput/mfu_percent" in values:
-        fields["mfu"] = f"{values['throughput/mfu_percent']:.1f}%"
-    if "memory/peak_allocated_gib" in values:
-        fields["mem"] = f"{values['memory/peak_allocated_gib']:.2f}GiB"
-    return fields
 
 
 def _si(value: float) -> str:

@@ -49,11 +49,9 @@ class PeakTFLOPS:
 # (pattern matched against the lower-cased device name, peaks), first match wins: the more
 # specific names come before the ones they contain ("h100 nvl" before "h100").
 GPU_PEAKS: list[tuple[str, PeakTFLOPS]] = [
-    (r"h100.*nvl", PeakTFLOPS(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0)),
+    (r"h[12]00.*nvl", PeakTFLOPS(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0)),
     (r"h100.*pcie", PeakTFLOPS(bf16=756.0, fp16=756.0, tf32=378.0, fp32=51.2)),
-    (r"h100", PeakTFLOPS(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9)),  # SXM ("H100 80GB HBM3")
-    (r"h200.*nvl", PeakTFLOPS(bf16=835.5, fp16=835.5, tf32=417.5, fp32=60.0)),
-    (r"h200", PeakTFLOPS(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9)),  # SXM: H100's compute
+    (r"h[12]00", PeakTFLOPS(bf16=989.4, fp16=989.4, tf32=494.7, fp32=66.9)),  # SXM ("H100 80GB HBM3"); H200: H100's compute
     (r"a100", PeakTFLOPS(bf16=312.0, fp16=312.0, tf32=156.0, fp32=19.5)),  # SXM and PCIe alike
     (r"l40s", PeakTFLOPS(bf16=362.1, fp16=362.1, tf32=183.0, fp32=91.6)),
     (r"\bl4\b", PeakTFLOPS(bf16=121.0, fp16=121.0, tf32=60.0, fp32=30.3)),
@@ -70,11 +68,7 @@ GPU_PEAKS: list[tuple[str, PeakTFLOPS]] = [
 
 def gpu_peaks(device_name: str) -> PeakTFLOPS | None:
     """The peaks of the GPU `torch.cuda.get_device_name()` calls `device_name`, if known."""
-    name = device_name.lower()
-    for pattern, peaks in GPU_PEAKS:
-        if re.search(pattern, name):
-            return peaks
-    return None
+    return next((peaks for pattern, peaks in GPU_PEAKS if re.search(pattern, device_name.lower())), None)
 
 
 def peak_tflops_for(peaks: PeakTFLOPS, precision: str, tf32: bool) -> float | None:
@@ -87,8 +81,6 @@ def peak_tflops_for(peaks: PeakTFLOPS, precision: str, tf32: bool) -> float | No
 
 
 class Throughput(Callback):
-    """samples/s, tokens/s, ms per step, MFU and peak GPU memory at each logging step."""
-
     def on_fit_start(self, run: Run) -> None:
         self.samples = self.tokens = 0
         self.last_step, self.since = run.step, time.perf_counter()

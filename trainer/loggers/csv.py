@@ -71,6 +71,5 @@ def _csv_text(columns: list[str], rows: list[dict]) -> str:
 
 
 def _write_pairs(path: Path, values: dict) -> None:
-    """`values` as a two-column `name,value` table."""
     rows = [{"name": name, "value": value} for name, value in values.items()]
     write_text_atomically(path, _csv_text(["name", "value"], rows))

@@ -40,8 +40,16 @@ class MLflowLogger(Logger):
         with _one_process_at_a_time(self.tracking_uri):
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        # The run a resumed run logged to, if this store has it (another tracking_uri, or a
+        # deleted run: a new run, said in one line).
         logged: dict = {}
-        if resumed := self._run_to_continue():
+        resumed, saved = None, self.continued
+        if saved.get("run_id") and saved.get("tracking_uri") == self.tracking_uri:
+            with contextlib.suppress(self.mlflow.exceptions.MlflowException):
+                resumed = self.client.get_run(saved["run_id"])
+        if saved.get("run_id") and resumed is None:
+            log.info(f"logger.mlflow: run {saved['run_id']} of the checkpoint is not in {self.tracking_uri}; starting a new run")
+        if resumed:
             self.run_id, logged = resumed.info.run_id, resumed.data.params
             self.client.update_run(self.run_id, status="RUNNING")
         else:
@@ -57,20 +65,6 @@ class MLflowLogger(Logger):
 
     def state_dict(self) -> dict:
         return {"run_id": self.run_id, "tracking_uri": self.tracking_uri} if hasattr(self, "run_id") else {}
-
-    def _run_to_continue(self):
-        """The run a resumed run logged to, if this store has it (another tracking_uri, or a
-        deleted run: a new run, said in one line)."""
-        saved = self.continued
-        if not saved.get("run_id"):
-            return None
-        if saved.get("tracking_uri") == self.tracking_uri:
-            try:
-                return self.client.get_run(saved["run_id"])
-            except self.mlflow.exceptions.MlflowException:
-                pass
-        log.info(f"logger.mlflow: run {saved['run_id']} of the checkpoint is not in {self.tracking_uri}; starting a new run")
-        return None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         milliseconds = int(time.time() * 1000)

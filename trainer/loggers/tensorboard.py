@@ -18,8 +18,7 @@ class TensorBoardLogger(Logger):
 
         self.config = config
         self.writer = SummaryWriter(log_dir=str(run_dir))
-        text = json.dumps(config, indent=2, default=str)
-        self.writer.add_text("config", "```\n" + text + "\n```", 0)
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """All `metrics` as one event: SummaryWriter.add_scalar writes an event per tag at about
@@ -38,8 +37,7 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard.summary import hparams
 
         final = {f"final/{k}": (v if math.isfinite(v) else float("nan")) for k, v in summary["final"].items()}
-        _, session_start, session_end = hparams(flatten(self.config), final)
-        self.writer.file_writer.add_summary(session_start)
-        self.writer.file_writer.add_summary(session_end)
+        for session_record in hparams(flatten(self.config), final)[1:]:  # its start and its end
+            self.writer.file_writer.add_summary(session_record)
         self.log_metrics(final, summary["steps"])
         self.writer.close()

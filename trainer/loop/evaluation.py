@@ -32,8 +32,7 @@ class Evaluator:
     def __init__(self, trainer: Any, parts: Any, task: Any, dist: DistInfo, watchdog: Watchdog):
         self.every, self.fraction, self.minutes = trainer.eval_every_n_steps, trainer.eval_every_fraction, trainer.eval_every_minutes
         self.parts, self.task, self.dist, self.watchdog = parts, task, dist, watchdog
-        order = getattr(parts.train_loader, "order", None)  # a stream has no epochs (loop/streams.py)
-        self.epoch_length = order.end if order is not None else 0  # samples of an epoch's global order
+        self.epoch_length = getattr(getattr(parts.train_loader, "order", None), "end", 0)  # 0: a stream's, no epochs
         self.samples_per_step = trainer.batch_size * trainer.accumulate_grad_batches * dist.world_size
         self.since = time.monotonic()
         self.position = parts.progress.samples_into_epoch  # the epoch's global position before the step
@@ -51,9 +50,8 @@ class Evaluator:
         return bool(self.minutes) and self.dist.is_main and time.monotonic() - self.since >= 60 * self.minutes
 
     def validate(self, run: Run, callbacks: Callbacks) -> bool:
-        """The validation metrics (val/<name>, and val/<part>/<name> for a validation set of named
-        parts; identical for any number of ranks) into run.metrics, logged; whether the monitored
-        one is the best so far."""
+        """The validation metrics (val/<name>, val/<part>/<name>: evaluate_parts) into run.metrics,
+        logged; whether the monitored one is the best so far."""
         parts = self.parts
         callbacks.call("on_validation_start", run)
         metrics = evaluate_parts(parts.model, parts.val_sources or {"": parts.val_loader}, self.task, parts.precision,
@@ -72,44 +70,37 @@ class Evaluator:
 
 def evaluate_parts(model: nn.Module, loaders: dict[str, BatchLoader], task, precision: Precision, dist: DistInfo,
                    strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, float]:
-    """The task's metrics over a set of named parts (a mixture's sources; {"": loader} for a set of
-    one): the whole set's metrics from the parts' sums, and each named part's as <part>/<name>,
-    in one pass over the samples."""
-    sums = {name: evaluate_sums(model, loader, task, precision, dist, strategy, watchdog)
-            for name, loader in loaders.items()}
+    """The task's metrics over named parts (a mixture's sources; {"": loader} for one), in one pass:
+    the whole set's from the parts' sums, each named part's as <part>/<name>. Sums and counts are
+    added up in float64 and all-reduced (on the CPU), so that the metrics are the same for any
+    number of ranks (each has at least one batch). Leaves the model in eval mode."""
+    model.eval()
     whole: dict[str, torch.Tensor] = {}
-    for totals in sums.values():
+    by_part: dict[str, float] = {}
+    for name, loader in loaders.items():
+        sums: dict[str, torch.Tensor] = {}
+        # The shards are not padded, so ranks may have a batch more or less. A sharded forward is a
+        # collective: there, a rank that is done repeats its last batch, uncounted, until every
+        # rank is (else the others would wait for it forever). Agreed before the first forward.
+        lockstep = strategy.forwards_in_lockstep and dist.is_distributed
+        most = max(gather_objects(dist, len(loader))) if lockstep else 0
+        count, last = 0, None
+        # Eagerly: blocks compiled for training would recompile for inference mode and each new shape.
+        with strategy.inference(model), torch.compiler.set_stance("force_eager"):
+            batches = loader.batches()
+            for batch in (watchdog.watched(batches, LOADING_VALIDATION_BATCH, EVALUATING) if watchdog else batches):
+                with precision.autocast():
+                    outputs, targets = predictions(task, model, batch)
+                for key, value in task.eval_sums(outputs, targets).items():
+                    sums[key] = sums.get(key, 0) + value.double()
+                count, last = count + 1, batch
+            for _ in range(most - count):
+                with precision.autocast():
+                    predictions(task, model, last)
+        keys = sorted(sums)  # the same task, so the same keys on every rank
+        totals = dict(zip(keys, all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()))
         for key, value in totals.items():
             whole[key] = whole.get(key, 0) + value
-    return {**metrics_from_sums(whole), **{f"{name}/{k}": v for name, totals in sums.items() if name
-                                           for k, v in metrics_from_sums(totals).items()}}
-
-
-def evaluate_sums(model: nn.Module, loader: BatchLoader, task, precision: Precision, dist: DistInfo,
-                  strategy: Strategy, watchdog: Watchdog | None = None) -> dict[str, torch.Tensor]:
-    """The task's sums and counts over every batch of `loader` on every rank (each rank has at
-    least one), added up in float64 and all-reduced (on the CPU), so that the metrics they give
-    are the same for any number of ranks. Leaves the model in eval mode."""
-    model.eval()
-    sums: dict[str, torch.Tensor] = {}
-    # The shards are not padded, so ranks may have a batch more or less. A sharded forward is a
-    # collective: there, a rank that is done repeats its last batch, uncounted, until every
-    # rank is (else the others would wait for it forever). Agreed before the first forward.
-    lockstep = strategy.forwards_in_lockstep and dist.is_distributed
-    most = max(gather_objects(dist, len(loader))) if lockstep else 0
-    count, last = 0, None
-    # Eagerly: blocks compiled for training would recompile for inference mode and each new shape.
-    with strategy.inference(model), torch.compiler.set_stance("force_eager"):
-        batches = loader.batches()
-        for batch in (watchdog.watched(batches, LOADING_VALIDATION_BATCH, EVALUATING) if watchdog else batches):
-            with precision.autocast():
-                outputs, targets = predictions(task, model, batch)
-            for key, value in task.eval_sums(outputs, targets).items():
-                sums[key] = sums.get(key, 0) + value.double()
-            count, last = count + 1, batch
-        for _ in range(most - count):
-            with precision.autocast():
-                predictions(task, model, last)
-    keys = sorted(sums)  # the same task, so the same keys on every rank
-    totals = all_reduce_sum(dist, torch.stack([sums[k] for k in keys]).to(dist.device)).cpu()
-    return dict(zip(keys, totals))
+        if name:
+            by_part.update({f"{name}/{k}": v for k, v in metrics_from_sums(totals).items()})
+    return {**metrics_from_sums(whole), **by_part}

@@ -81,7 +81,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
                     else:
                         grad_norm = None  # a pass over every gradient that most steps skip
                     lr = parts.scheduler.get_last_lr()[0]
-                    applied = nonfinite.allows_update(step, losses.values, grad_norm) and parts.precision.step(parts.optimizer)
+                    applied = nonfinite.allows_update(step, losses.detached, grad_norm) and parts.precision.step(parts.optimizer)
                     parts.scheduler.step()
                     for param in parts.params:  # zero_grad(set_to_none=True), without its per-step overhead
                         param.grad = None
@@ -267,10 +267,6 @@ class StepLoss:
             share = loss if weight == 1 else loss * weight
         self.detached.append((loss.detach(), count))  # the one device op the loop adds
         return share
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        return [loss for loss, _ in self.detached]
 
 
 def _report_start(parts: TrainingParts, dist: DistInfo, job: Any) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ringtrain.data.batches import collate_of, to_device
 
@@ -90,9 +90,6 @@ class Shards:
     def __init__(self, length: int, rank: int, world_size: int):
         self.length, self.rank, self.world_size = length, rank, world_size
 
-    def __len__(self) -> int:
-        return self.share(0)
-
     def share(self, start: int) -> int:
         return len(range(start + self.rank, self.length, self.world_size))
 
@@ -131,19 +128,6 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
     )
 
 
-class _EpochOrder(Sampler[int]):
-    """The indices of the epoch being read; the loader sets them before each pass."""
-
-    def __init__(self) -> None:
-        self.indices = torch.empty(0, dtype=torch.long)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices.tolist())
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 class BatchLoader:
     def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
                  drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
@@ -155,19 +139,17 @@ class BatchLoader:
         self.limit_batches = limit_batches  # > 0: only the first batches of each epoch (overfit_batches)
         self.workers = workers
         self._loader: DataLoader | None = None  # built on first use, kept (persistent workers)
-        self._epoch_order = _EpochOrder()
+        self._epoch_order: list[int] = []  # the DataLoader's sampler: the epoch being read, set before each pass
         self._generator = torch.Generator()
 
     def __len__(self) -> int:  # batches per epoch
-        return self._batches_in(len(self.order))
-
-    def _batches_in(self, samples: int) -> int:
-        batches = samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
-        return min(batches, self.limit_batches) if self.limit_batches else batches
+        return self.batches_left(0)
 
     def batches_left(self, start: int) -> int:
         """Batches of an epoch after its first `start` samples (the same on every rank)."""
-        return self._batches_in(self.order.share(start))
+        samples = self.order.share(start)
+        batches = samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+        return min(batches, self.limit_batches) if self.limit_batches else batches
 
     def position(self, start: int, batches_done: int) -> int:
         """Samples of the epoch's global order consumed after `batches_done` batches from `start`
@@ -177,23 +159,20 @@ class BatchLoader:
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         """The batches of `epoch`, on the device, after its first `start` samples (for resuming)."""
         indices = self.order.indices(epoch, start)[: self.batches_left(start) * self.batch_size]
-        if not hasattr(self.dataset, "get_batch"):
-            yield from self._dataloader_batches(indices, epoch)
+        if hasattr(self.dataset, "get_batch"):
+            chunk = GATHER_BATCHES * self.batch_size
+            # A copy from pageable memory makes the host wait for it; from pinned (page-locked)
+            # memory it is queued like a kernel and overlaps the GPU's work.
+            pin = self.workers.pin_memory and self.device.type == "cuda"
+            for first in range(0, len(indices), chunk):
+                inputs, targets = self.dataset.get_batch(indices[first : first + chunk])
+                if pin:
+                    inputs, targets = inputs.pin_memory(), targets.pin_memory()
+                inputs = inputs.to(self.device, non_blocking=True)
+                targets = targets.to(self.device, non_blocking=True)
+                yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
             return
-        chunk = GATHER_BATCHES * self.batch_size
-        # A copy from pageable memory makes the host wait for it; from pinned (page-locked)
-        # memory it is queued like a kernel and overlaps the GPU's work.
-        pin = self.workers.pin_memory and self.device.type == "cuda"
-        for first in range(0, len(indices), chunk):
-            inputs, targets = self.dataset.get_batch(indices[first : first + chunk])
-            if pin:
-                inputs, targets = inputs.pin_memory(), targets.pin_memory()
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
-
-    def _dataloader_batches(self, indices: torch.Tensor, epoch: int) -> Iterator[Batch]:
-        self._epoch_order.indices = indices
+        self._epoch_order[:] = indices.tolist()
         # Worker seeds for this pass: a function of (seed, epoch), so a resumed run's workers
         # draw what the uninterrupted run's did, and the global RNG is left alone.
         self._generator.manual_seed(self.workers.seed * 1_000_003 + epoch)

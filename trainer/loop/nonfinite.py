@@ -20,7 +20,7 @@ the same way; on_nonfinite then watches the loss only.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as torch_dist
@@ -36,20 +36,17 @@ class NonFiniteWatch:
         self.uses_scaler = uses_scaler
         self.weight_norm = weight_norm  # the update's own norm where no gradient norm was measured
         self.dist = dist
-        self.device = dist.device
         # stop: (step, loss) of every micro-batch since the last check, read at the next one.
         self._unchecked: list[tuple[int, torch.Tensor]] = []
         self._first_bad: int | None = None  # the first non-finite step found
         self._bad_value: float | None = None  # None: found on another rank
         self.first_skip: str | None = None  # skip: what was non-finite at the first skipped update
+        self.needs_grad_norm = policy == "skip" and not uses_scaler  # skip decides on it at every step
 
-    @property
-    def needs_grad_norm(self) -> bool:  # skip decides on it at every step
-        return self.policy == "skip" and not self.uses_scaler
-
-    def allows_update(self, step: int, losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> bool:
-        """After the backward of `step` (its micro-batches' detached `losses`): whether to
+    def allows_update(self, step: int, detached: list[tuple[torch.Tensor, Any]], grad_norm: torch.Tensor | None) -> bool:
+        """After the backward of `step` (its micro-batches' detached (loss, count)): whether to
         apply the update. stop only notes the losses (no device op); skip reads one flag."""
+        losses = [loss for loss, _ in detached]
         if self.policy == "stop":
             self._unchecked.extend((step, loss) for loss in losses)
             return True
@@ -60,8 +57,11 @@ class NonFiniteWatch:
                 bad = bad | ~torch.isfinite(watched_norm.float())
             if not self._across_ranks(bad, torch_dist.ReduceOp.MAX):  # the one host sync skip costs
                 return True
-            if self.first_skip is None:  # said once by the loop (fit.py); a second sync, once
-                self.first_skip = _what_was_nonfinite(losses, watched_norm)
+            if self.first_skip is None:  # "loss nan", "gradient norm inf", or both; said once by the loop (fit.py)
+                found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
+                if watched_norm is not None and not torch.isfinite(watched_norm.float()):
+                    found.append(f"gradient norm {float(watched_norm)}")
+                self.first_skip = " and ".join(found) or "loss on another rank"  # a second sync, once
             return False
         return True
 
@@ -75,7 +75,7 @@ class NonFiniteWatch:
         losses = [loss.float() for _, loss in self._unchecked]
         self._unchecked = []
         if not self.uses_scaler:  # the update of `step`: its gradient, else what it made
-            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).float().to(self.device))
+            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).float().to(self.dist.device))
             steps.append(step)
         if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
             return False
@@ -94,7 +94,7 @@ class NonFiniteWatch:
     def _across_ranks(self, value: torch.Tensor, op: torch_dist.ReduceOp) -> float:
         """One value reduced by `op` over every rank, read on the host."""
         if self.dist.is_distributed:
-            value = value.to(self.device, torch.float64)
+            value = value.to(self.dist.device, torch.float64)
             torch_dist.all_reduce(value, op=op)
         return float(value)
 
@@ -105,11 +105,3 @@ class NonFiniteWatch:
             f"at step {self._first_bad}; stopped at step {step} "
             f"({saved}): lower optimizer.lr, clip with trainer.grad_clip_norm, or set trainer.on_nonfinite=skip"
         )
-
-
-def _what_was_nonfinite(losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> str:
-    """"loss nan", "gradient norm inf", or both: what made on_nonfinite=skip skip an update."""
-    found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
-    if grad_norm is not None and not torch.isfinite(grad_norm.float()):
-        found.append(f"gradient norm {float(grad_norm)}")
-    return " and ".join(found) or "loss on another rank"

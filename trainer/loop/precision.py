@@ -47,7 +47,6 @@ def use_deterministic_algorithms(on: bool) -> None:
 
 class Precision:
     def __init__(self, name: str, device: torch.device):
-        self.name = name
         self.device = device
         self.dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(name)
         self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None

@@ -42,8 +42,7 @@ class Progress:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        vars(self).update(state)
 
 
 @dataclass(frozen=True)
@@ -54,9 +53,6 @@ class Layout:
     world_size: int
     batch_size: int  # per rank and micro-batch
     accumulate_grad_batches: int
-
-    def state_dict(self) -> dict:
-        return asdict(self)
 
     def changes_from(self, old: "Layout") -> str | None:
         """`world size 1 -> 2, per-rank batch 32 -> 32` (accumulation too when it changed), or None."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -95,9 +95,8 @@ class TrainingParts:
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
                     checkpoints: CheckpointManager) -> TrainingParts:
-    """Place the model (with the checkpoint's full weights), let the strategy wrap, shard or
-    compile it, then the loaders, the optimizer, the lr schedule and the precision; register them
-    with `checkpoints` and, when the run resumes, restore every registered part (callbacks too)."""
+    """The parts (see the module), registered with `checkpoints`, and when the run resumes every
+    registered part restored (callbacks too)."""
     cfg, strategy, resumed = job.trainer, job.strategy, checkpoints.resumed
     state = resumed.state if resumed else None
     model = model.to(dist.device)
@@ -111,11 +110,13 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     elif state is not None and "shards" not in state:
         load_model_weights(model, state, resumed.path)
     module = strategy.setup_module(model, dist, cfg)
-    if not any(p.requires_grad for p in model.parameters()):
+    # Only what trains: the optimizer, clipping, the non-finite watch and zeroing see no frozen weight.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
         raise ConfigError(f"{type(model).__name__} has no trainable parameters (none, or all frozen): nothing to "
                           f"train; point model._target_ at a model with parameters, or leave some trainable")
     train_loader, val_loader, val_sources = _loaders(cfg, dist, data)
-    optimizer = (job.optimizer([p for p in model.parameters() if p.requires_grad]) if callable(job.optimizer)
+    optimizer = (job.optimizer(trainable) if callable(job.optimizer)
                  else build_optimizer(job.optimizer, model, dist.device, strategy.lr_scale(dist.world_size)))
     layout = Layout(dist.world_size, cfg.batch_size, cfg.accumulate_grad_batches)
     progress = Progress()
@@ -123,8 +124,6 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     scheduler = job.scheduler(optimizer) if callable(job.scheduler) else build_scheduler(job.scheduler, optimizer, total)
     set_matmul_precision(dist.device, cfg.tf32)
     precision = Precision(strategy.autocast_precision(cfg.precision), dist.device)
-    # Only what trains: clipping, the non-finite watch and zeroing see no frozen weight.
-    trainable = [p for p in model.parameters() if p.requires_grad]
     parts = TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
                           train_loader, val_loader, layout, progress, layout, total, val_sources)
     _register(checkpoints, parts, dist, base, cfg.trust_checkpoint)
@@ -177,7 +176,7 @@ def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistIn
 
     checkpoints.register(
         weights=Part(weights, load_weights, spread=True), scheduler=parts.scheduler, scaler=parts.precision,
-        layout=Part(parts.layout.state_dict, lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
+        layout=Part(lambda: asdict(parts.layout), lambda saved: setattr(parts, "saved_layout", Layout(**saved))),
         progress=parts.progress, rng=Part(lambda: gather_objects(dist, {"cpu": torch.get_rng_state(), **(
             {"cuda": torch.cuda.get_rng_state(cuda)} if cuda is not None else {})}), load_rng),
         **({"data_stream": Part(lambda: gather_objects(dist, loader.state_dict()), load_stream)} if parts.streamed else {}))

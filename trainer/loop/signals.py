@@ -23,15 +23,12 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from types import FrameType, TracebackType
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.loop.watchdog import flush_within
-
-DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-REPEAT_GRACE_SECONDS = 2.0
 
 log = logging.getLogger("ringtrain")
 
@@ -48,7 +45,7 @@ class StopSignals:
     get signals sent to the whole process group (Ctrl-C, torchrun's killpg) and ignore the stop
     signals (loop/loaders.py)."""
 
-    def __init__(self, names: tuple[str, ...] | list[str] = DEFAULT_STOP_SIGNALS, repeat_grace_s: float = REPEAT_GRACE_SECONDS):
+    def __init__(self, names: tuple[str, ...] | list[str] = ("SIGTERM", "SIGINT", "SIGUSR1"), repeat_grace_s: float = 2.0):
         self.signums = tuple(_signal_number(name) for name in names)
         self.lag_steps = 0  # steps between a rank seeing the signal and all stopping (Agreement's)
         self.repeat_grace_s = repeat_grace_s
@@ -76,8 +73,8 @@ class StopSignals:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)  # set_wakeup_fd requires it: a handler never blocks
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        for signum in self.signums:
-            self._previous_handlers[signum] = signal.signal(signum, _do_nothing)
+        for signum in self.signums:  # a Python handler that does nothing: the watcher thread does the work
+            self._previous_handlers[signum] = signal.signal(signum, lambda signum, frame: None)
         self._watcher = threading.Thread(target=self._watch, name="ringtrain-stop-signals", daemon=True)
         self._watcher.start()
         self._installed = True
@@ -151,10 +148,6 @@ class StopSignals:
             os._exit(status)
 
 
-def _do_nothing(signum: int, frame: FrameType | None) -> None:
-    """The Python-level handler: the watcher thread does the work (see StopSignals)."""
-
-
 def _restore_handlers(previous: dict[int, object]) -> None:
     for signum, handler in previous.items():
         # None: the previous handler was set outside Python; the default is the closest we can do.
@@ -171,10 +164,9 @@ def _signal_number(name: str) -> int:
 
 
 class Agreement:
-    """The flags every rank agrees on, a step late: each `exchange` starts an async all-reduce
-    (max) of this rank's flags and returns the previous call's result, the same on every rank.
-    One process: the flags themselves, at once. Make it on every rank at the same point
-    (new_group is collective) and call `exchange` once per step on every rank."""
+    """The flags every rank agrees on, a step late (see the module); one process gets its own at
+    once. Make it on every rank at the same point (new_group is collective) and call `exchange`
+    once per step on every rank."""
 
     FLAGS = ("stop_signal", "stop_request", "validate", "save")
 
@@ -185,10 +177,7 @@ class Agreement:
             # The job's collective timeout, not gloo's 30-minute default.
             timeout = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
             self._group = dist.new_group(backend="gloo", **timeout)
-
-    @property
-    def lag_steps(self) -> int:
-        return 0 if self._group is None else 1
+        self.lag_steps = 0 if self._group is None else 1  # steps between a flag raised and agreed
 
     def exchange(self, **flags: bool) -> dict[str, bool]:
         """This rank's flags now; every rank's (any raised) from one step ago."""

@@ -61,15 +61,11 @@ class Watchdog:
 
     def watched(self, items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
         """`items`, fed as `fetching` before each is fetched and `using` once it is."""
-        iterator = iter(items)
-        while True:
-            self.feed(fetching)
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
+        self.feed(fetching)
+        for item in items:
             self.feed(using)
             yield item
+            self.feed(fetching)
 
     def __enter__(self) -> "Watchdog":
         self.feed(SETTING_UP, 0)
@@ -89,20 +85,17 @@ class Watchdog:
             limit = self.timeout_s + (0.0 if activity.alone else self.grace_s)
             left = fed_at + limit - time.monotonic()
             if left <= 0:
-                self._end(activity, step, time.monotonic() - fed_at)
+                line = (f"error: rank {self.rank} made no progress for {time.monotonic() - fed_at:.0f} s while "
+                        f"{activity.doing.format(step=step)}, longer than {self.setting}; ending this rank, and with it "
+                        f"the job. If it is only slow (a first step that compiles, a long evaluation or save), raise "
+                        f"strategy.timeout_minutes\n")
+                flush_within(1.0)
+                os.write(2, line.encode())  # not print(): the stuck thread may hold sys.stderr's lock
+                os._exit(USER_ERROR_EXIT)
             # No longer than the timeout itself: a feed meanwhile may start a phase without grace,
             # whose deadline is then earlier than this one (and never earlier than a timeout away).
             if self._done.wait(min(left, self.timeout_s)):
                 return
-
-    def _end(self, activity: Activity, step: int, stalled_s: float) -> None:
-        line = (f"error: rank {self.rank} made no progress for {stalled_s:.0f} s while "
-                f"{activity.doing.format(step=step)}, longer than {self.setting}; ending this rank, and with it "
-                f"the job. If it is only slow (a first step that compiles, a long evaluation or save), raise "
-                f"strategy.timeout_minutes\n")
-        flush_within(1.0)
-        os.write(2, line.encode())  # not print(): the stuck thread may hold sys.stderr's lock
-        os._exit(USER_ERROR_EXIT)
 
 
 def flush_within(seconds: float, last_words: Callable[[], None] | None = None) -> None:

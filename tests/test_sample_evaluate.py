@@ -276,6 +276,21 @@ def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_
     assert not (tmp_path / "m.json").exists()
 
 
+@pytest.mark.parametrize("change", ["one character fewer", "one character other"])
+def test_evaluate_refuses_text_whose_ids_mean_other_characters(char_run, vocabulary, tmp_path, change):
+    """Text data numbers its characters: text with a character fewer gives the model another
+    vocab_size, text with one character swapped the same size but other meanings. Each is one
+    line naming what differs, and no metrics are written."""
+    chars = vocabulary[:-1] if change == "one character fewer" else vocabulary[:-1] + "~"
+    (tmp_path / "other.txt").write_text(chars * 200, encoding="utf-8")
+    expected = ({"one character fewer": f"the data gives vocab_size={len(vocabulary) - 1} but the checkpoint's model "
+                                        f"was trained with vocab_size={len(vocabulary)}; evaluate on data of the same kind",
+                 "one character other": "the data's vocabulary differs from the one the model was trained with"}[change])
+    refused(run_module("evaluate", [f"checkpoint={char_run / 'checkpoints/last.pt'}", f"data.path={tmp_path / 'other.txt'}",
+                                    f"output={tmp_path / 'm.json'}"]), expected)
+    assert not (tmp_path / "m.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not here (Tiny Shakespeare)")
 def test_shakespeare_char_then_sample_200_characters(tmp_path):

@@ -187,8 +187,10 @@ def test_fsdp_bf16_mixed_trains_with_fsdps_own_mixed_precision(tmp_path):
      "strategy=fsdp: shard class 'Blok' matches no module of Transformer"),
     (["strategy=fsdp", "strategy.nproc_per_node=2", "strategy.state_dict_type=shards"],
      "strategy.state_dict_type='shards' is unknown; use full (one plain file) or sharded"),
-    (["strategy=ddp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded"],
-     "strategy.state_dict_type is not a setting of this strategy; it belongs to strategy=fsdp"),
+    # The same refusal as bucket_cap_mb's above, the other way round: -m slow.
+    pytest.param(["strategy=ddp", "strategy.nproc_per_node=2", "strategy.state_dict_type=sharded"],
+                 "strategy.state_dict_type is not a setting of this strategy; it belongs to strategy=fsdp",
+                 marks=pytest.mark.slow),
 ])
 def test_fsdp_mistakes_are_one_line_and_exit_2(tmp_path, overrides, message):
     proc = run_cli(SMALL + overrides + ["trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"])

@@ -232,7 +232,8 @@ def test_sample_refuses_a_model_that_is_not_a_language_model(tmp_path):
 @pytest.mark.parametrize("args,phrases", [
     (["prompt='Zebra#'"], ["prompt has characters", "'#'", "'Z'", "'b'"]),  # Hydra's quotes: # is a sign
     (["top_k=0"], ["top_k=0 must be at least 1"]),
-    (["temperature=-0.5"], ["temperature=-0.5 must be >= 0"]),
+    # The same kind of bound as top_k=0 above (one pinned by default): -m slow.
+    pytest.param(["temperature=-0.5"], ["temperature=-0.5 must be >= 0"], marks=pytest.mark.slow),
     (["max_tokens=5"], ["max_tokens is not a setting of ringtrain sample; did you mean max_new_tokens? the settings are"]),
     (["seed=x"], ["seed='x' is not of type int; write e.g. seed=0"]),
 ])
@@ -261,14 +262,18 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
     (["checkpoint=missing.pt"], ["checkpoint='missing.pt' is not a file"]),
     (["data.pth=x"], ["data.pth is not set by this data", "+data.pth=<value>"]),
     (["~data.pth"], ["Could not delete from config. 'data.pth' does not exist"]),
-    (["+data.path=x"], ["An item is already at 'data.path'"]),
+    # Messages every command shares (one Hydra app each, tools/app.py), pinned in process for
+    # train by test_config.py and test_user_components.py and for fsdp by test_fsdp_training.py:
+    # -m slow runs them through evaluate too.
+    pytest.param(["+data.path=x"], ["An item is already at 'data.path'"], marks=pytest.mark.slow),
     (["optimizer.lr=1"], ["evaluation trains nothing"]),
     (["split=test"], ["split='test' is not one of val, train"]),
-    (["+model.widht=3"], ["takes no argument 'widht'"]),
-    (["strategy.nproc_per_node=2"], ["not a setting of this strategy", "belongs to strategy=ddp"]),
+    pytest.param(["+model.widht=3"], ["takes no argument 'widht'"], marks=pytest.mark.slow),
+    pytest.param(["strategy.nproc_per_node=2"], ["not a setting of this strategy", "belongs to strategy=ddp"],
+                 marks=pytest.mark.slow),
     # The strategy's own refusal (FSDP.check), worded for training and evaluation alike.
-    (["strategy=fsdp"], ["strategy=fsdp needs a process group", "strategy.nproc_per_node >= 2",
-                         "for one process use strategy=single"]),
+    pytest.param(["strategy=fsdp"], ["strategy=fsdp needs a process group", "strategy.nproc_per_node >= 2",
+                                     "for one process use strategy=single"], marks=pytest.mark.slow),
 ])
 def test_evaluate_refusals_are_one_line_and_exit_2(char_run, args, phrases, tmp_path):
     checkpoint = [] if args[0].startswith("checkpoint=") else [f"checkpoint={char_run / 'checkpoints/last.pt'}"]

@@ -594,7 +594,9 @@ def test_validation_at_every_quarter_of_an_epoch_on_two_ranks(counted_jobs):
 # --- 5. one-line refusals --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("setting", ["callbacks.early_stopping.monitor", "callbacks.best_checkpoints.monitor",
+# best-k's monitor goes through the same check as early stopping's (callbacks/base.py check_monitors): -m slow.
+@pytest.mark.parametrize("setting", ["callbacks.early_stopping.monitor",
+                                     pytest.param("callbacks.best_checkpoints.monitor", marks=pytest.mark.slow),
                                      "task.monitor"])
 def test_a_monitor_the_task_does_not_report_is_one_line_exit_2_before_the_first_step(tmp_path, setting):
     proc = run_cli(["model=mlp", "data.num_features=8", "data.num_samples=256", "data.num_val_samples=64",

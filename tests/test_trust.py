@@ -52,12 +52,14 @@ CHOICE_CASES = {"choice_path": "../../planted", "choice_user_option": "my_net"}
 SHARD_CASES = ("shards_absolute", "shards_relative", "dcp_metadata")
 CASES = (*(f"config_{name}" for name in RECORD_CASES), *RECIPE_CASES, *CHOICE_CASES, *SHARD_CASES)
 # Every case once and every command at least once by default; the rest with -m slow.
-DEFAULT = {("evaluate", "target_override"), ("sample", "interpolation"), ("export", "config_model"),
+# Evaluate on target_override, attribute_walk, hydra_setting and choice_user_option runs by default
+# in test_each_kind_of_refusal_says_what_the_file_holds_and_why, with these same checks.
+DEFAULT = {("sample", "interpolation"), ("export", "config_model"),
            ("consolidate", "dcp_metadata"), ("resume", "added_node"), ("init_from", "shards_absolute"),
-           ("same_command", "config_callbacks"), ("evaluate", "attribute_walk"), ("export", "remote_code"),
+           ("same_command", "config_callbacks"), ("export", "remote_code"),
            ("resume", "choice_path"), ("evaluate", "shards_relative"), ("same_command", "dcp_metadata"),
-           ("export", "weights_only"), ("evaluate", "hydra_setting"), ("sample", "nested_target"),
-           ("evaluate", "package"), ("resume", "config_architecture"), ("evaluate", "choice_user_option"),
+           ("export", "weights_only"), ("sample", "nested_target"),
+           ("evaluate", "package"), ("resume", "config_architecture"),
            ("evaluate", "config_data"), ("resume", "callbacks_node"), ("export", "callbacks_node")}
 
 PLANTED = '''
@@ -183,6 +185,12 @@ def world(tmp_path, real_run) -> World:
     for command in COMMANDS for case in CASES
 ])
 def test_no_crafted_checkpoint_runs_code(world, command, case):
+    run_crafted(world, command, case)
+
+
+def run_crafted(world: World, command: str, case: str):
+    """`command` on the checkpoint crafted as `case`: the planted code never runs, nothing outside
+    the run directory changes, and a refusal is one line leaving the run directory as it was."""
     world.craft(case)
     run_before, outside_before = world.files(world.run_dir), world.outside_the_run()
     proc = world.run(command)
@@ -199,6 +207,7 @@ def test_no_crafted_checkpoint_runs_code(world, command, case):
         assert proc.returncode == 0, proc.stderr[-2000:]
     elif proc.returncode != 0:  # what the command refuses anyway (sample: not a language model)
         refused(proc)
+    return proc
 
 
 @pytest.mark.parametrize("case, phrase", [
@@ -215,8 +224,7 @@ def test_no_crafted_checkpoint_runs_code(world, command, case):
     ("dcp_metadata", "cannot be read as data"),
 ])
 def test_each_kind_of_refusal_says_what_the_file_holds_and_why(world, case, phrase):
-    world.craft(case)
-    line = refused(world.run("evaluate"), phrase)
+    line = refused(run_crafted(world, "evaluate", case), phrase)
     assert "trust_checkpoint=true" in line if case == "dcp_metadata" else True
     assert not world.marker.exists()
 

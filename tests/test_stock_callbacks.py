@@ -24,6 +24,7 @@ import torch
 
 from conftest import QUIET, REPO, run_cli, run_module, train_in_process
 from helpers import STEP_ANNOUNCEMENT, TORCHRUN, Job, assert_same_state, job_ok, ok, refused, user_package
+from ringtrain.callbacks.base import Callback
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
 
@@ -634,3 +635,37 @@ def test_the_readmes_user_callback_runs_as_the_readme_says(tmp_path):
     assert summary["stopped"] == f"val/loss reached 0.05 after {first + 1} validations"
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert state["callbacks"]["target"] == {"validations": first + 1}
+
+
+class Asks(Callback):
+    """A user's callback making the requests a callback may make (Run.request_*): at step 3 a
+    validation and a checkpoint, at step 5 the end of the run. It notes when validations and
+    saves happen, in <run dir>/asked.json."""
+
+    def __init__(self) -> None:
+        self.validated, self.saved = [], []
+
+    def on_step_end(self, run, step) -> None:
+        if step.step == 3:
+            run.request_validation()
+            run.request_checkpoint()
+        elif step.step == 5:
+            run.request_stop("the callback had enough")
+
+    def on_validation_end(self, run, metrics) -> None:
+        self.validated.append(run.step)
+
+    def on_checkpoint_saved(self, run, step, path) -> None:
+        self.saved.append(step)
+
+    def on_fit_end(self, run, result) -> None:
+        (run.run_dir / "asked.json").write_text(json.dumps({"validated": self.validated, "saved": self.saved}))
+
+
+def test_a_callbacks_requests_validate_save_and_stop_at_the_step_it_asks(tmp_path):
+    result = train_in_process(["+callbacks.asks._target_=test_stock_callbacks.Asks", "trainer.batch_size=64", *QUIET],
+                              tmp_path)
+    # Mid-epoch (about 140 steps of 64 samples), where nothing else validates or saves.
+    assert json.loads((tmp_path / "asked.json").read_text()) == {"validated": [3], "saved": [3, 5]}
+    assert (result.steps, result.stopped, result.stop_kind) == (5, "the callback had enough", "requested")
+    assert torch.load(tmp_path / "checkpoints" / "step-00000003.pt", weights_only=True)["progress"]["step"] == 3

@@ -238,12 +238,6 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
     return units[::-1]
 
 
-def sharded_grad_norm(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-    """The global norm of all gradients as a plain tensor, for plain and sharded (DTensor)
-    gradients alike; under FSDP every rank must call it (it all-reduces)."""
-    return total_norm([p.grad for p in params if p.grad is not None], norm_type)
-
-
 def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all `tensors`, plain and sharded (DTensor) alike, as a plain tensor."""
     sharded = [t for t in tensors if isinstance(t, DTensor)]

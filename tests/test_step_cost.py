@@ -185,3 +185,21 @@ def test_the_command_leaves_what_is_alive_at_its_end_out_of_the_exit_collections
     assert frozen > 100_000
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
     assert (tmp_path / "run" / "metrics.json").is_file()
+
+
+def test_a_callback_with_nothing_to_do_at_a_step_is_not_called_at_it(monkeypatch, tmp_path):
+    """Issue 37: at a step that does not log, on_step_end is called only on the callbacks with
+    work there (the losses and sample counts kept for the next log); the progress bar without a
+    bar, the summary once printed and the profiler without profile_steps say so in on_fit_start."""
+    from ringtrain.callbacks import metrics, progress, summary, throughput
+
+    calls = Counter()
+    for cls in (progress.ProgressBar, summary.ModelSummary, throughput.Profiler, throughput.Throughput,
+                metrics.TrainMetrics):
+        def counting(self, run, end, original=cls.on_step_end, name=cls.__name__):
+            if not end.logging:
+                calls[name] += 1
+            original(self, run, end)
+        monkeypatch.setattr(cls, "on_step_end", counting)
+    train_in_process(["trainer.max_steps=20", "trainer.progress_bar=false"], tmp_path)
+    assert calls == {"TrainMetrics": 19, "Throughput": 19}  # step 20, the last, logs

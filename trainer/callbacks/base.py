@@ -58,7 +58,10 @@ class Callback:
     """Override the hooks you need (HOOKS)."""
 
     rank_zero_only = False  # True: run on rank 0 alone
-    logging_steps_only = False  # True: on_step_end is called at logging steps only (it does nothing at others)
+    # True: on_step_end is called at logging steps only (it does nothing at others). Read again
+    # after on_fit_start and at each logging step: a callback whose work at every step is done
+    # (a summary printed, no progress bar to move) says so, and costs the steps nothing.
+    logging_steps_only = False
 
     def state_dict(self) -> dict[str, Any]:
         """What to keep in checkpoints ({} keeps nothing)."""
@@ -140,9 +143,12 @@ class Callbacks:
         runs_here = {name: cb for name, cb in callbacks.items() if is_main or not cb.rank_zero_only}
         # Callback itself defines no hook: each hook is called only on the callbacks that define it.
         self._hooked = {hook: [cb for cb in runs_here.values() if callable(getattr(cb, hook, None))] for hook in HOOKS}
-        # A step that does not log calls on_step_end only on the callbacks with work at every step.
-        self._every_step = [cb for cb in self._hooked["on_step_end"] if not cb.logging_steps_only]
+        self._every_step = self._with_work_at_every_step()
         self._several_ranks = several_ranks
+
+    def _with_work_at_every_step(self) -> list[Callback]:
+        """Those that a step which does not log calls on_step_end on."""
+        return [cb for cb in self._hooked["on_step_end"] if not cb.logging_steps_only]
 
     def call(self, hook: str, run: Run, *args: Any) -> None:
         hooked = self._every_step if hook == "on_step_end" and not args[0].logging else self._hooked[hook]
@@ -165,6 +171,8 @@ class Callbacks:
                     run.control.local.update({k: v for k, v in vars(mine).items() if k != "local" and v})
             else:
                 getattr(callback, hook)(run, *args)
+        if hook == "on_fit_start" or (hook == "on_step_end" and args[0].logging):
+            self._every_step = self._with_work_at_every_step()
         if run.logged and hook != "on_log":
             logged, run.logged = run.logged, {}
             self.call("on_log", run, logged, run.step)

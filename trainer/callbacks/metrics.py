@@ -29,7 +29,7 @@ class TrainMetrics(Callback):
             return
         # A few ops for all the steps since the last read, not a few per step (50 steps of the
         # default job: ~0.5 ms a loop's worth of tiny tensor ops, ~10 us a step amortised).
-        losses = torch.stack([loss.reshape(()) for loss, _ in self._losses]).double()
+        losses = torch.stack([loss for loss, _ in self._losses]).reshape(len(self._losses)).double()  # one value each
         weights = [weight for _, weight in self._losses]  # sample counts (ints) or token counts (tensors)
         if any(isinstance(weight, torch.Tensor) for weight in weights):
             weights = torch.stack([torch.as_tensor(w, device=losses.device).reshape(()) for w in weights]).double()

@@ -24,6 +24,7 @@ class ProgressBar(Callback):
 
             self.bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", dynamic_ncols=True)
             self._console.enter_context(logging_redirect_tqdm())  # log lines above the bar, not through it
+        self.logging_steps_only = self.bar is None  # without a bar, nothing to do at a step
 
     def on_step_end(self, run: Run, step: StepEnd) -> None:
         if self.bar is not None:

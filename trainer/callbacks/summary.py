@@ -27,10 +27,12 @@ class ModelSummary(Callback):
         self.after_first_step = any(isinstance(p, UninitializedParameter) for p in run.model.parameters())
         if not self.after_first_step:
             self.report(run)
+        self.logging_steps_only = not self.after_first_step  # done: no step needs it
 
     def on_step_end(self, run: Run, step: StepEnd) -> None:
         if self.after_first_step:
             self.after_first_step = False
+            self.logging_steps_only = True
             self.report(run)
 
     def report(self, run: Run) -> None:

@@ -137,6 +137,7 @@ class Profiler(Callback):
 
     def on_fit_start(self, run: Run) -> None:
         self.profiler = None
+        self.logging_steps_only = not run.trainer.profile_steps  # without a profiler, nothing to step
         if not run.trainer.profile_steps:
             return
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler

@@ -129,6 +129,10 @@ class Decision:
     stop_kind: str | None = None
 
 
+GO_ON = Decision()
+STOP_NONFINITE = Decision(stop=NONFINITE, stop_kind=NONFINITE)
+
+
 @dataclass
 class StepEnds:
     """What follows each step of one run, decided in one place (`decide`). Each component keeps
@@ -191,7 +195,7 @@ class StepEnds:
         validate = self.evaluator.due(step, position, epoch_done)
         saving = self.checkpoints.due(step, validate, last=step == run.total_steps)
         if (end.logging or validate or saving) and stops_nonfinite(end.grad_norm):
-            return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+            return STOP_NONFINITE
         end.due = {name for name, due in (("validate", validate), ("save", saving)) if due}
         self.callbacks.call("on_step_end", run, end)
         # What was asked: by callbacks now, and by any rank a step ago (a stop signal, a rank-0
@@ -203,7 +207,7 @@ class StepEnds:
         if (run.control.validate or agreed["validate"]) and not validate:
             validate = True
             if stops_nonfinite(end.grad_norm):
-                return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+                return STOP_NONFINITE
         best = self.evaluator.validate(run, self.callbacks) if validate else False
         stop = kind = None
         if run.control.stop_reason or agreed["stop_request"]:  # the run is done: a signal now changes nothing
@@ -213,9 +217,9 @@ class StepEnds:
             self.callbacks.call("on_stop_signal", run, stop)
         save = bool(self.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
         if save and not saving and not validate and stops_nonfinite(None):
-            return Decision(stop=NONFINITE, stop_kind=NONFINITE)
+            return STOP_NONFINITE
         run.control.validate = run.control.save = False
-        return Decision(save=save, best=best, stop=stop, stop_kind=kind)
+        return Decision(save=save, best=best, stop=stop, stop_kind=kind) if save or stop else GO_ON
 
     def save(self, step: int, best: bool) -> None:
         self.watchdog.feed(SAVING, step)

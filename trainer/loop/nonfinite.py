@@ -72,16 +72,18 @@ class NonFiniteWatch:
         if self.policy != "stop" or self._first_bad is not None:
             return self._first_bad is not None
         steps = [s for s, _ in self._unchecked]
-        losses = [loss.float() for _, loss in self._unchecked]
+        losses = [loss for _, loss in self._unchecked]
         self._unchecked = []
         if not self.uses_scaler:  # the update of `step`: its gradient, else what it made
-            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).float().to(self.dist.device))
+            losses.append((grad_norm if grad_norm is not None else self.weight_norm()).to(self.dist.device))
             steps.append(step)
         if not losses:  # 16-mixed, checked again at the same step (a stop signal after a log)
             return False
-        values = torch.stack(losses)
+        values = torch.stack(losses)  # in the widest of their dtypes (bfloat16 losses, a float32 norm)
         bad = ~torch.isfinite(values)
         first = int(bad.nonzero()[0]) if bool(bad.any()) else None
+        if first is None and not self.dist.is_distributed:
+            return False
         earliest = self._across_ranks(torch.tensor(steps[first] if first is not None else _NONE_BAD,
                                                    dtype=torch.float64), torch_dist.ReduceOp.MIN)
         if earliest == _NONE_BAD:

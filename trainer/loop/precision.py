@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from ringtrain.strategies.base import NOTHING
+
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
     """trainer.tf32, on CUDA only: float32 matmuls on TF32 tensor cores ("high": 10-bit mantissa
@@ -52,7 +54,7 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if self.dtype is None else torch.autocast(self.device.type, self.dtype)
+        return NOTHING if self.dtype is None else torch.autocast(self.device.type, self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()

@@ -182,7 +182,7 @@ class Agreement:
     def exchange(self, **flags: bool) -> dict[str, bool]:
         """This rank's flags now; every rank's (any raised) from one step ago."""
         if self._group is None:
-            return {name: bool(flags.get(name, False)) for name in self.FLAGS}
+            return dict.fromkeys(self.FLAGS, False) | flags
         mine = torch.tensor([int(flags.get(name, False)) for name in self.FLAGS], dtype=torch.int32)
         agreed = dict.fromkeys(self.FLAGS, False)
         if self._pending is not None:

@@ -21,6 +21,8 @@ from ringtrain.distributed import DistInfo, launcher_ranks, resolve_device
 from ringtrain.errors import ConfigError
 from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimizer_state_dict
 
+NOTHING = contextlib.nullcontext()  # what does nothing around a step; keeps no state, so one serves every step
+
 
 class Strategy:
     """One process, one device. Subclasses override what differs."""
@@ -77,7 +79,7 @@ class Strategy:
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Forward and backward inside reduce gradients across ranks only when `enabled`."""
-        return contextlib.nullcontext()
+        return NOTHING
 
     def gradient_norm(self, params: Iterable[nn.Parameter]) -> torch.Tensor:
         """The global norm of all gradients (every rank calls it)."""

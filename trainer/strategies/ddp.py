@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ringtrain.errors import ConfigError
 from ringtrain.distributed import DistInfo
+from ringtrain.strategies.base import NOTHING
 from ringtrain.strategies.process_group import ProcessGroupStrategy
 
 
@@ -73,4 +74,4 @@ class DDP(ProcessGroupStrategy):
         # DDP decides in forward whether backward all-reduces: both go inside no_sync.
         if not enabled and isinstance(module, DistributedDataParallel):
             return module.no_sync()
-        return contextlib.nullcontext()
+        return NOTHING

@@ -19,25 +19,24 @@ class TrainMetrics(Callback):
     loss weighs every sample, or every token, alike."""
 
     def __init__(self) -> None:
-        self._losses: list[tuple[torch.Tensor, object]] = []
-        self._summed: list[bool] = []
+        self._steps: list[tuple[list[tuple[torch.Tensor, object]], bool]] = []  # (losses, summed) since the last log
 
     def on_step_end(self, run: Run, step: StepEnd) -> None:
-        self._losses.extend(step.losses)
-        self._summed.extend([step.summed] * len(step.losses))
+        self._steps.append((step.losses, step.summed))
         if not step.logging:
             return
         # A few ops for all the steps since the last read, not a few per step (50 steps of the
         # default job: ~0.5 ms a loop's worth of tiny tensor ops, ~10 us a step amortised).
-        losses = torch.stack([loss for loss, _ in self._losses]).reshape(len(self._losses)).double()  # one value each
-        weights = [weight for _, weight in self._losses]  # sample counts (ints) or token counts (tensors)
+        entries = [(loss, weight, summed) for losses, summed in self._steps for loss, weight in losses]
+        self._steps = []
+        losses = torch.stack([loss for loss, _, _ in entries]).reshape(len(entries)).double()  # one value each
+        weights = [weight for _, weight, _ in entries]  # sample counts (ints) or token counts (tensors)
         if any(isinstance(weight, torch.Tensor) for weight in weights):
             weights = torch.stack([torch.as_tensor(w, device=losses.device).reshape(()) for w in weights]).double()
         else:
             weights = torch.tensor(weights, dtype=torch.float64, device=losses.device)
-        summed = torch.tensor(self._summed, device=losses.device)
+        summed = torch.tensor([summed for _, _, summed in entries], device=losses.device)
         total, count = torch.where(summed, losses, losses * weights).sum(), weights.sum()
-        self._losses, self._summed = [], []
         total, count = all_reduce_sum(run.dist, torch.stack([total, count]).to(run.dist.device)).tolist()
         values = {"train/loss": total / max(count, 1.0)}
         if step.grad_norm is not None:

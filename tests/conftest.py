@@ -3,9 +3,15 @@ subprocess. Helpers for other subprocesses (torchrun, exit statuses, free ports,
 in tests/helpers.py."""
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 # The suite is exact on CPUs by design: float32 equivalences to 1e-6 and 2-rank gloo jobs. A
@@ -51,24 +57,76 @@ def train_in_process(overrides: list[str], run_dir: Path):
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, launcher: list[str] | None = None):
-    """`python train.py ARGS` (or under `launcher`, e.g. torchrun) as a real subprocess."""
+    """`python train.py ARGS` (or under `launcher`, e.g. torchrun) as a process of its own."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     # QUIET after args: Hydra's argument parser wants -m before any override.
-    command = (launcher or [sys.executable]) + [str(REPO / "train.py"), *args, *QUIET]
-    return subprocess.run(
-        command, cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    args = [str(REPO / "train.py"), *args, *QUIET]
+    if launcher is None:
+        return COMMANDS.run(args, None, cwd or REPO, env, timeout)
+    return subprocess.run(launcher + args, cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: float = 120):
     """`python -m <module> ARGS` (ringtrain.tools.<module> for a bare tool name; `ringtrain`
-    is the dispatcher, `python -m ringtrain <tool> ...`) as a user runs it, as a real
-    subprocess; this checkout's code comes first."""
+    is the dispatcher, `python -m ringtrain <tool> ...`) as a user runs it, as a process of its
+    own; this checkout's code comes first."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     module = module if "." in module or module == "ringtrain" else f"ringtrain.tools.{module}"
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)
+    return COMMANDS.run(list(args), module, cwd or REPO, env, timeout)
+
+
+class ForkedCommands:
+    """The commands of run_cli and run_module, each a child of tests/cli_server.py, which has
+    imported torch and Hydra once for all of them (1-2 s a command otherwise). A plain subprocess
+    where a fork would not be the same: the environment differs from the server's in what torch
+    reads as it is imported, or another command of this process is running (a test's thread)."""
+
+    IMPORT_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "NCCL", "CUBLAS", "PYTHON")
+
+    def __init__(self) -> None:
+        self._server: subprocess.Popen | None = None
+        self._env: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def run(self, args: list[str], module: str | None, cwd: Path, env: dict[str, str], timeout: float):
+        command = [sys.executable, *(["-m", module] if module else []), *args]
+        if self._import_env(env) != self._import_env(self._env or env) or not self._lock.acquire(blocking=False):
+            return subprocess.run(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout)
+        try:
+            server = self._started(env)
+            with tempfile.TemporaryDirectory(prefix="ringtrain-cmd-") as streams:
+                out, err = Path(streams, "stdout"), Path(streams, "stderr")
+                out.touch(), err.touch()
+                request = {"args": args, "module": module, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+                server.stdin.write(json.dumps(request) + "\n")
+                server.stdin.flush()
+                pid = int(server.stdout.readline())
+                ready, _, _ = select.select([server.stdout], [], [], timeout)
+                if not ready:
+                    os.kill(pid, signal.SIGKILL)
+                    server.stdout.readline()
+                    raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+                status = int(server.stdout.readline())
+                return subprocess.CompletedProcess(command, status, out.read_text(), err.read_text())
+        finally:
+            self._lock.release()
+
+    def _import_env(self, env: dict[str, str]) -> dict[str, str]:
+        return {key: value for key, value in env.items() if key.startswith(self.IMPORT_TIME) and key != "PYTHONPATH"}
+
+    def _started(self, env: dict[str, str]) -> subprocess.Popen:
+        if self._server is None or self._server.poll() is not None:
+            self._env = env
+            self._server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_server.py"))], env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert self._server.stdout.readline() == "ready\n"
+            atexit.register(self._server.kill)
+        return self._server
+
+
+COMMANDS = ForkedCommands()
 
 
 def checkpoint_weights(run_dir: Path, name: str = "last.pt") -> dict[str, torch.Tensor]:

@@ -174,9 +174,18 @@ class CheckpointManager:
         self.flush()
         state = self.state_dict()
         hook(state)
+        failure = None
         if self.dist.is_main:
             refuse_state_that_is_not_data(state)  # before a file weights_only could not read exists
-        failure = self._write(state, step, best) if self.dist.is_main else None
+            if self.writer is not None:
+                # A deep copy (background.py says why) into the previous copy's memory: flush waited for its write.
+                snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
+                self.writer.submit(lambda: self._store(snapshot, step, best))
+            else:
+                try:
+                    self._store(state, step, best)
+                except CheckpointError as err:
+                    failure = str(err)
         # Also the barrier: nobody resumes from a file before it is complete (or copied).
         if failure := broadcast_object(self.dist, failure):
             raise CheckpointError(failure)
@@ -190,18 +199,6 @@ class CheckpointManager:
     def written(self) -> list[tuple[int, Path]]:
         done, self._written = self._written, []
         return done
-
-    def _write(self, state: dict[str, Any], step: int, best: bool) -> str | None:
-        if self.writer is None:
-            try:
-                self._store(state, step, best)
-            except CheckpointError as err:
-                return str(err)
-            return None
-        # A deep copy (checkpoints/background.py says why) into the previous copy's memory: save waited for its write.
-        snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
-        self.writer.submit(lambda: self._store(snapshot, step, best))
-        return None
 
     def _wait(self) -> str | None:
         err = self.writer.wait() if self.writer is not None else None

@@ -96,18 +96,18 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     full disk) raises the same CheckpointError on every rank, the earlier checkpoints intact."""
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
-    failure = _on_rank0(lambda: _fresh_directory(partial), directory)
-    if failure is None:
-        model = without_data_parallel(model)
-        state = {"model": get_model_state_dict(model), "optimizer": optimizer_state_dict(model, optimizer)}
-        try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
-            with _single_process_is_intended():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
-        except dcp.CheckpointException as err:
-            os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
-            failure = (write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME) if os_errors
-                       else f"cannot save sharded checkpoint {directory}: {_first_failure(err)}")
-    if failure is None:
+    # What a crash mid-save left, gone before any rank writes; DCP makes the directory (each rank, in its plan).
+    _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
+    model = without_data_parallel(model)
+    state = {"model": get_model_state_dict(model), "optimizer": optimizer_state_dict(model, optimizer)}
+    try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
+        with _single_process_is_intended():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    except dcp.CheckpointException as err:
+        os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
+        failure = (write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME) if os_errors
+                   else f"cannot save sharded checkpoint {directory}: {_first_failure(err)}")
+    else:
         failure = _on_rank0(lambda: replace_directory(partial, directory), directory)
     if failure is not None:
         _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
@@ -160,11 +160,6 @@ def _single_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _fresh_directory(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)  # left by a crash mid-save
-    path.mkdir(parents=True)
 
 
 def _on_rank0(action, directory: Path) -> str | None:

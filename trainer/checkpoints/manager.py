@@ -241,14 +241,10 @@ class CheckpointManager:
         """What saves killed mid-write left behind (ringtrain's own names only)."""
         if not self.directory.is_dir():
             return []
-        removed = []
-        for entry in self.directory.iterdir():
-            if _STALE_TEMP_NAME.match(entry.name) and entry.is_file():
-                remove_if_present(entry)
-                removed.append(entry)
-            elif _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
+        removed = [entry for entry in self.directory.iterdir() if _STALE_TEMP_NAME.match(entry.name) and entry.is_file()
+                   or _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir()]
+        for entry in removed:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else remove_if_present(entry)
         return sorted(removed + remove_unnamed_shards(self.directory))
 
     def __enter__(self) -> "CheckpointManager":
@@ -280,12 +276,10 @@ def find_resumable(directory: Path) -> Found:
     the same file as one tried (last.pt and its step file are hard links) is not read again."""
     directory = Path(directory)
     candidates = [directory / LAST_NAME, *(path for _, path in reversed(step_checkpoints(directory))), directory / BEST_NAME]
-    tried: list[Path] = []
     unreadable: list[tuple[list[Path], str]] = []
     for path in candidates:
-        if not path.is_file() or any(_same_file(earlier, path) for earlier in tried):
+        if not path.is_file() or any(path in names for names, _ in unreadable):
             continue
-        tried.append(path)
         try:
             return Found(path, read_checkpoint(path, mmap=True), unreadable)
         except Unusable as err:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch import nn
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ringtrain.storage.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
-from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
+from ringtrain.checkpoints.state_dicts import from_rank0, optimizer_state_dict, rank, without_data_parallel
 
 # What DCP's index of a directory is made of (torch 2.4-2.13): its dataclasses, torch's sizes,
 # dtypes and layouts, and the paths of its files. Nothing here runs code beyond building them.
@@ -171,11 +170,7 @@ def _on_rank0(action, directory: Path) -> str | None:
             action()
         except OSError as err:
             failure = write_failure_message(directory, err, intact=directory.parent / LAST_NAME)
-    if distributed():
-        holder = [failure]
-        dist.broadcast_object_list(holder, src=0)
-        failure = holder[0]
-    return failure
+    return from_rank0(failure)
 
 
 def _first_failure(err: dcp.CheckpointException) -> str:

@@ -104,7 +104,6 @@ def step_of_name(name: str) -> int | None:
 
 def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
-    directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted((step, entry) for entry in directory.iterdir()

@@ -274,7 +274,6 @@ def find_resumable(directory: Path) -> Found:
     """The newest checkpoint in `directory` that reads, checksums matching (last.pt, the step
     files newest first, best.pt), read once; and each newer one that does not. A name that is
     the same file as one tried (last.pt and its step file are hard links) is not read again."""
-    directory = Path(directory)
     candidates = [directory / LAST_NAME, *(path for _, path in reversed(step_checkpoints(directory))), directory / BEST_NAME]
     unreadable: list[tuple[list[Path], str]] = []
     for path in candidates:

@@ -44,8 +44,7 @@ from ringtrain.storage.atomic import fsync_directory, open_atomically, replace_a
 from ringtrain.errors import UserError
 
 CHECKPOINT_FORMAT = 3  # 2 kept the config as nodes that were built again (before config/recipe.py)
-_REQUIRED_KEYS = ("model", "optimizer", "scheduler", "progress", "rng", "job", "config", "format")
-_REQUIRED_KEYS_SHARDED = ("shards", "scheduler", "progress", "rng", "job", "config", "format")
+_REQUIRED_KEYS = ("scheduler", "progress", "rng", "job", "config", "format")  # after the weights' keys
 
 _STEP_NAME = re.compile(r"^step-(\d+)\.pt$")
 _SHARDS_NAME = re.compile(r"^step-\d+\.shards$")
@@ -105,7 +104,6 @@ def step_of_name(name: str) -> int | None:
 
 def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step-*.pt` file in `directory`, oldest first."""
-    directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted((step, entry) for entry in directory.iterdir()
@@ -150,8 +148,8 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
         raise Unusable("was written by an older ringtrain, whose checkpoints kept their config as nodes to build "
                        "(code a file could choose)", f"if you trust the file, rewrite it as data with `ringtrain "
                        f"upgrade checkpoint={path} trust_checkpoint=true`", refused=True)
-    required = _REQUIRED_KEYS_SHARDED if isinstance(state, dict) and "shards" in state else _REQUIRED_KEYS
-    missing = [k for k in required if not isinstance(state, dict) or k not in state]
+    weights = ("shards",) if isinstance(state, dict) and "shards" in state else ("model", "optimizer")
+    missing = [k for k in (*weights, *_REQUIRED_KEYS) if not isinstance(state, dict) or k not in state]
     if missing:
         raise Unusable(f"is not a ringtrain checkpoint (missing {', '.join(missing)})")
     if state["format"] != CHECKPOINT_FORMAT:

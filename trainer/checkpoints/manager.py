@@ -174,9 +174,18 @@ class CheckpointManager:
         self.flush()
         state = self.state_dict()
         hook(state)
+        failure = None
         if self.dist.is_main:
             refuse_state_that_is_not_data(state)  # before a file weights_only could not read exists
-        failure = self._write(state, step, best) if self.dist.is_main else None
+            if self.writer is not None:
+                # A deep copy (background.py says why) into the previous copy's memory: flush waited for its write.
+                snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
+                self.writer.submit(lambda: self._store(snapshot, step, best))
+            else:
+                try:
+                    self._store(state, step, best)
+                except CheckpointError as err:
+                    failure = str(err)
         # Also the barrier: nobody resumes from a file before it is complete (or copied).
         if failure := broadcast_object(self.dist, failure):
             raise CheckpointError(failure)
@@ -190,18 +199,6 @@ class CheckpointManager:
     def written(self) -> list[tuple[int, Path]]:
         done, self._written = self._written, []
         return done
-
-    def _write(self, state: dict[str, Any], step: int, best: bool) -> str | None:
-        if self.writer is None:
-            try:
-                self._store(state, step, best)
-            except CheckpointError as err:
-                return str(err)
-            return None
-        # A deep copy (checkpoints/background.py says why) into the previous copy's memory: save waited for its write.
-        snapshot = self._snapshot = detached_copy(state, reuse=self._snapshot)
-        self.writer.submit(lambda: self._store(snapshot, step, best))
-        return None
 
     def _wait(self) -> str | None:
         err = self.writer.wait() if self.writer is not None else None
@@ -244,14 +241,10 @@ class CheckpointManager:
         """What saves killed mid-write left behind (ringtrain's own names only)."""
         if not self.directory.is_dir():
             return []
-        removed = []
-        for entry in self.directory.iterdir():
-            if _STALE_TEMP_NAME.match(entry.name) and entry.is_file():
-                remove_if_present(entry)
-                removed.append(entry)
-            elif _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
+        removed = [entry for entry in self.directory.iterdir() if _STALE_TEMP_NAME.match(entry.name) and entry.is_file()
+                   or _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir()]
+        for entry in removed:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else remove_if_present(entry)
         return sorted(removed + remove_unnamed_shards(self.directory))
 
     def __enter__(self) -> "CheckpointManager":
@@ -281,14 +274,11 @@ def find_resumable(directory: Path) -> Found:
     """The newest checkpoint in `directory` that reads, checksums matching (last.pt, the step
     files newest first, best.pt), read once; and each newer one that does not. A name that is
     the same file as one tried (last.pt and its step file are hard links) is not read again."""
-    directory = Path(directory)
     candidates = [directory / LAST_NAME, *(path for _, path in reversed(step_checkpoints(directory))), directory / BEST_NAME]
-    tried: list[Path] = []
     unreadable: list[tuple[list[Path], str]] = []
     for path in candidates:
-        if not path.is_file() or any(_same_file(earlier, path) for earlier in tried):
+        if not path.is_file() or any(path in names for names, _ in unreadable):
             continue
-        tried.append(path)
         try:
             return Found(path, read_checkpoint(path, mmap=True), unreadable)
         except Unusable as err:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch import nn
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ringtrain.storage.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
-from ringtrain.checkpoints.state_dicts import distributed, optimizer_state_dict, rank, without_data_parallel
+from ringtrain.checkpoints.state_dicts import from_rank0, optimizer_state_dict, rank, without_data_parallel
 
 # What DCP's index of a directory is made of (torch 2.4-2.13): its dataclasses, torch's sizes,
 # dtypes and layouts, and the paths of its files. Nothing here runs code beyond building them.
@@ -96,18 +95,18 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     full disk) raises the same CheckpointError on every rank, the earlier checkpoints intact."""
     directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
-    failure = _on_rank0(lambda: _fresh_directory(partial), directory)
-    if failure is None:
-        model = without_data_parallel(model)
-        state = {"model": get_model_state_dict(model), "optimizer": optimizer_state_dict(model, optimizer)}
-        try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
-            with _single_process_is_intended():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
-        except dcp.CheckpointException as err:
-            os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
-            failure = (write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME) if os_errors
-                       else f"cannot save sharded checkpoint {directory}: {_first_failure(err)}")
-    if failure is None:
+    # What a crash mid-save left, gone before any rank writes; DCP makes the directory (each rank, in its plan).
+    _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
+    model = without_data_parallel(model)
+    state = {"model": get_model_state_dict(model), "optimizer": optimizer_state_dict(model, optimizer)}
+    try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
+        with _single_process_is_intended():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True))
+    except dcp.CheckpointException as err:
+        os_errors = [exc for exc, _ in err.failures.values() if isinstance(exc, OSError)]
+        failure = (write_failure_message(directory, os_errors[0], intact=directory.parent / LAST_NAME) if os_errors
+                   else f"cannot save sharded checkpoint {directory}: {_first_failure(err)}")
+    else:
         failure = _on_rank0(lambda: replace_directory(partial, directory), directory)
     if failure is not None:
         _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
@@ -162,11 +161,6 @@ def _single_process_is_intended() -> Iterator[None]:
         yield
 
 
-def _fresh_directory(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)  # left by a crash mid-save
-    path.mkdir(parents=True)
-
-
 def _on_rank0(action, directory: Path) -> str | None:
     """Run `action` on rank 0 only; every rank returns its failure message (None: it worked).
     Also the barrier: no rank goes on before rank 0 is done."""
@@ -176,11 +170,7 @@ def _on_rank0(action, directory: Path) -> str | None:
             action()
         except OSError as err:
             failure = write_failure_message(directory, err, intact=directory.parent / LAST_NAME)
-    if distributed():
-        holder = [failure]
-        dist.broadcast_object_list(holder, src=0)
-        failure = holder[0]
-    return failure
+    return from_rank0(failure)
 
 
 def _first_failure(err: dcp.CheckpointException) -> str:

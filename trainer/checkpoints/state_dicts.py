@@ -80,11 +80,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a name-keyed optimizer state (any strategy's) into `optimizer`, re-sharding it for
     FSDP, after the model is set up and the optimizer built."""
-    settings_only, groups = not state.get("state"), state.get("param_groups")
-    if distributed():  # rank 0's state decides: the other ranks may have passed {}
-        holder = [(settings_only, groups)]
-        dist.broadcast_object_list(holder, src=0)
-        settings_only, groups = holder[0]
+    # Rank 0's state decides: the other ranks may have passed {}.
+    settings_only, groups = from_rank0((not state.get("state"), state.get("param_groups")))
     if settings_only:
         # Only hyperparameters (SGD without momentum): DCP's loader needs a tensor to learn the
         # device from, and each group's settings are all there is to load.
@@ -140,6 +137,15 @@ def distributed() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if distributed() else 0
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (without a process group, `value`)."""
+    if distributed():
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        value = holder[0]
+    return value
 
 
 # What torch.load(weights_only=True) reads back: a checkpoint holds these and nothing else.

@@ -57,9 +57,7 @@ def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
 
 def final_and_best(summary: dict) -> dict[str, float]:
     """The end of a run as metrics: `final/<metric>` and `best/<metric>`, the names every logger uses."""
-    final = {f"final/{name}": value for name, value in summary["final"].items()}
-    best = {f"best/{name}": value for name, value in (summary.get("best") or {}).items()}
-    return {**final, **best}
+    return {f"{kind}/{name}": value for kind in ("final", "best") for name, value in (summary.get(kind) or {}).items()}
 
 
 def import_extra(package: str) -> ModuleType:

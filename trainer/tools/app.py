@@ -85,10 +85,7 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
     def main(command: CommandLine) -> None:
         def job(cfg: Any) -> None:
             with exit_on_user_error():
-                settings = settings_for(tool, cfg, primary)
-                if "command" in inspect.signature(tool).parameters:
-                    settings["command"] = command
-                result = tool(**settings)
+                result = tool(**settings_for(tool, cfg, primary, command))
             show(result)
 
         run_app(primary, job, command)
@@ -96,7 +93,7 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
     return main
 
 
-def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig) -> dict[str, Any]:
+def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig, command: CommandLine) -> dict[str, Any]:
     """The composed config as `function`'s keyword arguments (see the module docstring)."""
     parameters = inspect.signature(function).parameters
     hints = typing.get_type_hints(getattr(function, "func", function))  # through a functools.partial
@@ -110,17 +107,15 @@ def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig)
         if name not in parameters:
             fix = primary.hints.get(name) or f"the settings are {', '.join(parameters)}"
             raise ConfigError(f"{name} is not a setting of {primary.program}; {fix}")
-    settings = {}
+    settings = {name: given for name, given in (("job", job), ("command", command)) if name in parameters}
     for name, parameter in parameters.items():
-        if name in ("job", "command"):
+        if name in settings:
             continue
         if name not in values and parameter.default is not inspect.Parameter.empty:
             continue  # removed with ~name, or not a setting: the function's own default
         if values.get(name, "???") == "???":
             raise ConfigError(f"{name} is required: {primary.usage}")
         settings[name] = _typed(name, values[name], hints.get(name, Any), parameter.default)
-    if "job" in parameters:
-        settings["job"] = job
     return settings
 
 

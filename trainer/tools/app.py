@@ -30,10 +30,11 @@ JOB_SECTIONS = SECTIONS + OPTIONAL_SECTIONS  # what conf/job.yaml composes; the 
 TOOLS_DO_NOT_REPLAY = ("strategy", "trainer.resume", "trainer.trust_checkpoint", "hparams_search", "callbacks", "logger")
 
 
-def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) -> list[CommandLine]:
-    """`command` with the checkpoint its `key=<file>` names read once, and its recipe to replay.
-    A multirun over several (-m key=a,b) is one command per recipe: checkpoints trained with the
-    same choices and overrides share one sweep, each other recipe gets a sweep of its own."""
+def with_checkpoint(command: CommandLine, key: str = "checkpoint", skip: Iterable[str] = TOOLS_DO_NOT_REPLAY) -> list[CommandLine]:
+    """`command` with the checkpoint its `key=<file>` names read once, and its recipe to replay
+    but for `skip` (a tool's own strategy; what a tool does not use). A multirun over several
+    (-m key=a,b) is one command per recipe: checkpoints trained with the same choices and
+    overrides share one sweep, each other recipe gets a sweep of its own."""
     try:
         parsed = OverridesParser.create().parse_overrides(command.overrides)
     except OverrideParseException:
@@ -72,10 +73,7 @@ def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), c
     return resolve(composed(replayed.overrides + overrides, config_dir=config_dir))
 
 
-def prepare(command: CommandLine) -> list[CommandLine]:
-    """A tool's command: the checkpoint `checkpoint=` names, its recipe replayed but for
-    TOOLS_DO_NOT_REPLAY (the tool's own strategy; what a tool does not use)."""
-    return with_checkpoint(command, "checkpoint", skip=TOOLS_DO_NOT_REPLAY)
+prepare = with_checkpoint  # a tool's command line, as the entry (ringtrain/__main__.py) prepares it
 
 
 def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],

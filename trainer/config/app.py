@@ -269,21 +269,19 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
     if hint := primary.hints.get(key) or primary.hints.get(section):
         return f"{key} is not a setting here; {hint}"
     known = sorted(str(k) for k in parent.keys() if k not in ("_target_", "hydra")) if parent is not None else []
-    if "." not in full_key:  # the top level of the config
-        names = known + list(primary.presets)
-        close = difflib.get_close_matches(section, names, n=1)
-        mean = f"did you mean {close[0]}? " if close else ""
+    owner, _, name = full_key.rpartition(".")  # no owner: the top level of the config, where name is section
+    names = known if owner else known + list(primary.presets)
+    close = difflib.get_close_matches(name, names, n=1)
+    mean = f"did you mean {close[0]}? " if close else ""
+    if not owner:
         if not primary.presets:  # a tool: its top level is its settings
             return f"{key} is not a setting of {primary.program}; {mean}the settings are {', '.join(known)}"
         what = "a config group or setting" if not rest else "a config group"
         return f"{section} is not {what}; {mean}the groups are {', '.join(names)}"
-    owner, _, name = full_key.rpartition(".")
     owners = options_defining(section, rest) if section in COMPONENT_SECTIONS else []
     if owners:
         picks = " or ".join(f"{section}={option}" for option in owners)
         return f"{key} is not a setting of this {section}; it belongs to {picks}: choose that option or drop the override"
-    close = difflib.get_close_matches(name, known, n=1)
-    mean = f"did you mean {close[0]}? " if close else ""
     if (section in COMPONENT_SECTIONS and owner == section) or (parent is not None and "_target_" in parent):
         target = parent.get("_target_", "?") if parent is not None else "?"
         this = f"this {section}" if owner == section else owner  # a callback's or logger's node: callbacks.target

@@ -162,10 +162,9 @@ def _refuse_to_replace(target: Path, format: str, overwrite: bool) -> None:  # n
                           f"({err.strerror}); choose an output in a folder you can write to") from None
     if format == "safetensors" and target.is_dir():
         raise ConfigError(f"output={target} is a directory; name the .safetensors file to write")
-    if not target.exists() or overwrite or _exported(target):
-        return
-    raise ConfigError(f"output={target} exists and was not written by ringtrain export; choose another output, "
-                      f"or pass overwrite=true to replace it")
+    if target.exists() and not overwrite and not _exported(target):
+        raise ConfigError(f"output={target} exists and was not written by ringtrain export; choose another output, "
+                          f"or pass overwrite=true to replace it")
 
 
 def _exported(target: Path) -> bool:

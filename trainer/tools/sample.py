@@ -210,9 +210,8 @@ class Stopping:
 
     def text(self, ids: list[int], prompt_length: int) -> str:
         """The sample's text, through the stop token or text that ended it (nothing after it)."""
-        drawn = ids[prompt_length:]
-        ends = [i + 1 for i, token in enumerate(drawn) if token in self.ids][:1]
-        text = self.vocab.decode(ids[: prompt_length + (ends[0] if ends else len(drawn))])
+        end = next((i + 1 for i in range(prompt_length, len(ids)) if ids[i] in self.ids), len(ids))
+        text = self.vocab.decode(ids[:end])
         start = len(self.vocab.decode(ids[:prompt_length]))
         found = [(where, len(t)) for t in self.texts if (where := text.find(t, start)) >= 0]
         if found:

@@ -184,7 +184,9 @@ def composition_message(err: Exception, primary: PrimaryConfig, command: Command
     """Hydra's exception as one line naming the fix, read from its fields."""
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
-        if options := err.options or _group_options(err.missing_cfg_file.rpartition("/")[0], command):
+        group = err.missing_cfg_file.rpartition("/")[0]
+        folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
+        if options := err.options or sorted({path.stem for folder in folders for path in folder.glob("*.yaml")}):
             return _missing_option_message(err.missing_cfg_file, options, command)
     if isinstance(err, SearchPathException):
         return f"{_lines(err)[0]}; pass --config-dir the folder that holds your <group>/<option>.yaml files"
@@ -234,11 +236,6 @@ def _sweep_outside_a_multirun(command: CommandLine) -> str | None:
 
 def _lines(err: Exception) -> list[str]:
     return [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-
-
-def _group_options(group: str, command: CommandLine) -> list[str]:
-    folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
-    return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
 
 
 # Groups a run may go without (Hydra removes a default with ~group; group=null is not an override), and what

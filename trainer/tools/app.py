@@ -49,19 +49,16 @@ def with_checkpoint(command: CommandLine, key: str = "checkpoint", skip: Iterabl
             paths.append(str(override.value()))
     read = {path: Resumed(Path(path), load_checkpoint(path, mmap=True)) for path in dict.fromkeys(paths)
             if path not in ("auto", "null") and Path(path).is_file()}
+    replays = {path: replay(given.state.get("job"), given.path, command.overrides, skip) for path, given in read.items()}
     by_recipe: dict[tuple[str, ...], list[str]] = {}
-    replays = {}
-    for path, given in read.items():
-        replays[path] = replay(given.state.get("job"), given.path, command.overrides, skip)
-        by_recipe.setdefault(tuple(replays[path].overrides), []).append(path)
+    for path, replayed in replays.items():
+        by_recipe.setdefault(tuple(replayed.overrides), []).append(path)
     if len(by_recipe) <= 1:
-        command.replay, command.checkpoint = (next(iter(replays.values()), None)), read
+        command.replay, command.checkpoint = next(iter(replays.values()), None), read
         return [command]
-    commands = []
-    for group in by_recipe.values():
-        args = [arg for arg in command.args if arg.split("=", 1)[0].lstrip("+") != key] + [f"{key}={','.join(group)}"]
-        commands.append(CommandLine(command.program, args, replays[group[0]], {p: read[p] for p in group}))
-    return commands
+    others = [arg for arg in command.args if arg.split("=", 1)[0].lstrip("+") != key]
+    return [CommandLine(command.program, [*others, f"{key}={','.join(group)}"], replays[group[0]], {p: read[p] for p in group})
+            for group in by_recipe.values()]
 
 
 def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | Path | None = None) -> dict:

@@ -162,13 +162,10 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
 
     stopping = Stopping(vocab, stop_token_ids(vocab, chat), stop_texts)
     generator = torch.Generator(device=target).manual_seed(seed)
-    texts = []
-    for _ in range(num_samples):
-        with precision.autocast():
-            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task,
-                           until=stopping.ended)
-        texts.append(stopping.text(out[0].tolist(), len(ids)))
-    return texts
+    with precision.autocast():
+        drawn = [generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task,
+                          until=stopping.ended)[0].tolist() for _ in range(num_samples)]
+    return [stopping.text(out, len(ids)) for out in drawn]
 
 
 def choose_device(name: str) -> torch.device:

@@ -184,7 +184,9 @@ def composition_message(err: Exception, primary: PrimaryConfig, command: Command
     """Hydra's exception as one line naming the fix, read from its fields."""
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
-        if options := err.options or _group_options(err.missing_cfg_file.rpartition("/")[0], command):
+        group = err.missing_cfg_file.rpartition("/")[0]
+        folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
+        if options := err.options or sorted({path.stem for folder in folders for path in folder.glob("*.yaml")}):
             return _missing_option_message(err.missing_cfg_file, options, command)
     if isinstance(err, SearchPathException):
         return f"{_lines(err)[0]}; pass --config-dir the folder that holds your <group>/<option>.yaml files"
@@ -236,11 +238,6 @@ def _lines(err: Exception) -> list[str]:
     return [line.strip().rstrip(".") for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
 
 
-def _group_options(group: str, command: CommandLine) -> list[str]:
-    folders = [CONF_DIR / group, *(Path(folder) / group for folder in command.config_dirs)]
-    return sorted({path.stem for folder in folders for path in folder.glob("*.yaml")})
-
-
 # Groups a run may go without (Hydra removes a default with ~group; group=null is not an override), and what
 # that does: what a user who types `none` means.
 TURNED_OFF_BY_REMOVAL = {"logger": "~logger turns logging off", "adapter": "~adapter trains without an adapter"}
@@ -269,21 +266,19 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
     if hint := primary.hints.get(key) or primary.hints.get(section):
         return f"{key} is not a setting here; {hint}"
     known = sorted(str(k) for k in parent.keys() if k not in ("_target_", "hydra")) if parent is not None else []
-    if "." not in full_key:  # the top level of the config
-        names = known + list(primary.presets)
-        close = difflib.get_close_matches(section, names, n=1)
-        mean = f"did you mean {close[0]}? " if close else ""
+    owner, _, name = full_key.rpartition(".")  # no owner: the top level of the config, where name is section
+    names = known if owner else known + list(primary.presets)
+    close = difflib.get_close_matches(name, names, n=1)
+    mean = f"did you mean {close[0]}? " if close else ""
+    if not owner:
         if not primary.presets:  # a tool: its top level is its settings
             return f"{key} is not a setting of {primary.program}; {mean}the settings are {', '.join(known)}"
         what = "a config group or setting" if not rest else "a config group"
         return f"{section} is not {what}; {mean}the groups are {', '.join(names)}"
-    owner, _, name = full_key.rpartition(".")
     owners = options_defining(section, rest) if section in COMPONENT_SECTIONS else []
     if owners:
         picks = " or ".join(f"{section}={option}" for option in owners)
         return f"{key} is not a setting of this {section}; it belongs to {picks}: choose that option or drop the override"
-    close = difflib.get_close_matches(name, known, n=1)
-    mean = f"did you mean {close[0]}? " if close else ""
     if (section in COMPONENT_SECTIONS and owner == section) or (parent is not None and "_target_" in parent):
         target = parent.get("_target_", "?") if parent is not None else "?"
         this = f"this {section}" if owner == section else owner  # a callback's or logger's node: callbacks.target

@@ -107,11 +107,10 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
                           f"Python API, which rebuilds nothing from a file: build the model in Python and load "
                           f"torch.load(path, weights_only=True)['model'] into it")
     parser = OverridesParser.create()
-    user_keys = {_key_of(line) for line in user_overrides}
-    skipped = tuple(skip)
+    decided = {_key_of(line) for line in user_overrides} | set(skip)  # by the user, or by this command
 
     def wanted(key: str) -> bool:
-        return not any(key == k or key.startswith(k + ".") for k in (*user_keys, *skipped))
+        return not any(key == k or key.startswith(k + ".") for k in decided)
 
     overrides = []
     for group, option in recipe["choices"].items():

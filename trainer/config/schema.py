@@ -217,8 +217,6 @@ def typed_trainer(values: dict) -> TrainerConfig:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), values))
     except OmegaConfBaseException as err:
         raise ConfigError(f"trainer.{_omegaconf_message(err)}") from None
-    except (ValueError, TypeError) as err:  # the dataclass's own __post_init__ checks
-        raise ConfigError(str(err)) from None
 
 
 def _omegaconf_message(err: OmegaConfBaseException) -> str:

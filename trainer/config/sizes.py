@@ -113,8 +113,11 @@ def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], train: Any, dat
     """The data's vocabulary and sequence length against the model's embedding rows
     (`get_input_embeddings()`, else `config.vocab_size`) and positions (POSITION_NAMES): a model
     too small is one line naming both numbers, not an index error deep in an embedding."""
-    vocab, rows = dims.get("vocab_size"), embedding_rows(model)
-    if isinstance(vocab, int) and rows is not None and vocab > rows:
+    vocab = dims.get("vocab_size")
+    embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    rows = (embeddings.num_embeddings if isinstance(embeddings, nn.Embedding)
+            else getattr(getattr(model, "config", None), "vocab_size", None))
+    if isinstance(vocab, int) and isinstance(rows, int) and vocab > rows:
         raise ConfigError(
             f"the data's vocabulary has {vocab} tokens but the model's input embedding has {rows} rows; set the "
             f"model's vocab_size to ${{data.dims.vocab_size}} (or at least {vocab})"
@@ -128,14 +131,6 @@ def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], train: Any, dat
             f"the data's sequences are {sequence_length} tokens long but the model has {limit[1]} positions "
             f"({limit[0]}); raise the model's {limit[0]} to {sequence_length} or shorten {length_option}"
         )
-
-
-def embedding_rows(model: nn.Module) -> int | None:
-    embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
-    if isinstance(embeddings, nn.Embedding):
-        return embeddings.num_embeddings
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return vocab if isinstance(vocab, int) else None
 
 
 def position_limit(model: nn.Module) -> tuple[str, int] | None:

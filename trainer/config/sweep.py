@@ -36,7 +36,8 @@ def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) 
     metrics.json failed: value None; a diverged one (metric null, or NaN in an older file) has
     value None and diverged true, never best."""
     jobs = []
-    for job_dir in sorted(p for p in sweep_dir.iterdir() if _is_job_dir(p, record_subdir)):
+    for job_dir in sorted(p for p in sweep_dir.iterdir()  # a file's children are neither: only directories
+                          if (record_subdir is not None and (p / record_subdir).is_dir()) or (p / "metrics.json").is_file()):
         overrides_file = job_dir / str(record_subdir) / "overrides.yaml"
         overrides = list(OmegaConf.load(overrides_file)) if record_subdir and overrides_file.exists() else []
         job = {"dir": job_dir.name, "overrides": [str(o) for o in overrides],
@@ -61,10 +62,6 @@ def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) 
         if current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"]):
             best[job["monitor"]] = job
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "best": best}
-
-
-def _is_job_dir(path: Path, record_subdir: str | None) -> bool:
-    return path.is_dir() and ((record_subdir is not None and (path / record_subdir).is_dir()) or (path / "metrics.json").is_file())
 
 
 def format_summary(summary: dict) -> list[str]:

@@ -30,10 +30,11 @@ JOB_SECTIONS = SECTIONS + OPTIONAL_SECTIONS  # what conf/job.yaml composes; the 
 TOOLS_DO_NOT_REPLAY = ("strategy", "trainer.resume", "trainer.trust_checkpoint", "hparams_search", "callbacks", "logger")
 
 
-def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) -> list[CommandLine]:
-    """`command` with the checkpoint its `key=<file>` names read once, and its recipe to replay.
-    A multirun over several (-m key=a,b) is one command per recipe: checkpoints trained with the
-    same choices and overrides share one sweep, each other recipe gets a sweep of its own."""
+def with_checkpoint(command: CommandLine, key: str = "checkpoint", skip: Iterable[str] = TOOLS_DO_NOT_REPLAY) -> list[CommandLine]:
+    """`command` with the checkpoint its `key=<file>` names read once, and its recipe to replay
+    but for `skip` (a tool's own strategy; what a tool does not use). A multirun over several
+    (-m key=a,b) is one command per recipe: checkpoints trained with the same choices and
+    overrides share one sweep, each other recipe gets a sweep of its own."""
     try:
         parsed = OverridesParser.create().parse_overrides(command.overrides)
     except OverrideParseException:
@@ -48,19 +49,16 @@ def with_checkpoint(command: CommandLine, key: str, skip: Iterable[str] = ()) ->
             paths.append(str(override.value()))
     read = {path: Resumed(Path(path), load_checkpoint(path, mmap=True)) for path in dict.fromkeys(paths)
             if path not in ("auto", "null") and Path(path).is_file()}
+    replays = {path: replay(given.state.get("job"), given.path, command.overrides, skip) for path, given in read.items()}
     by_recipe: dict[tuple[str, ...], list[str]] = {}
-    replays = {}
-    for path, given in read.items():
-        replays[path] = replay(given.state.get("job"), given.path, command.overrides, skip)
-        by_recipe.setdefault(tuple(replays[path].overrides), []).append(path)
+    for path, replayed in replays.items():
+        by_recipe.setdefault(tuple(replayed.overrides), []).append(path)
     if len(by_recipe) <= 1:
-        command.replay, command.checkpoint = (next(iter(replays.values()), None)), read
+        command.replay, command.checkpoint = next(iter(replays.values()), None), read
         return [command]
-    commands = []
-    for group in by_recipe.values():
-        args = [arg for arg in command.args if arg.split("=", 1)[0].lstrip("+") != key] + [f"{key}={','.join(group)}"]
-        commands.append(CommandLine(command.program, args, replays[group[0]], {p: read[p] for p in group}))
-    return commands
+    others = [arg for arg in command.args if arg.split("=", 1)[0].lstrip("+") != key]
+    return [CommandLine(command.program, [*others, f"{key}={','.join(group)}"], replays[group[0]], {p: read[p] for p in group})
+            for group in by_recipe.values()]
 
 
 def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), config_dir: str | Path | None = None) -> dict:
@@ -72,10 +70,7 @@ def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), c
     return resolve(composed(replayed.overrides + overrides, config_dir=config_dir))
 
 
-def prepare(command: CommandLine) -> list[CommandLine]:
-    """A tool's command: the checkpoint `checkpoint=` names, its recipe replayed but for
-    TOOLS_DO_NOT_REPLAY (the tool's own strategy; what a tool does not use)."""
-    return with_checkpoint(command, "checkpoint", skip=TOOLS_DO_NOT_REPLAY)
+prepare = with_checkpoint  # a tool's command line, as the entry (ringtrain/__main__.py) prepares it
 
 
 def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
@@ -85,10 +80,7 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
     def main(command: CommandLine) -> None:
         def job(cfg: Any) -> None:
             with exit_on_user_error():
-                settings = settings_for(tool, cfg, primary)
-                if "command" in inspect.signature(tool).parameters:
-                    settings["command"] = command
-                result = tool(**settings)
+                result = tool(**settings_for(tool, cfg, primary, command))
             show(result)
 
         run_app(primary, job, command)
@@ -96,7 +88,7 @@ def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
     return main
 
 
-def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig) -> dict[str, Any]:
+def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig, command: CommandLine) -> dict[str, Any]:
     """The composed config as `function`'s keyword arguments (see the module docstring)."""
     parameters = inspect.signature(function).parameters
     hints = typing.get_type_hints(getattr(function, "func", function))  # through a functools.partial
@@ -110,17 +102,15 @@ def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig)
         if name not in parameters:
             fix = primary.hints.get(name) or f"the settings are {', '.join(parameters)}"
             raise ConfigError(f"{name} is not a setting of {primary.program}; {fix}")
-    settings = {}
+    settings = {name: given for name, given in (("job", job), ("command", command)) if name in parameters}
     for name, parameter in parameters.items():
-        if name in ("job", "command"):
+        if name in settings:
             continue
         if name not in values and parameter.default is not inspect.Parameter.empty:
             continue  # removed with ~name, or not a setting: the function's own default
         if values.get(name, "???") == "???":
             raise ConfigError(f"{name} is required: {primary.usage}")
         settings[name] = _typed(name, values[name], hints.get(name, Any), parameter.default)
-    if "job" in parameters:
-        settings["job"] = job
     return settings
 
 

@@ -108,7 +108,9 @@ def write_directory(target: Path, fill: Callable[[Path], Any], overwrite: bool =
 def _keep_what_no_export_wrote(target: Path, partial: Path, written: set[str], overwrite: bool) -> None:
     """Hard-link into `partial` every file under `target` that its mark does not list (the same
     file, not a copy: nothing is moved, so a failure before the swap leaves `target` whole)."""
-    exported = set(_manifest(target)) | {MARK}
+    listed = (target / MARK).read_text().splitlines() if (target / MARK).is_file() else []
+    # The files its mark lists (none in a mark older than the list).
+    exported = set(listed[1:] if listed[:1] == [MANIFEST_HEADER.strip()] else []) | {MARK}
     for path in sorted(target.rglob("*")):
         name = str(path.relative_to(target))
         if path.is_dir() and not path.is_symlink():
@@ -126,12 +128,6 @@ def _keep_what_no_export_wrote(target: Path, partial: Path, written: set[str], o
             os.link(path, partial / name)
         except OSError:  # a file system without hard links
             shutil.copy2(path, partial / name)
-
-
-def _manifest(directory: Path) -> list[str]:
-    """The files an export's mark lists (none in a mark older than the list)."""
-    lines = (directory / MARK).read_text().splitlines() if (directory / MARK).is_file() else []
-    return lines[1:] if lines[:1] == [MANIFEST_HEADER.strip()] else []
 
 
 def _save_tokenizer(vocab: dict[str, Any] | None, directory: Path) -> None:
@@ -166,10 +162,9 @@ def _refuse_to_replace(target: Path, format: str, overwrite: bool) -> None:  # n
                           f"({err.strerror}); choose an output in a folder you can write to") from None
     if format == "safetensors" and target.is_dir():
         raise ConfigError(f"output={target} is a directory; name the .safetensors file to write")
-    if not target.exists() or overwrite or _exported(target):
-        return
-    raise ConfigError(f"output={target} exists and was not written by ringtrain export; choose another output, "
-                      f"or pass overwrite=true to replace it")
+    if target.exists() and not overwrite and not _exported(target):
+        raise ConfigError(f"output={target} exists and was not written by ringtrain export; choose another output, "
+                          f"or pass overwrite=true to replace it")
 
 
 def _exported(target: Path) -> bool:

@@ -162,13 +162,10 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
 
     stopping = Stopping(vocab, stop_token_ids(vocab, chat), stop_texts)
     generator = torch.Generator(device=target).manual_seed(seed)
-    texts = []
-    for _ in range(num_samples):
-        with precision.autocast():
-            out = generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task,
-                           until=stopping.ended)
-        texts.append(stopping.text(out[0].tolist(), len(ids)))
-    return texts
+    with precision.autocast():
+        drawn = [generate(model, ids.to(target)[None], max_new_tokens, temperature, top_k, generator, task,
+                          until=stopping.ended)[0].tolist() for _ in range(num_samples)]
+    return [stopping.text(out, len(ids)) for out in drawn]
 
 
 def choose_device(name: str) -> torch.device:
@@ -210,9 +207,8 @@ class Stopping:
 
     def text(self, ids: list[int], prompt_length: int) -> str:
         """The sample's text, through the stop token or text that ended it (nothing after it)."""
-        drawn = ids[prompt_length:]
-        ends = [i + 1 for i, token in enumerate(drawn) if token in self.ids][:1]
-        text = self.vocab.decode(ids[: prompt_length + (ends[0] if ends else len(drawn))])
+        end = next((i + 1 for i in range(prompt_length, len(ids)) if ids[i] in self.ids), len(ids))
+        text = self.vocab.decode(ids[:end])
         start = len(self.vocab.decode(ids[:prompt_length]))
         found = [(where, len(t)) for t in self.texts if (where := text.find(t, start)) >= 0]
         if found:

@@ -26,12 +26,10 @@ def locate(path: Any, key: str) -> Callable:
     if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
         raise ConfigError(f"{key}._target_={path!r} is not an import path; write e.g. my_pkg.nets.MyNet")
     parts = path.split(".")
-    module, found = None, 0
-    for i in range(len(parts), 0, -1):
-        name = ".".join(parts[:i])
+    for found in range(len(parts), 0, -1):  # the longest prefix that is a module
+        name = ".".join(parts[:found])
         try:
             module = importlib.import_module(name)
-            found = i
             break
         except ModuleNotFoundError as err:
             if err.name is not None and not name.startswith(err.name):
@@ -42,7 +40,7 @@ def locate(path: Any, key: str) -> Callable:
         except Exception as err:  # the module exists and raised while importing
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"{key}._target_={path!r}: importing {name} raised {type(err).__name__}: {first}") from None
-    if module is None:
+    else:  # no prefix is a module
         if extra := EXTRAS.get(parts[0]):
             raise ConfigError(f"{key}._target_={path!r} needs {parts[0]}, which is not installed: "
                               f"pip install 'ringtrain[{extra}]'")
@@ -237,14 +235,12 @@ def fits(value: Any, annotation: Any) -> bool:
         return value in args
     if annotation is type(None):
         return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in (int, float) and isinstance(value, bool):
+        return False  # True is an int to Python, not to a config
     if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
+        return isinstance(value, (int, float))
+    if annotation in (bool, int, str):
+        return isinstance(value, annotation)
     container = origin or annotation
     if container in (list, tuple, set, frozenset, Sequence, Iterable):
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
@@ -259,7 +255,7 @@ def fits(value: Any, annotation: Any) -> bool:
         # A plain value for a parameter annotated as another class (Tensor, Module...): only
         # an instance fits.
         try:
-            return isinstance(value, container) or container in (Callable,)
+            return isinstance(value, container) or container is Callable
         except TypeError:
             return True
     return True

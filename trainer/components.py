@@ -113,8 +113,9 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
     for name, value in arguments.items():
         annotation = hints.get(name)
         if annotation is not None and not fits(value, annotation):
+            shown = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else str(annotation).replace("typing.", "")
             raise ConfigError(f"{key}.{name}={value!r} does not fit {node['_target_']}'s annotation "
-                              f"{_annotation_name(annotation)}; pass a value of that type")
+                              f"{shown}; pass a value of that type")
     return target
 
 
@@ -259,10 +260,6 @@ def fits(value: Any, annotation: Any) -> bool:
         except TypeError:
             return True
     return True
-
-
-def _annotation_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", None) if not typing.get_args(annotation) else str(annotation).replace("typing.", "")
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -123,7 +123,11 @@ def _check_kind(node: Mapping, key: str, target: Callable, kind: Any) -> None:
     """The kind a class target is, or a function target returns where it says so (it is not
     called to find out: calling may do anything)."""
     if kind is not None and inspect.isclass(target) and not issubclass(target, kind):
-        raise ConfigError(f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
+        # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
+        # which says nothing about what the class is.
+        bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
+        described = f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__
+        raise ConfigError(f"{key}._target_={node['_target_']!r} is a {described}, not {_kind_name(kind)}; "
                           f"point {key}._target_ at one")
     if kind is not None and not inspect.isclass(target):
         returns = _type_hints(target).get("return")
@@ -275,10 +279,3 @@ def _public_name(cls: type) -> str:
         if getattr(module, cls.__name__, None) is cls and cls.__module__.startswith(public):
             return f"{public}.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _describe(target: type) -> str:
-    # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
-    # which says nothing about what the class is.
-    bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
-    return f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__

@@ -73,8 +73,7 @@ class CompiledModel(nn.Module):
             return self.module(*args, **kwargs)
         except Exception as error:
             compile_error = error
-        # A compile error, or the model's own? Eager decides: its exception, if any, is the
-        # one the user should see (and compiling stays on); if eager works, compiling failed.
+        # A compile error, or the model's own? Eager decides (its exception propagates; compiling stays on).
         outputs = self._eager(*args, **kwargs)
         self._give_up(compile_error)
         return outputs

@@ -123,9 +123,8 @@ def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     decoder layers), else the class of any nn.ModuleList whose members share one class (the
     blocks), as torchtitan shards each block. Without one the model is a single unit: sharded
     between steps, but forward gathers it all at once (name a layer in strategy.shard_classes)."""
-    declared = [name for name in getattr(model, "_no_split_modules", None) or ()
-                if any(type(module).__name__ == name for module in model.modules())]
-    if declared:
+    present = {type(module).__name__ for module in model.modules()}
+    if declared := [name for name in getattr(model, "_no_split_modules", None) or () if name in present]:
         return resolve_shard_classes(model, declared)
     repeated = list(dict.fromkeys(type(m[0]) for m in model.modules()
                                   if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1))

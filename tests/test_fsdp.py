@@ -28,7 +28,7 @@ from ringtrain.checkpoints.state_dicts import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from ringtrain.strategies.fsdp import NO_PROCESS_GROUP_MESSAGE, resolve_shard_classes, shard_model, total_norm
+from ringtrain.strategies.fsdp import FSDP, NO_PROCESS_GROUP_MESSAGE, resolve_shard_classes, shard_model
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -233,7 +233,7 @@ def test_plain_module_helpers_round_trip_without_a_process_group():
     worker.train(model, optimizer, range(3, 6))
     worker.train(copy, copy_optimizer, range(3, 6))
     assert max_diff(model.state_dict(), copy.state_dict()) == 0
-    assert total_norm([p.grad for p in model.parameters() if p.grad is not None]).item() == 0  # none left: the norm of nothing
+    assert FSDP.total_norm([p.grad for p in model.parameters() if p.grad is not None]).item() == 0  # none left: the norm of nothing
 
 
 def _saved(state: dict) -> io.BytesIO:

@@ -26,12 +26,10 @@ def locate(path: Any, key: str) -> Callable:
     if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
         raise ConfigError(f"{key}._target_={path!r} is not an import path; write e.g. my_pkg.nets.MyNet")
     parts = path.split(".")
-    module, found = None, 0
-    for i in range(len(parts), 0, -1):
-        name = ".".join(parts[:i])
+    for found in range(len(parts), 0, -1):  # the longest prefix that is a module
+        name = ".".join(parts[:found])
         try:
             module = importlib.import_module(name)
-            found = i
             break
         except ModuleNotFoundError as err:
             if err.name is not None and not name.startswith(err.name):
@@ -42,7 +40,7 @@ def locate(path: Any, key: str) -> Callable:
         except Exception as err:  # the module exists and raised while importing
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"{key}._target_={path!r}: importing {name} raised {type(err).__name__}: {first}") from None
-    if module is None:
+    else:  # no prefix is a module
         if extra := EXTRAS.get(parts[0]):
             raise ConfigError(f"{key}._target_={path!r} needs {parts[0]}, which is not installed: "
                               f"pip install 'ringtrain[{extra}]'")
@@ -115,8 +113,9 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
     for name, value in arguments.items():
         annotation = hints.get(name)
         if annotation is not None and not fits(value, annotation):
+            shown = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else str(annotation).replace("typing.", "")
             raise ConfigError(f"{key}.{name}={value!r} does not fit {node['_target_']}'s annotation "
-                              f"{_annotation_name(annotation)}; pass a value of that type")
+                              f"{shown}; pass a value of that type")
     return target
 
 
@@ -124,7 +123,11 @@ def _check_kind(node: Mapping, key: str, target: Callable, kind: Any) -> None:
     """The kind a class target is, or a function target returns where it says so (it is not
     called to find out: calling may do anything)."""
     if kind is not None and inspect.isclass(target) and not issubclass(target, kind):
-        raise ConfigError(f"{key}._target_={node['_target_']!r} is a {_describe(target)}, not {_kind_name(kind)}; "
+        # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
+        # which says nothing about what the class is.
+        bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
+        described = f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__
+        raise ConfigError(f"{key}._target_={node['_target_']!r} is a {described}, not {_kind_name(kind)}; "
                           f"point {key}._target_ at one")
     if kind is not None and not inspect.isclass(target):
         returns = _type_hints(target).get("return")
@@ -237,14 +240,12 @@ def fits(value: Any, annotation: Any) -> bool:
         return value in args
     if annotation is type(None):
         return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in (int, float) and isinstance(value, bool):
+        return False  # True is an int to Python, not to a config
     if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
+        return isinstance(value, (int, float))
+    if annotation in (bool, int, str):
+        return isinstance(value, annotation)
     container = origin or annotation
     if container in (list, tuple, set, frozenset, Sequence, Iterable):
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
@@ -259,14 +260,10 @@ def fits(value: Any, annotation: Any) -> bool:
         # A plain value for a parameter annotated as another class (Tensor, Module...): only
         # an instance fits.
         try:
-            return isinstance(value, container) or container in (Callable,)
+            return isinstance(value, container) or container is Callable
         except TypeError:
             return True
     return True
-
-
-def _annotation_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", None) if not typing.get_args(annotation) else str(annotation).replace("typing.", "")
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -282,10 +279,3 @@ def _public_name(cls: type) -> str:
         if getattr(module, cls.__name__, None) is cls and cls.__module__.startswith(public):
             return f"{public}.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _describe(target: type) -> str:
-    # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
-    # which says nothing about what the class is.
-    bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
-    return f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__

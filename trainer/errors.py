@@ -40,24 +40,20 @@ class ComponentFailed(UserError):
 
 
 def component_failed(what: str, err: BaseException, fix: str) -> ComponentFailed:
-    """`what` failed with `err`: one line with the exception, the line that raised it, `fix`."""
+    """`what` failed with `err`: one line with the exception, the line that raised it (the
+    innermost outside torch, Hydra and OmegaConf: the component's own), `fix`."""
     cause = err
     # Hydra's instantiate wraps a constructor's exception in its own: report the constructor's.
     while type(cause).__name__ == "InstantiationException" and cause.__cause__ is not None:
         cause = cause.__cause__
     text = " ".join(str(cause).split())[:300] or "no message"
-    return ComponentFailed(f"{what} failed: {type(cause).__name__}: {text} (raised at {_raised_at(cause)}); {fix}")
-
-
-def _raised_at(err: BaseException) -> str:
-    """The innermost line of the traceback outside torch, Hydra and OmegaConf: the component's own."""
-    frames = traceback.extract_tb(err.__traceback__)
+    frames = traceback.extract_tb(cause.__traceback__)
     own = [f for f in frames if not any(f"{os.sep}{lib}{os.sep}" in f.filename for lib in ("torch", "hydra", "omegaconf"))]
-    frame = (own or frames or [None])[-1]
-    if frame is None:
-        return "an unknown place"
-    path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep) else frame.filename
-    return f"{path}:{frame.lineno} in {frame.name}"
+    where = "an unknown place"
+    if (frame := (own or frames or [None])[-1]) is not None:
+        path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep) else frame.filename
+        where = f"{path}:{frame.lineno} in {frame.name}"
+    return ComponentFailed(f"{what} failed: {type(cause).__name__}: {text} (raised at {where}); {fix}")
 
 
 class _Ending(Exception):

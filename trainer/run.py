@@ -203,15 +203,13 @@ def _callbacks(job: Job, dist: DistInfo) -> Callbacks:
 
 def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
     """Rank 0 logs to the console and to train.log; other ranks only warnings and errors. Under
-    Hydra (a plain run, torchrun) its handlers are in place; a self-launched rank and the
-    Python API start with none, so they set up what Hydra would have."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-        if dist.is_main:
-            handlers.append(logging.FileHandler(run_dir / "train.log", delay=True))  # appends to the launcher's
-        logging.basicConfig(format=f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s", handlers=handlers)
-    root.setLevel(logging.INFO if dist.is_main else logging.WARNING)
+    Hydra (a plain run, torchrun) its handlers are in place and basicConfig does nothing; a
+    self-launched rank and the Python API start with none, so they set up what Hydra would have."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if dist.is_main:
+        handlers.append(logging.FileHandler(run_dir / "train.log", delay=True))  # appends to the launcher's
+    logging.basicConfig(format=f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s", handlers=handlers)
+    logging.getLogger().setLevel(logging.INFO if dist.is_main else logging.WARNING)
 
 
 def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:

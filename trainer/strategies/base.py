@@ -91,12 +91,19 @@ class Strategy:
 
     def total_norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm of all `tensors` together (0 for none); a strategy that shards them reduces it across ranks."""
-        return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros(())
+        return torch.nn.utils.get_total_norm(tensors)
 
     def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """Scale the gradients to a global norm of at most `max_norm`; return the norm before."""
+        """Scale the gradients to a global norm of at most `max_norm`; return the norm before. The
+        norm is total_norm's, the full model's on every rank, so all scale alike (every rank calls it)."""
         params = [p for p in params if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+        total = self.total_norm([p.grad for p in params])
+        # torch's foreach kernels refuse lists mixing tensor types (fsdp: parameters it does not
+        # manage next to sharded DTensors): each type is clipped apart, with the one global norm.
+        for kind in {type(p.grad) for p in params}:
+            group = [p for p in params if type(p.grad) is kind]
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+        return total
 
     def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """The context evaluation runs in."""

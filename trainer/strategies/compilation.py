@@ -62,7 +62,7 @@ class CompiledModel(nn.Module):
         for part in blocks if blocks is not None else [module]:
             part.compile(mode=None if mode == "default" else mode)
         self.is_compiled = True  # False once compiling failed and the model runs eagerly
-        self.backward_checked = False  # the probe has run (or compiling was given up)
+        self.backward_checked = False  # the probe has run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.is_compiled and not self.backward_checked and self.module.training and torch.is_grad_enabled():
@@ -73,8 +73,7 @@ class CompiledModel(nn.Module):
             return self.module(*args, **kwargs)
         except Exception as error:
             compile_error = error
-        # A compile error, or the model's own? Eager decides: its exception, if any, is the
-        # one the user should see (and compiling stays on); if eager works, compiling failed.
+        # A compile error, or the model's own? Eager decides (its exception propagates; compiling stays on).
         outputs = self._eager(*args, **kwargs)
         self._give_up(compile_error)
         return outputs
@@ -87,11 +86,11 @@ class CompiledModel(nn.Module):
         """Compile the forward and the backward graph now, on these inputs, without side effects."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         saved_buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
-        compile_error = None
         try:
             # Dropout in the probe must not shift the random stream the run goes on to use.
             cuda_devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
             with torch.random.fork_rng(devices=cuda_devices):
+                compile_error = None
                 try:
                     outputs = self.module(*args, **kwargs)
                     differentiable = [t for t in _tensors(outputs) if t.requires_grad]
@@ -103,17 +102,15 @@ class CompiledModel(nn.Module):
                 if compile_error is not None:
                     # The model's own error (eager raises it too) propagates as it is.
                     self._eager(*args, **kwargs)
+                    self._give_up(compile_error)
         finally:
             with torch.no_grad():  # e.g. BatchNorm's running statistics: as if no probe ran
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)
         self.backward_checked = True
-        if compile_error is not None:
-            self._give_up(compile_error)
 
     def _give_up(self, error: BaseException) -> None:
         self.is_compiled = False
-        self.backward_checked = True
         detail = " ".join(str(error).split())[:240] or "no message"
         log.warning(
             f"trainer.compile: torch.compile failed ({type(error).__name__}: {detail}); "

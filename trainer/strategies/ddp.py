@@ -50,7 +50,6 @@ class DDP(ProcessGroupStrategy):
 
     def wrap(self, module: nn.Module, dist: DistInfo) -> DistributedDataParallel:
         """`module` in DDP with this strategy's options (the bare model stays `.module`)."""
-        on_cuda = dist.device.type == "cuda"
         # Syncing buffers from rank 0 in every forward is DDP's default; strategy.forward_sync_buffers
         # =false turns it off. It is not only a rename: torch >= 2.13's forward_sync_buffers=False
         # still broadcasts rank 0's buffers once in DDP's constructor (with the parameters), while
@@ -64,8 +63,7 @@ class DDP(ProcessGroupStrategy):
             buffers = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
         return DistributedDataParallel(
             module,
-            device_ids=[dist.device.index] if on_cuda else None,
-            output_device=dist.device.index if on_cuda else None,
+            device_ids=[dist.device.index] if dist.device.type == "cuda" else None,  # also its output's
             **self.options,
             **buffers,
         )

@@ -89,20 +89,17 @@ class FSDP(ProcessGroupStrategy):
         finally:
             sharded.set_requires_gradient_sync(True)  # a later backward outside this context syncs
 
-    def total_norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return total_norm(tensors)  # each rank's shards: the norm all-reduces
-
-    def clip_gradients(self, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The norm is the full model's (not this rank's shard's), so every rank scales by the
-        same factor; every rank must call it."""
-        params = [p for p in params if p.grad is not None]
-        total = total_norm([p.grad for p in params])
-        # torch's foreach kernels refuse mixed Tensor/DTensor lists (parameters FSDP does not
-        # manage next to sharded ones): each kind is clipped apart, with the one global norm.
-        for sharded in (True, False):
-            if group := [p for p in params if isinstance(p.grad, DTensor) == sharded]:
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
-        return total
+    @staticmethod
+    def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of all `tensors`, plain and sharded (DTensor: each rank's shards, the norm
+        all-reduces) alike, as a plain tensor."""
+        sharded = [t for t in tensors if isinstance(t, DTensor)]
+        plain = [t for t in tensors if not isinstance(t, DTensor)]
+        norms = [torch.nn.utils.get_total_norm(group) for group in (sharded, plain) if group]
+        norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
+        if len(norms) < 2:  # none: the norm of nothing
+            return norms[0] if norms else torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
     def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
         # Under inference_mode FSDP2 allocates its all-gather buffers as inference tensors, and the
@@ -126,9 +123,8 @@ def default_shard_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     decoder layers), else the class of any nn.ModuleList whose members share one class (the
     blocks), as torchtitan shards each block. Without one the model is a single unit: sharded
     between steps, but forward gathers it all at once (name a layer in strategy.shard_classes)."""
-    declared = [name for name in getattr(model, "_no_split_modules", None) or ()
-                if any(type(module).__name__ == name for module in model.modules())]
-    if declared:
+    present = {type(module).__name__ for module in model.modules()}
+    if declared := [name for name in getattr(model, "_no_split_modules", None) or () if name in present]:
         return resolve_shard_classes(model, declared)
     repeated = list(dict.fromkeys(type(m[0]) for m in model.modules()
                                   if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(b) for b in m}) == 1))
@@ -237,13 +233,3 @@ def _unit_modules(model: nn.Module, shard_classes: tuple[type[nn.Module], ...]) 
     # modules() lists parents before children: reversed, every child comes before its parent.
     return units[::-1]
 
-
-def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all `tensors`, plain and sharded (DTensor) alike, as a plain tensor."""
-    sharded = [t for t in tensors if isinstance(t, DTensor)]
-    plain = [t for t in tensors if not isinstance(t, DTensor)]
-    norms = [torch.nn.utils.get_total_norm(group, norm_type) for group in (sharded, plain) if group]
-    norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
-    if len(norms) < 2:  # none: the norm of nothing
-        return norms[0] if norms else torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)

@@ -53,7 +53,7 @@ def locate(path: Any, key: str) -> Callable:
             names = [n for n in dir(obj) if not n.startswith("_")]
             close = difflib.get_close_matches(attribute, names, n=3)
             if isinstance(obj, types.ModuleType) and depth == found and "." not in path[len(owner) + 1:] and not close:
-                # my_pkg.netz.MyNet where my_pkg has no netz: say the module is missing.
+                # torch.optim.Lion, the last name missing and nothing close: a module or a class this version lacks.
                 raise ConfigError(f"{key}._target_={path!r}: {owner} has no module or attribute {attribute!r}; "
                                   f"check the spelling (it has {', '.join(names[:12]) or 'nothing public'})")
             hint = f"did you mean {' or '.join(close)}?" if close else f"it has {', '.join(names[:12]) or 'nothing public'}"

@@ -105,7 +105,7 @@ def test_model_choice_picks_a_fitting_data_set_and_the_data_its_task():
     "overrides,message",
     [
         (["model=transformer", "data=regression"], "model.vocab_size is required by ringtrain.models.transformer.Transformer"),
-        (["trainer.batch_size=0"], "trainer.batch_size=0 must be positive"),
+        (["trainer.batch_size=0"], "trainer.batch_size=0 must be positive; set trainer.batch_size to 1 or more"),
         (["trainer.batch_size=abc"], "trainer.batch_size"),
         (["+trainer.bach_size=4"], "trainer.bach_size: unknown key"),
         (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),

@@ -250,7 +250,7 @@ def check_options(t: TrainerConfig, strategy: Strategy) -> None:
     ranks against torchrun's among them), then what needs its ranks."""
     for name in ("batch_size", "accumulate_grad_batches", "log_every_n_steps", "prefetch_factor", "keep_last_k"):
         if getattr(t, name) <= 0:
-            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive")
+            raise ConfigError(f"trainer.{name}={getattr(t, name)} must be positive; set trainer.{name} to 1 or more")
     for name, zero in ZERO_MEANS.items():
         if getattr(t, name) < 0:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} must be >= 0 (0: {zero})")

@@ -4,6 +4,7 @@ in tests/helpers.py."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -98,14 +99,17 @@ class ForkedCommands:
             server = self._started(env)
             with tempfile.TemporaryDirectory(prefix="ringtrain-cmd-") as streams:
                 out, err = Path(streams, "stdout"), Path(streams, "stderr")
-                out.touch(), err.touch()
+                for stream in (out, err):
+                    stream.touch()
                 request = {"args": args, "module": module, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-                server.stdin.write(json.dumps(request) + "\n")
-                server.stdin.flush()
+                server.stdin.write(json.dumps(request).encode() + b"\n")
                 pid = int(server.stdout.readline())
+                # The pipe is unbuffered (a raw file reads a line byte by byte): a status line
+                # already written is never held in a buffer that select cannot see.
                 ready, _, _ = select.select([server.stdout], [], [], timeout)
                 if not ready:
-                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                        os.kill(pid, signal.SIGKILL)
                     server.stdout.readline()
                     raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
                 status = int(server.stdout.readline())
@@ -120,8 +124,8 @@ class ForkedCommands:
         if self._server is None or self._server.poll() is not None:
             self._env = env
             self._server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_server.py"))], env=env,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            assert self._server.stdout.readline() == "ready\n"
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+            assert self._server.stdout.readline() == b"ready\n"
             atexit.register(self._server.kill)
         return self._server
 

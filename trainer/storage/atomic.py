@@ -1,7 +1,6 @@
 """Replacing a file atomically and durably: after a crash, a kill or a power cut its name holds
 the old file or the new one, complete, never a truncated mix. Every file ringtrain replaces
-goes through here (checkpoints, the text data cache, meta.json, metrics.json, the restart
-note); it imports nothing of ringtrain, so any layer may use it.
+goes through here; it imports nothing of ringtrain, so any layer may use it.
 
 The new file is written to a hidden temporary name in the same directory (`temp_path`),
 fsynced, renamed over the real name (atomic on POSIX), and the directory fsynced (the file's
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import logging
 import math
@@ -43,21 +43,20 @@ def open_atomically(path: str | os.PathLike) -> Iterator[_ErrorRecordingWriter]:
     if not path.parent.is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
         fsync_directory(path.parent.parent)  # the new directory itself survives a power cut
-    with _replacing(path) as temp, open(temp, "wb") as file:
-        writer = _ErrorRecordingWriter(file)
+    with _replacing(path) as temp, _ErrorRecordingWriter(io.FileIO(temp, "wb")) as file:
         try:
-            yield writer
+            yield file
         except Exception:
-            if writer.error is not None:
-                raise writer.error from None
+            if file.error is not None:
+                raise file.error from None
             raise
         file.flush()
         os.fsync(file.fileno())  # the bytes are on disk before the name points at them
 
 
-def write_text_atomically(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     with open_atomically(path) as file:
-        file.write(text.encode(encoding))
+        file.write(text.encode("utf-8"))
 
 
 def replace_atomically(path: str | os.PathLike, make: Callable[[Path], None]) -> None:
@@ -130,23 +129,18 @@ def _replacing(path: Path) -> Iterator[Path]:
     fsync_directory(path.parent)
 
 
-class _ErrorRecordingWriter:
-    """What `open_atomically` hands out (torch.save takes it): a binary file's `write` that
+class _ErrorRecordingWriter(io.BufferedWriter):
+    """What `open_atomically` hands out (torch.save takes it): a binary file whose `write`
     remembers the OSError it raised, which torch.save hides."""
 
-    def __init__(self, file):
-        self.file = file
-        self.error: OSError | None = None
+    error: OSError | None = None
 
     def write(self, data) -> int:
         try:
-            return self.file.write(data)
+            return super().write(data)
         except OSError as err:
             self.error = err
             raise
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 def finite_or_none(value: Any) -> Any:

@@ -1,16 +1,5 @@
-"""The callback API: a behaviour at points of the loop, ringtrain's own and a user's alike.
-
-    class CountSteps(Callback):
-        def __init__(self):
-            self.steps = 0
-        def on_step_end(self, run, step):
-            self.steps += 1
-            if step.logging:
-                run.log({"my/steps": self.steps})
-        def state_dict(self):                        # saved in every checkpoint, back on resume
-            return {"steps": self.steps}
-        def load_state_dict(self, state):
-            self.steps = state["steps"]
+"""The callback API: a behaviour at points of the loop, ringtrain's own and a user's alike (an
+example: the README's "Callbacks and loggers").
 
 A callback overrides the hooks it needs (HOOKS; a method named on_* that is not one is refused
 before any work) and runs on every rank (the default: it may take part in collectives, and sees

@@ -18,10 +18,8 @@ class Loggers(Callback):
 
     def __init__(self, loggers: dict) -> None:
         self.loggers = dict(loggers)
-        # Those whose start() returned: the only ones to log to and to finish. A run that fails
-        # before (another callback's on_fit_start) or while they start (a store that cannot be
-        # opened) must not call finish() on a logger that never started: its AttributeError
-        # replaced the error that stopped the run.
+        # Those whose start() returned, the only ones to log to and to finish: finish() on a logger
+        # that never started raised an AttributeError that replaced the error that stopped the run.
         self.started: dict = {}
 
     def state_dict(self) -> dict:

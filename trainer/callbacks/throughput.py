@@ -7,11 +7,9 @@ MFU (model FLOPs utilisation, PaLM's definition, as nanoGPT and torchtitan repor
 
 where tokens/s is the global rate all ranks together reach, and `flops_per_token()` is the
 model's own training-FLOPs estimate (models/transformer.py: 6N + attention). A model without
-that method gets no MFU. The peak is `trainer.peak_tflops` when set, else looked up in
-GPU_PEAKS below by `torch.cuda.get_device_name()`, for the precision the run computes in:
-bf16/fp16 tensor cores under mixed precision, TF32 under precision=32 with trainer.tf32 (and a
-GPU that has TF32), plain float32 otherwise. An unknown GPU gets one info line and no MFU; a
-CPU gets no MFU unless trainer.peak_tflops gives its peak.
+that method gets no MFU. The peak is `trainer.peak_tflops` when set, else GPU_PEAKS's for the
+GPU and the precision the run computes in (peak_tflops_for). An unknown GPU gets one info line
+and no MFU; a CPU gets no MFU unless trainer.peak_tflops gives its peak.
 
 Everything here reads host-side values (a wall clock, sample counts, the caching allocator's
 statistics): a step costs nothing on the device, a logging step one small all-reduce.

@@ -20,18 +20,16 @@ class ModelSummary(Callback):
         if max_depth < 0:
             raise ValueError(f"callbacks.model_summary.max_depth={max_depth} must be >= 0 (0: the totals only)")
         self.max_depth = max_depth
-        self.after_first_step = False  # a lazy module's parameters are counted once they have a size
 
     def on_fit_start(self, run: Run) -> None:
-        # A lazy module's parameters (nn.LazyLinear) have no size until the first forward.
-        self.after_first_step = any(isinstance(p, UninitializedParameter) for p in run.model.parameters())
-        if not self.after_first_step:
+        # Reported now, and no step needs it; but a lazy module's parameters (nn.LazyLinear) have
+        # no size until the first forward: then after the first step.
+        self.logging_steps_only = not any(isinstance(p, UninitializedParameter) for p in run.model.parameters())
+        if self.logging_steps_only:
             self.report(run)
-        self.logging_steps_only = not self.after_first_step  # done: no step needs it
 
     def on_step_end(self, run: Run, step: StepEnd) -> None:
-        if self.after_first_step:
-            self.after_first_step = False
+        if not self.logging_steps_only:
             self.logging_steps_only = True
             self.report(run)
 

@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -184,17 +185,14 @@ def restart_count() -> int:
 def restart_note() -> Path | None:
     """The note naming rank 0's run directory for the torchrun agent running this worker
     (None: there is no notes directory of this user's own to keep it in)."""
-    directory = notes_directory()
     agent = os.getppid()
-    started = process_start(agent)
-    if directory is None or started is None:
+    if (directory := notes_directory()) is None or (started := process_start(agent)) is None:
         return None
     return directory / f"{_PREFIX}{agent}-{started}-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}.dir"
 
 
 def leave_restart_note(run_dir: Path) -> None:
-    """Rank 0 under torchrun: remember the run directory for restarted workers, once the notes of
-    torchrun agents that no longer run are removed (nothing will read them)."""
+    """Rank 0 under torchrun: the note for restarted workers, once the stale ones are swept away."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return
     directory = notes_directory()
@@ -226,12 +224,10 @@ def forget_restart_note(completed: bool) -> None:
 
 def directory_before_restart() -> str | None:
     """The run directory of this torchrun job's earlier attempt, when this is a restart."""
-    if restart_count() == 0 or (note := restart_note()) is None:
-        return None
-    try:
-        return note.read_text().strip() or None
-    except OSError:
-        return None
+    if restart_count() > 0 and (note := restart_note()) is not None:
+        with contextlib.suppress(OSError):
+            return note.read_text().strip() or None
+    return None
 
 
 def notes_directory() -> Path | None:
@@ -241,14 +237,11 @@ def notes_directory() -> Path | None:
     directory = Path(tempfile.gettempdir()) / NOTES_DIRECTORY.format(user=user)
     try:
         directory.mkdir(mode=0o700, exist_ok=True)
-        status = os.lstat(directory)
+        status = os.lstat(directory)  # a link (to anywhere) is not a directory here
     except OSError:
         return None
-    if not directory.is_dir() or directory.is_symlink():
-        return None
-    if hasattr(os, "getuid") and (status.st_uid != os.getuid() or status.st_mode & 0o022):
-        return None
-    return directory
+    mine = not hasattr(os, "getuid") or (status.st_uid == os.getuid() and not status.st_mode & 0o022)
+    return directory if stat.S_ISDIR(status.st_mode) and mine else None
 
 
 def process_start(pid: int) -> str | None:
@@ -257,8 +250,8 @@ def process_start(pid: int) -> str | None:
     if os.name == "nt":  # where os.kill(pid, 0) would send Ctrl-C: take every agent as running
         return ""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]  # after the command name, which may hold spaces
+        line = Path(f"/proc/{pid}/stat").read_text()
+        return line.rsplit(")", 1)[1].split()[19]  # after the command name, which may hold spaces
     except (OSError, IndexError):
         if os.path.exists("/proc/self/stat"):
             return None

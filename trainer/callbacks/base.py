@@ -136,7 +136,6 @@ class Callbacks:
         self._several_ranks = several_ranks
 
     def _with_work_at_every_step(self) -> list[Callback]:
-        """Those that a step which does not log calls on_step_end on."""
         return [cb for cb in self._hooked["on_step_end"] if not cb.logging_steps_only]
 
     def call(self, hook: str, run: Run, *args: Any) -> None:

@@ -27,15 +27,14 @@ class TrainMetrics(Callback):
             return
         # A few ops for all the steps since the last read, not a few per step (50 steps of the
         # default job: ~0.5 ms a loop's worth of tiny tensor ops, ~10 us a step amortised).
-        entries = [(loss, weight, summed) for losses, summed in self._steps for loss, weight in losses]
+        losses, weights, summed = zip(*[(*entry, summed) for entries, summed in self._steps for entry in entries])
         self._steps = []
-        losses = torch.stack([loss for loss, _, _ in entries]).reshape(len(entries)).double()  # one value each
-        weights = [weight for _, weight, _ in entries]  # sample counts (ints) or token counts (tensors)
-        if any(isinstance(weight, torch.Tensor) for weight in weights):
+        losses = torch.stack(losses).reshape(len(weights)).double()  # one value each
+        if any(isinstance(weight, torch.Tensor) for weight in weights):  # token counts (tensors), else sample counts
             weights = torch.stack([torch.as_tensor(w, device=losses.device).reshape(()) for w in weights]).double()
         else:
             weights = torch.tensor(weights, dtype=torch.float64, device=losses.device)
-        summed = torch.tensor([summed for _, _, summed in entries], device=losses.device)
+        summed = torch.tensor(summed, device=losses.device)
         total, count = torch.where(summed, losses, losses * weights).sum(), weights.sum()
         total, count = all_reduce_sum(run.dist, torch.stack([total, count]).to(run.dist.device)).tolist()
         values = {"train/loss": total / max(count, 1.0)}

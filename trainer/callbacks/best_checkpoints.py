@@ -42,7 +42,7 @@ class BestCheckpoints(Callback):
         if (value := self._pending.pop(step, None)) is not None:
             self._rank(run, [(value, step, self._name(run, step))], path)
 
-    def on_fit_start(self, run: Run) -> None:  # a resumed run's: see the class docstring
+    def on_fit_start(self, run: Run) -> None:  # the disk made the best k (a resume: see the class docstring)
         directory = run.run_dir / "checkpoints"
         resumed, self._pending = [(v, s, self._name(run, s)) for s, v in self._pending.items()], {}
         self._rank(run, resumed, directory / step_checkpoint_name(resumed[0][1]) if resumed else None)

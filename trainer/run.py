@@ -48,7 +48,6 @@ from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
 from ringtrain.loop.watchdog import watching
-from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
 
@@ -106,7 +105,11 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
             # the resolved config for the record only), the same at every save: described once, here, on the
             # bare model. set_up_training registers the rest, restores all.
             description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor,
-                           "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": architecture(model)}
+                           "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": None}
+            if callable(getattr(model, "save_pretrained", None)):  # a transformers model's class and config, as data
+                from ringtrain.models.pretrained import architecture  # only for one: other jobs never load it
+
+                description["architecture"] = architecture(model)
             checkpoints.register(callbacks=callbacks, description=Part(lambda: description, spread=True))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):

@@ -14,12 +14,13 @@ Every one is a Hydra app: `--help`, `--cfg job`, `key=value`, `+key`, `~key`,
 """
 import difflib
 import gc
-import importlib.util
+import importlib
 import os
 import re
 import signal
 import sys
-from pathlib import Path
+
+from ringtrain.conf import CONF_DIR  # imports neither torch nor Hydra
 
 TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens", "upgrade")
 
@@ -75,8 +76,7 @@ def _refuse_a_mistyped_command(first: str) -> None:
     if not re.fullmatch(r"[A-Za-z][\w-]*", first):
         return
     close = difflib.get_close_matches(first.replace("-", "_").lower(), TOOLS, n=1, cutoff=0.6)
-    spec = importlib.util.find_spec("ringtrain.conf")  # its folders (model, trainer, ...), without importing torch
-    groups = {p.name for folder in spec.submodule_search_locations for p in Path(folder).iterdir() if p.is_dir()}
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}  # model, trainer, ...
     if not close or first in groups:
         return
     print(f"error: {first} is not a ringtrain command; did you mean {close[0]}? (commands: {', '.join(TOOLS)})",

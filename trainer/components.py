@@ -65,9 +65,7 @@ def locate(path: Any, key: str) -> Callable:
 
 
 def accepts(target: Any, name: str) -> bool:
-    """Whether calling `target` (a callable or an import path) can take argument `name`."""
-    if isinstance(target, str):
-        target = locate(target, "?")
+    """Whether calling `target` can take argument `name`."""
     parameters = parameters_of(target)
     return parameters is not None and (name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
 

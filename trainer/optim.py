@@ -1,16 +1,8 @@
-"""Optimizers and learning-rate schedules from `_target_` nodes (conf/optimizer/,
-conf/scheduler/), and ringtrain's own schedules: a linear warm-up, then constant or cosine
-decay. Every schedule steps once per optimizer step.
-
-Any torch (or user's) optimizer and scheduler works: ringtrain passes what only it knows, by
-argument name, and the node gives the rest:
-  optimizer  `params` (the model's parameters); `fused=True` where it pays and the node leaves
-             `fused` and `foreach` unset (`fused_by_default`)
-  scheduler  `optimizer`, and `total_steps` when the scheduler takes it (ours, OneCycleLR)
-ringtrain's own keys, read here and never passed to the target:
-  optimizer.decay_matrices_only  weight decay on 2-D+ weights only, never biases or norms (adamw)
-  scheduler.warmup_steps         linear warmup before any scheduler (torch's SequentialLR);
-                                 ringtrain's own schedules take it as an argument instead
+"""Optimizers and learning-rate schedules from `_target_` nodes (conf/optimizer/, conf/scheduler/),
+and ringtrain's own schedules: a linear warm-up, then constant or cosine decay, stepped once per
+optimizer step. Any torch (or user's) optimizer and scheduler works: ringtrain passes by name what
+only it knows (`params`; `optimizer`, and `total_steps` where the scheduler takes it) and the node
+gives the rest. ringtrain's own keys (OPTIMIZER_KEYS, SCHEDULER_KEYS) are read here, never passed on.
 """
 from __future__ import annotations
 
@@ -70,7 +62,7 @@ def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_s
     """The schedule `node` describes (constant lr when None), with its warmup."""
     node = dict(node or {"_target_": f"{__name__}.WarmupConstant"})
     warmup = node.pop("warmup_steps", 0)
-    target = node["_target_"]
+    target = locate(node["_target_"], "scheduler")
     extra: dict[str, Any] = {"optimizer": optimizer}
     if accepts(target, "total_steps"):
         extra["total_steps"] = total_steps
@@ -78,6 +70,7 @@ def build_scheduler(node: dict | None, optimizer: torch.optim.Optimizer, total_s
         return build(node, "scheduler", warmup_steps=warmup, **extra)
     if not warmup:
         return build(node, "scheduler", **extra)
+    # Any other scheduler: a linear warm-up in front of it (SequentialLR).
     # start_factor 1/w ... 1 over the first w steps: step s uses lr * (s + 1) / w, as ours do.
     ramp = LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=max(1, warmup - 1))
     after = build(node, "scheduler", **extra)

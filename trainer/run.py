@@ -1,6 +1,4 @@
-"""One training job, from the command line (tools/train.py) and from Python: `launch` has the
-strategy run `train_rank` here or on N ranks; each rank claims the run directory (rank 0), finds
-what it continues from, builds the data, task and model, trains, and rank 0 reports. A job
+"""One training job, from the command line (tools/train.py) and from Python (trainer.py). A job
 refused before it trained (a checkpoint of another model, a component that fails to build or to
 take its first step) takes back what it put into its run directory (storage/rundir.py).
 """
@@ -48,7 +46,6 @@ from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
 from ringtrain.loop.signals import StopSignals
 from ringtrain.loop.watchdog import watching
-from ringtrain.models.pretrained import architecture
 
 log = logging.getLogger("ringtrain")
 
@@ -102,11 +99,14 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
             resumed = checkpoints.resume(job.trainer.resume, job.resolved.get("model"), given)
             model, data, task = _build(job, dist, resumed)
             check_monitors(callbacks.all, validation_metrics(task))
-            # Saved, never restored: what rebuilds the model (its recipe, config/recipe.py; sizes; vocabulary;
-            # the resolved config for the record only), the same at every save: described once, here, on the
-            # bare model. set_up_training registers the rest, restores all.
+            # Saved, never restored, the same at every save: what rebuilds the model (its recipe, config/recipe.py;
+            # sizes; vocabulary), described once, here, on the bare model; the resolved config is for the record.
             description = {"job": job.recipe, "config": job.resolved, "monitor": task.monitor,
-                           "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": architecture(model)}
+                           "data_dims": dict(data.dims), "vocab": data.vocab, "architecture": None}
+            if callable(getattr(model, "save_pretrained", None)):  # a transformers model's class and config, as data
+                from ringtrain.models.pretrained import architecture  # only for one: other jobs never load it
+
+                description["architecture"] = architecture(model)
             checkpoints.register(callbacks=callbacks, description=Part(lambda: description, spread=True))
             with watching(job.strategy.timeout_minutes, dist.rank, dist.world_size) as watchdog:
                 with failures_reported_as_mistakes("setting up training", "check the trainer.* and strategy.* settings", dist):
@@ -146,12 +146,19 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
 
 def _claim(directory: RunDirectory | None, run_dir: str, dist: DistInfo) -> Path:
     """Rank 0's run directory for every rank (under torchrun each rank's Hydra named its own),
-    claimed by rank 0 for the whole job before anything is written there."""
+    claimed by rank 0 for the whole job before anything is written there, and each rank's logging."""
     shared_dir = Path(broadcast_object(dist, os.path.abspath(run_dir)))
     refusal = broadcast_object(dist, directory.claim() if directory is not None else None)
     if refusal:
         raise RunDirError(refusal)
-    _configure_rank_logging(dist, shared_dir)
+    # Rank 0 logs to the console and to train.log; other ranks only warnings and errors. Under Hydra (a
+    # plain run, torchrun) its handlers are in place and basicConfig does nothing; a self-launched rank
+    # and the Python API start with none, so they set up what Hydra would have.
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if dist.is_main:
+        handlers.append(logging.FileHandler(shared_dir / "train.log", delay=True))  # appends to the launcher's
+    logging.basicConfig(format=f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s", handlers=handlers)
+    logging.getLogger().setLevel(logging.INFO if dist.is_main else logging.WARNING)
     return shared_dir
 
 
@@ -199,17 +206,6 @@ def _callbacks(job: Job, dist: DistInfo) -> Callbacks:
     if dist.is_main and job.loggers:
         made["loggers"] = Loggers({name: built("logger", name, node) for name, node in job.loggers.items()})
     return Callbacks(made, dist.is_main, several_ranks=dist.is_distributed)
-
-
-def _configure_rank_logging(dist: DistInfo, run_dir: Path) -> None:
-    """Rank 0 logs to the console and to train.log; other ranks only warnings and errors. Under
-    Hydra (a plain run, torchrun) its handlers are in place and basicConfig does nothing; a
-    self-launched rank and the Python API start with none, so they set up what Hydra would have."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-    if dist.is_main:
-        handlers.append(logging.FileHandler(run_dir / "train.log", delay=True))  # appends to the launcher's
-    logging.basicConfig(format=f"[%(asctime)s][%(name)s][rank {dist.rank}][%(levelname)s] - %(message)s", handlers=handlers)
-    logging.getLogger().setLevel(logging.INFO if dist.is_main else logging.WARNING)
 
 
 def _report(result: FitResult, model: nn.Module, run_dir: Path) -> None:

@@ -11,11 +11,8 @@ GATHER_BATCHES batches with one indexing call and splits the result into views, 
 Any other map-style Dataset goes through one torch DataLoader with the same order (through a
 sampler, so it resumes mid-epoch exactly), worker processes (`trainer.num_workers`, ...) and
 worker seeds from a generator seeded by (seed, epoch), never the global RNG dropout and resume
-depend on.
-
-Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch).
-In training, rank r of N sees every N-th sample of the single-process order (ShuffledShards), so
-DDP with per-rank batch B consumes per step what one process does with batch N*B.
+depend on. Orders are index tensors, never lists (a list of a million indices costs ~90 ms an
+epoch).
 """
 from __future__ import annotations
 
@@ -42,7 +39,8 @@ def is_stream(dataset: Dataset) -> bool:
 
 class ShuffledShards:
     """This rank's training order of each epoch: `DistributedSampler(dataset, world_size, rank,
-    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py).
+    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py): N ranks
+    of batch B train per step what one process does with batch N*B.
 
     A position in the epoch is global: `start` means the first `start` samples of the epoch's
     single-process permutation are consumed, whatever ranks or batch size consumed them (N ranks
@@ -123,8 +121,7 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
     pin = device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
     return WorkerOptions(
         num_workers=trainer.num_workers, pin_memory=pin, persistent_workers=trainer.persistent_workers,
-        prefetch_factor=trainer.prefetch_factor, seed=trainer.seed,
-        stop_signals=tuple(getattr(trainer, "stop_signals", ()) or ()),
+        prefetch_factor=trainer.prefetch_factor, seed=trainer.seed, stop_signals=tuple(trainer.stop_signals),
     )
 
 

@@ -9,9 +9,8 @@ each step starts an async all-reduce of the flags on a gloo group of its own, re
 later, so no step waits and the GPU never syncs; the price is one step of lag.
 
 Why 143 (128 + SIGTERM), not 0: a stopped run is not finished, and what restarts on failure
-reads the status (torchrun --max-restarts only on non-zero, a shell `until` loop, Kubernetes
-OnFailure, SLURM RequeueExit): 143 reads as "terminated, worth retrying". One status for every
-stop signal; the log names which.
+(torchrun --max-restarts, a shell `until` loop, Kubernetes OnFailure, SLURM RequeueExit) reads
+143 as "terminated, worth retrying". One status for every stop signal; the log names which.
 """
 from __future__ import annotations
 
@@ -37,13 +36,10 @@ class StopSignals:
     """Signals are handled on a watcher thread woken through `signal.set_wakeup_fd`: CPython runs a
     Python handler only when the main thread next runs Python code, which a rank stuck in a
     collective or a long C call never does, and "exit at once" must work exactly then. The C
-    handler writes the signal number to a pipe (async-signal-safe); no logging or I/O happens in
-    a handler, so nothing re-enters a half-written stream. The Python handlers do nothing: they
-    only replace the default action (terminate, KeyboardInterrupt). Only the main thread can
-    install handlers; elsewhere this warns and does nothing. While active it owns the wakeup fd
-    (suspending asyncio's); leaving restores the previous handlers and fd. DataLoader workers
-    get signals sent to the whole process group (Ctrl-C, torchrun's killpg) and ignore the stop
-    signals (loop/loaders.py)."""
+    handler writes the signal number to a pipe (async-signal-safe), so no logging or I/O in a
+    handler re-enters a half-written stream; the Python handlers only replace the default action
+    (terminate, KeyboardInterrupt). While active it owns the wakeup fd (suspending asyncio's).
+    DataLoader workers ignore the stop signals sent to the process group (loop/loaders.py)."""
 
     def __init__(self, names: tuple[str, ...] | list[str] = ("SIGTERM", "SIGINT", "SIGUSR1"), repeat_grace_s: float = 2.0):
         self.signums = tuple(_signal_number(name) for name in names)
@@ -90,8 +86,7 @@ class StopSignals:
         _restore_handlers(self._previous_handlers)
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         os.close(self._write_fd)  # the watcher reads end-of-file and returns
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
+        self._watcher.join(timeout=5)
         os.close(self._read_fd)
         self._installed = False
 

@@ -6,9 +6,7 @@ the consumed ones.
 
 A stream has no length: the run is `trainer.max_steps` steps, and its position is the stream's
 own, not a global epoch position, so it continues exactly only on as many ranks and workers as
-saved it (the dataset may refuse more precisely: `check_resume`). It must not end: a stream
-that runs dry would leave the ranks with unequal numbers of batches. The stream's protocol,
-all of it optional but `__iter__`:
+saved it. It must not end (`batches`). The stream's protocol, all of it optional but `__iter__`:
 
     set_rank(rank, world_size)         which share of the data this rank reads
     state_dict() / load_state_dict()   its position (torchdata's protocol); without them the

@@ -107,6 +107,12 @@ class WorkerOptions:
     seed: int = 0
     stop_signals: tuple[str, ...] = ()  # trainer.stop_signals: the workers ignore them
 
+    def loader_arguments(self, dataset: Dataset) -> dict[str, Any]:
+        """What a map-style set's DataLoader and a stream's StatefulDataLoader take alike."""
+        return dict(num_workers=self.num_workers, pin_memory=self.pin_memory, collate_fn=collate_of(dataset),
+                    prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+                    worker_init_fn=functools.partial(ignore_stop_signals, self.stop_signals))
+
 
 def ignore_stop_signals(names: tuple[str, ...], worker_id: int) -> None:
     """A DataLoader worker's start: ignore the stop signals that torchrun (to the process group)
@@ -165,8 +171,7 @@ class BatchLoader:
                 inputs, targets = self.dataset.get_batch(indices[first : first + chunk])
                 if pin:
                     inputs, targets = inputs.pin_memory(), targets.pin_memory()
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
+                inputs, targets = to_device((inputs, targets), self.device)
                 yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
             return
         self._epoch_order[:] = indices.tolist()
@@ -177,11 +182,8 @@ class BatchLoader:
             w = self.workers
             self._loader = DataLoader(
                 self.dataset, batch_size=self.batch_size, sampler=self._epoch_order, drop_last=self.drop_last,
-                num_workers=w.num_workers, pin_memory=w.pin_memory, generator=self._generator,
-                collate_fn=collate_of(self.dataset),
-                persistent_workers=w.persistent_workers and w.num_workers > 0,
-                prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
-                worker_init_fn=functools.partial(ignore_stop_signals, w.stop_signals),
+                generator=self._generator, persistent_workers=w.persistent_workers and w.num_workers > 0,
+                **w.loader_arguments(self.dataset),
             )
         for batch in self._loader:
             yield to_device(batch, self.device)

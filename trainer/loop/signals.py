@@ -49,11 +49,10 @@ class StopSignals:
         self._received_at = 0.0
         self._polled_step: int | None = None
         self._lock = threading.Lock()
-        self._installed = False
         self._previous_handlers: dict[int, object] = {}
         self._previous_wakeup_fd = -1
         self._read_fd = self._write_fd = -1
-        self._watcher: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None  # while installed
 
     def poll(self, step: int) -> bool:
         """Whether a stop signal has arrived, after optimizer step `step`. Under the lock the watcher
@@ -73,7 +72,6 @@ class StopSignals:
             self._previous_handlers[signum] = signal.signal(signum, lambda signum, frame: None)
         self._watcher = threading.Thread(target=self._watch, name="ringtrain-stop-signals", daemon=True)
         self._watcher.start()
-        self._installed = True
         # A process forked meanwhile (a DataLoader worker) gets the previous handlers back, so its
         # signals never count as this one's; the hook holds no reference that keeps this alive.
         this = weakref.ref(self)
@@ -81,18 +79,18 @@ class StopSignals:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if not self._installed:
+        if self._watcher is None:
             return
         _restore_handlers(self._previous_handlers)
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         os.close(self._write_fd)  # the watcher reads end-of-file and returns
         self._watcher.join(timeout=5)
         os.close(self._read_fd)
-        self._installed = False
+        self._watcher = None
 
     def _forget_in_forked_child(self) -> None:
         """In a forked child: no watcher thread exists, and the pipe is the parent's."""
-        if not self._installed:
+        if self._watcher is None:
             return
         try:
             # The forking thread is the child's main thread (CPython re-initialises that
@@ -104,7 +102,7 @@ class StopSignals:
         for fd in (self._read_fd, self._write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._installed = False
+        self._watcher = None
 
     def _watch(self) -> None:
         while True:

@@ -23,11 +23,9 @@ log = logging.getLogger("ringtrain")
 
 
 class Evaluator:
-    """Validation of one run: when it is due and what it measures. Due at the last step, when a
-    callback asks, every eval_every_n_steps, at every eval_every_fraction of an epoch (by the
-    epoch's global position in samples: the same steps for any ranks, batch or accumulation, and
-    after a mid-epoch resume), every eval_every_minutes (rank 0's clock, agreed a step later:
-    `time_is_up`), and, when none of those is set, at each epoch's end."""
+    """Validation of one run: when it is due and what it measures. eval_every_fraction counts by
+    the epoch's global position in samples (the same steps for any ranks, batch or accumulation,
+    and after a mid-epoch resume); eval_every_minutes by rank 0's clock, agreed a step later."""
 
     def __init__(self, trainer: Any, parts: Any, task: Any, dist: DistInfo, watchdog: Watchdog):
         self.every, self.fraction, self.minutes = trainer.eval_every_n_steps, trainer.eval_every_fraction, trainer.eval_every_minutes

@@ -1,9 +1,7 @@
-"""The training loop of one rank, top to bottom in nanoGPT's order: forward, backward, clip and
-step (with the non-finite watch that decides whether the update is applied), in sight in `fit`;
-then what follows the step, as one decision says (`StepEnds.decide`), and that. Every optional
-behaviour is a callback (ringtrain/callbacks/). The components arrive built (ringtrain/run.py
-builds them from the config, ringtrain/trainer.py takes them from Python); the loop never asks
-which strategy it has: the strategy object does what differs.
+"""The training loop of one rank, in sight in `fit` in nanoGPT's order: forward, backward, clip
+and step (which the non-finite watch may skip); then what follows the step, as one decision says
+(`StepEnds.decide`). Optional behaviour is a callback; the components arrive built (run.py,
+trainer.py), and the loop never asks which strategy it has: the strategy object does what differs.
 """
 from __future__ import annotations
 
@@ -129,19 +127,16 @@ class Decision:
     stop_kind: str | None = None
 
 
-GO_ON = Decision()
 STOP_NONFINITE = Decision(stop=NONFINITE, stop_kind=NONFINITE)
 
 
 @dataclass
 class StepEnds:
     """What follows each step of one run, decided in one place (`decide`). Each component keeps
-    its own schedule and says whether it is due: the logging cadence (`logs`), `Evaluator.due`,
-    `CheckpointManager.due`, the callbacks' requests (made in their hooks), eval_every_minutes
-    (`Evaluator.time_is_up`) and stop signals. What a component says is due happens, unless the
-    decision says why not: a non-finite value stops the run first. Then the saves: every rank
-    gathers its part of the registered state and the callbacks add theirs (on_save_checkpoint);
-    callbacks hear of each save once it is on disk (a background save is, once written)."""
+    its own schedule and says whether it is due (`logs`, `Evaluator.due`, `CheckpointManager.due`,
+    the callbacks' requests, eval_every_minutes, stop signals); what is due happens, unless a
+    non-finite value stops the run first. Callbacks add their state to a save (on_save_checkpoint)
+    and hear of it once it is on disk (a background save is, once written)."""
 
     trainer: Any
     run: Run
@@ -219,7 +214,7 @@ class StepEnds:
         if save and not saving and not validate and stops_nonfinite(None):
             return STOP_NONFINITE
         run.control.validate = run.control.save = False
-        return Decision(save=save, best=best, stop=stop, stop_kind=kind) if save or stop else GO_ON
+        return Decision(save=save, best=best, stop=stop, stop_kind=kind)
 
     def save(self, step: int, best: bool) -> None:
         self.watchdog.feed(SAVING, step)

@@ -11,11 +11,8 @@ GATHER_BATCHES batches with one indexing call and splits the result into views, 
 Any other map-style Dataset goes through one torch DataLoader with the same order (through a
 sampler, so it resumes mid-epoch exactly), worker processes (`trainer.num_workers`, ...) and
 worker seeds from a generator seeded by (seed, epoch), never the global RNG dropout and resume
-depend on.
-
-Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch).
-In training, rank r of N sees every N-th sample of the single-process order (ShuffledShards), so
-DDP with per-rank batch B consumes per step what one process does with batch N*B.
+depend on. Orders are index tensors, never lists (a list of a million indices costs ~90 ms an
+epoch).
 """
 from __future__ import annotations
 
@@ -42,7 +39,8 @@ def is_stream(dataset: Dataset) -> bool:
 
 class ShuffledShards:
     """This rank's training order of each epoch: `DistributedSampler(dataset, world_size, rank,
-    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py).
+    shuffle, seed, drop_last)` with `set_epoch(epoch)`, as a tensor (tests/test_data.py): N ranks
+    of batch B train per step what one process does with batch N*B.
 
     A position in the epoch is global: `start` means the first `start` samples of the epoch's
     single-process permutation are consumed, whatever ranks or batch size consumed them (N ranks
@@ -109,6 +107,12 @@ class WorkerOptions:
     seed: int = 0
     stop_signals: tuple[str, ...] = ()  # trainer.stop_signals: the workers ignore them
 
+    def loader_arguments(self, dataset: Dataset) -> dict[str, Any]:
+        """What a map-style set's DataLoader and a stream's StatefulDataLoader take alike."""
+        return dict(num_workers=self.num_workers, pin_memory=self.pin_memory, collate_fn=collate_of(dataset),
+                    prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+                    worker_init_fn=functools.partial(ignore_stop_signals, self.stop_signals))
+
 
 def ignore_stop_signals(names: tuple[str, ...], worker_id: int) -> None:
     """A DataLoader worker's start: ignore the stop signals that torchrun (to the process group)
@@ -123,8 +127,7 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
     pin = device.type == "cuda" if trainer.pin_memory is None else trainer.pin_memory
     return WorkerOptions(
         num_workers=trainer.num_workers, pin_memory=pin, persistent_workers=trainer.persistent_workers,
-        prefetch_factor=trainer.prefetch_factor, seed=trainer.seed,
-        stop_signals=tuple(getattr(trainer, "stop_signals", ()) or ()),
+        prefetch_factor=trainer.prefetch_factor, seed=trainer.seed, stop_signals=tuple(trainer.stop_signals),
     )
 
 
@@ -168,8 +171,7 @@ class BatchLoader:
                 inputs, targets = self.dataset.get_batch(indices[first : first + chunk])
                 if pin:
                     inputs, targets = inputs.pin_memory(), targets.pin_memory()
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
+                inputs, targets = to_device((inputs, targets), self.device)
                 yield from zip(inputs.split(self.batch_size), targets.split(self.batch_size))
             return
         self._epoch_order[:] = indices.tolist()
@@ -180,11 +182,8 @@ class BatchLoader:
             w = self.workers
             self._loader = DataLoader(
                 self.dataset, batch_size=self.batch_size, sampler=self._epoch_order, drop_last=self.drop_last,
-                num_workers=w.num_workers, pin_memory=w.pin_memory, generator=self._generator,
-                collate_fn=collate_of(self.dataset),
-                persistent_workers=w.persistent_workers and w.num_workers > 0,
-                prefetch_factor=w.prefetch_factor if w.num_workers > 0 else None,
-                worker_init_fn=functools.partial(ignore_stop_signals, w.stop_signals),
+                generator=self._generator, persistent_workers=w.persistent_workers and w.num_workers > 0,
+                **w.loader_arguments(self.dataset),
             )
         for batch in self._loader:
             yield to_device(batch, self.device)

@@ -45,7 +45,7 @@ class NonFiniteWatch:
 
     def allows_update(self, step: int, detached: list[tuple[torch.Tensor, Any]], grad_norm: torch.Tensor | None) -> bool:
         """After the backward of `step` (its micro-batches' detached (loss, count)): whether to
-        apply the update. stop only notes the losses (no device op); skip reads one flag."""
+        apply the update."""
         losses = [loss for loss, _ in detached]
         if self.policy == "stop":
             self._unchecked.extend((step, loss) for loss in losses)
@@ -66,9 +66,8 @@ class NonFiniteWatch:
         return True
 
     def check(self, step: int, grad_norm: torch.Tensor | None) -> bool:
-        """stop, before values of `step` are logged, evaluated or saved: whether a loss since
-        the last check, or the update of `step` itself, was non-finite (one host sync; every
-        rank calls it, `weight_norm` may all-reduce). `grad_norm`: that of `step`, if measured."""
+        """stop: whether a loss since the last check, or the update of `step` (`grad_norm`, if
+        measured), was non-finite. Every rank calls it (`weight_norm` may all-reduce)."""
         if self.policy != "stop" or self._first_bad is not None:
             return self._first_bad is not None
         steps = [s for s, _ in self._unchecked]

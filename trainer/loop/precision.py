@@ -20,25 +20,20 @@ from ringtrain.strategies.base import NOTHING
 
 
 def set_matmul_precision(device: torch.device, tf32: bool) -> None:
-    """trainer.tf32, on CUDA only: float32 matmuls on TF32 tensor cores ("high": 10-bit mantissa
-    inputs, float32 accumulation; 7-8x an A100/H100's float32 rate) or in full float32
-    ("highest", torch's default), for precision=32 and the float32 ops left under autocast. Not
-    the newer `torch.backends.cuda.matmul.fp32_precision`: since torch 2.9 setting it alone
-    makes the legacy getter raise ("mix of the legacy and new APIs"), which inductor's
-    autotuning calls; the legacy setter keeps both views consistent, warns not in torch 2.13,
-    and is what inductor's hint recommends. cuDNN convolutions keep torch's default (TF32)
-    either way. CPUs are left alone: there "high" may switch float32 matmuls to bfloat16 passes."""
+    """trainer.tf32, on CUDA only: float32 matmuls on TF32 tensor cores ("high", 7-8x an A100/H100's
+    float32 rate) or in full float32 ("highest", torch's default). Not the newer
+    `torch.backends.cuda.matmul.fp32_precision`: set alone, it makes the legacy getter that
+    inductor's autotuning calls raise (torch >= 2.9). CPUs are left alone: there "high" may switch
+    float32 matmuls to bfloat16 passes."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
 def use_deterministic_algorithms(on: bool) -> None:
     """trainer.deterministic, as Lightning's `deterministic=True`: torch raises on an op with no
-    deterministic kernel, cuDNN picks deterministic kernels and never benchmarks, and cuBLAS gets
-    the fixed workspace its deterministic matmuls need. That setting is read when CUDA creates
-    its cuBLAS handle, so this runs on each rank before its device is set up; a value the user
-    set (":16:8" trades speed for memory) is kept. The DataLoader workers are seeded either way
-    (loop/loaders.py). Left as torch has them when off."""
+    deterministic kernel, cuDNN never benchmarks, and cuBLAS gets the fixed workspace its
+    deterministic matmuls need, read when CUDA creates its handle: so this runs on each rank before
+    its device is set up, and keeps a value the user set (":16:8" trades speed for memory)."""
     if not on:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

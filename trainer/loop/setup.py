@@ -15,7 +15,6 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from ringtrain.checkpoints.files import load_model_weights, shards_name
-from ringtrain.checkpoints.frozen_base import base_identity, load_over_base, trainable_weights
 from ringtrain.checkpoints.manager import CheckpointManager, Part
 from ringtrain.checkpoints.state_dicts import load_full_optimizer_state_dict
 from ringtrain.data.bundle import DataBundle
@@ -95,13 +94,14 @@ class TrainingParts:
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
                     checkpoints: CheckpointManager) -> TrainingParts:
-    """The parts (see the module), registered with `checkpoints`, and when the run resumes every
-    registered part restored (callbacks too)."""
+    """The parts (see the module), registered with `checkpoints`, and restored if the run resumes."""
     cfg, strategy, resumed = job.trainer, job.strategy, checkpoints.resumed
     state = resumed.state if resumed else None
     model = model.to(dist.device)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
+    if job.adapter is not None or (state is not None and "base" in state):  # most runs have no frozen base
+        from ringtrain.checkpoints.frozen_base import base_identity, load_over_base
     base = base_identity(model) if job.adapter is not None else None
     # The one load outside checkpoints.restore: full weights go into the bare model before the
     # strategy wraps, shards or compiles it (each rank its copy, nothing broadcast or resharded).
@@ -149,6 +149,8 @@ def _register(checkpoints: CheckpointManager, parts: TrainingParts, dist: DistIn
     def weights() -> dict[str, Any]:  # a save's shards go beside its step file, step-<N>.shards
         saved = parts.strategy.checkpoint_weights(model, optimizer, lambda: directory / shards_name(parts.progress.step))
         if base is not None and "model" in saved:  # the frozen base is named, not copied
+            from ringtrain.checkpoints.frozen_base import trainable_weights  # a run over a frozen base only
+
             saved = {**saved, "model": trainable_weights(model, saved["model"]), "base": base}
         return saved
 

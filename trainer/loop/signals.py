@@ -9,9 +9,8 @@ each step starts an async all-reduce of the flags on a gloo group of its own, re
 later, so no step waits and the GPU never syncs; the price is one step of lag.
 
 Why 143 (128 + SIGTERM), not 0: a stopped run is not finished, and what restarts on failure
-reads the status (torchrun --max-restarts only on non-zero, a shell `until` loop, Kubernetes
-OnFailure, SLURM RequeueExit): 143 reads as "terminated, worth retrying". One status for every
-stop signal; the log names which.
+(torchrun --max-restarts, a shell `until` loop, Kubernetes OnFailure, SLURM RequeueExit) reads
+143 as "terminated, worth retrying". One status for every stop signal; the log names which.
 """
 from __future__ import annotations
 
@@ -37,13 +36,10 @@ class StopSignals:
     """Signals are handled on a watcher thread woken through `signal.set_wakeup_fd`: CPython runs a
     Python handler only when the main thread next runs Python code, which a rank stuck in a
     collective or a long C call never does, and "exit at once" must work exactly then. The C
-    handler writes the signal number to a pipe (async-signal-safe); no logging or I/O happens in
-    a handler, so nothing re-enters a half-written stream. The Python handlers do nothing: they
-    only replace the default action (terminate, KeyboardInterrupt). Only the main thread can
-    install handlers; elsewhere this warns and does nothing. While active it owns the wakeup fd
-    (suspending asyncio's); leaving restores the previous handlers and fd. DataLoader workers
-    get signals sent to the whole process group (Ctrl-C, torchrun's killpg) and ignore the stop
-    signals (loop/loaders.py)."""
+    handler writes the signal number to a pipe (async-signal-safe), so no logging or I/O in a
+    handler re-enters a half-written stream; the Python handlers only replace the default action
+    (terminate, KeyboardInterrupt). While active it owns the wakeup fd (suspending asyncio's).
+    DataLoader workers ignore the stop signals sent to the process group (loop/loaders.py)."""
 
     def __init__(self, names: tuple[str, ...] | list[str] = ("SIGTERM", "SIGINT", "SIGUSR1"), repeat_grace_s: float = 2.0):
         self.signums = tuple(_signal_number(name) for name in names)
@@ -53,11 +49,10 @@ class StopSignals:
         self._received_at = 0.0
         self._polled_step: int | None = None
         self._lock = threading.Lock()
-        self._installed = False
         self._previous_handlers: dict[int, object] = {}
         self._previous_wakeup_fd = -1
         self._read_fd = self._write_fd = -1
-        self._watcher: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None  # while installed
 
     def poll(self, step: int) -> bool:
         """Whether a stop signal has arrived, after optimizer step `step`. Under the lock the watcher
@@ -77,7 +72,6 @@ class StopSignals:
             self._previous_handlers[signum] = signal.signal(signum, lambda signum, frame: None)
         self._watcher = threading.Thread(target=self._watch, name="ringtrain-stop-signals", daemon=True)
         self._watcher.start()
-        self._installed = True
         # A process forked meanwhile (a DataLoader worker) gets the previous handlers back, so its
         # signals never count as this one's; the hook holds no reference that keeps this alive.
         this = weakref.ref(self)
@@ -85,19 +79,18 @@ class StopSignals:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if not self._installed:
+        if self._watcher is None:
             return
         _restore_handlers(self._previous_handlers)
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         os.close(self._write_fd)  # the watcher reads end-of-file and returns
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
+        self._watcher.join(timeout=5)
         os.close(self._read_fd)
-        self._installed = False
+        self._watcher = None
 
     def _forget_in_forked_child(self) -> None:
         """In a forked child: no watcher thread exists, and the pipe is the parent's."""
-        if not self._installed:
+        if self._watcher is None:
             return
         try:
             # The forking thread is the child's main thread (CPython re-initialises that
@@ -109,7 +102,7 @@ class StopSignals:
         for fd in (self._read_fd, self._write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._installed = False
+        self._watcher = None
 
     def _watch(self) -> None:
         while True:

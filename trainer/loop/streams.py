@@ -6,9 +6,7 @@ the consumed ones.
 
 A stream has no length: the run is `trainer.max_steps` steps, and its position is the stream's
 own, not a global epoch position, so it continues exactly only on as many ranks and workers as
-saved it (the dataset may refuse more precisely: `check_resume`). It must not end: a stream
-that runs dry would leave the ranks with unequal numbers of batches. The stream's protocol,
-all of it optional but `__iter__`:
+saved it. It must not end (`batches`). The stream's protocol, all of it optional but `__iter__`:
 
     set_rank(rank, world_size)         which share of the data this rank reads
     state_dict() / load_state_dict()   its position (torchdata's protocol); without them the
@@ -19,7 +17,6 @@ all of it optional but `__iter__`:
 """
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 from collections.abc import Iterator
@@ -27,10 +24,10 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from ringtrain.data.batches import collate_of, to_device
+from ringtrain.data.batches import to_device
 from ringtrain.distributed import DistInfo
 from ringtrain.errors import ConfigError
-from ringtrain.loop.loaders import Batch, WorkerOptions, ignore_stop_signals
+from ringtrain.loop.loaders import Batch, WorkerOptions
 
 log = logging.getLogger("ringtrain")
 
@@ -49,10 +46,7 @@ class StreamLoader:
         self.dataset, self.batch_size, self.dist, self.workers = dataset, batch_size, dist, workers
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-            self.loader = StatefulDataLoader(
-                dataset, batch_size=batch_size, num_workers=workers.num_workers, collate_fn=collate_of(dataset),
-                pin_memory=workers.pin_memory, prefetch_factor=workers.prefetch_factor if workers.num_workers else None,
-                worker_init_fn=functools.partial(ignore_stop_signals, workers.stop_signals))
+            self.loader = StatefulDataLoader(dataset, batch_size=batch_size, **workers.loader_arguments(dataset))
         self._batches: Iterator[Any] | None = None
 
     def restore(self, states: list[dict[str, Any]]) -> None:

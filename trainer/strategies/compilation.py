@@ -73,10 +73,7 @@ class CompiledModel(nn.Module):
             return self.module(*args, **kwargs)
         except Exception as error:
             compile_error = error
-        # A compile error, or the model's own? Eager decides (its exception propagates; compiling stays on).
-        outputs = self._eager(*args, **kwargs)
-        self._give_up(compile_error)
-        return outputs
+        return self._fall_back(compile_error, args, kwargs)
 
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
         with torch.compiler.set_stance("force_eager"):
@@ -100,22 +97,23 @@ class CompiledModel(nn.Module):
                 except Exception as error:
                     compile_error = error
                 if compile_error is not None:
-                    # The model's own error (eager raises it too) propagates as it is.
-                    self._eager(*args, **kwargs)
-                    self._give_up(compile_error)
+                    self._fall_back(compile_error, args, kwargs)
         finally:
             with torch.no_grad():  # e.g. BatchNorm's running statistics: as if no probe ran
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)
         self.backward_checked = True
 
-    def _give_up(self, error: BaseException) -> None:
+    def _fall_back(self, error: BaseException, args: tuple, kwargs: dict) -> Any:
+        # A compile error, or the model's own? Eager decides (module docstring).
+        outputs = self._eager(*args, **kwargs)
         self.is_compiled = False
         detail = " ".join(str(error).split())[:240] or "no message"
         log.warning(
             f"trainer.compile: torch.compile failed ({type(error).__name__}: {detail}); "
             f"training continues in eager mode"
         )
+        return outputs
 
 
 def _tensors(outputs: Any) -> Iterator[torch.Tensor]:

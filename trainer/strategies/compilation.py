@@ -3,26 +3,22 @@ when compiling fails.
 
 What is compiled (`trainer.compile_scope`): `regional`, the default, compiles each of the
 model's repeated blocks (`repeated_blocks`, a Transformer's layers) and leaves the rest eager, as
-torchtitan's apply_compile and Accelerate's regional compilation do: dynamo compiles one block
-and reuses its graph for the others (it guards on the block's class and shapes, not on the
-object), so a 16-block model compiles about one block's worth of graph instead of 16
-(benchmarks/bench_compile.py: 0.37x a whole-model compile's time to the third step on CPU).
-`whole`, or a model without repeated blocks, compiles the model in one graph. Either way in place, with `nn.Module.compile` (PyTorch's
-regional-compilation recipe): no wrapper enters the module tree, so state dicts keep their
-plain keys (no `_orig_mod.`) and checkpoints load compiled or not. The model's blocks stay
-compiled after training (the Python API's model); `torch.compiler.set_stance("force_eager")`
-runs them eagerly, as evaluation does (inference mode and each new batch shape would recompile,
-which pays off only for long evaluations).
+torchtitan's apply_compile and Accelerate's regional compilation do: dynamo guards on a block's
+class and shapes, not on the object, so one block's graph serves them all (README,
+trainer.compile_scope; benchmarks/bench_compile.py). `whole`, or a model without repeated blocks,
+compiles the model in one graph. Either way in place, with `nn.Module.compile`: no wrapper enters
+the module tree, so state dicts keep their plain keys (no `_orig_mod.`) and checkpoints load
+compiled or not. Evaluation runs the compiled blocks eagerly (`torch.compiler.set_stance(
+"force_eager")`): inference mode and each new batch shape would recompile.
 
 The `CompiledModel` goes *inside* DDP, as nanoGPT and torchtitan order it: its compiled call
 runs within DDP's forward, so dynamo's DDP optimizer splits the graph at DDP's buckets and the
 all-reduce still overlaps the backward (torch 2.13's `optimize_ddp` default, shown by
-`TORCH_LOGS=ddp_graphs`; tests/test_speed_features.py). That splitting refuses buckets
-below DDP's 1 MiB first one, so strategies/ddp.py refuses `bucket_cap_mb` < 1 with compiling
-(strategies/dp.py refuses compiling altogether). Under fsdp,
-FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eagerly, breaking
-the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers them
-outside autograd): it costs one forward, and a backward that fails to compile raises.
+`TORCH_LOGS=ddp_graphs`; tests/test_speed_features.py). That splitting refuses buckets below
+DDP's 1 MiB first one, so strategies/ddp.py refuses `bucket_cap_mb` < 1 with compiling. Under
+fsdp, FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eagerly,
+breaking the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers
+them outside autograd): it costs one forward, and a backward that fails to compile raises.
 
 A wrapper around the model, because compile errors surface lazily, deep in the loop, and a
 failed compile (no C++ compiler, an op inductor cannot lower) should cost speed, not the run: a

@@ -33,13 +33,8 @@ class DDP(ProcessGroupStrategy):
         self.options = {"bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters,
                         "gradient_as_bucket_view": gradient_as_bucket_view, "static_graph": static_graph}  # DDP's own
         if not forward_sync_buffers:
-            # Syncing buffers from rank 0 in every forward is DDP's default. It is not only a rename:
-            # torch >= 2.13's forward_sync_buffers=False still broadcasts rank 0's buffers once in DDP's
-            # constructor (with the parameters), while the broadcast_buffers=False of older torch (its
-            # only name) broadcasts none, so each rank starts from the buffers it built; on 2.13 that
-            # name is deprecated (a FutureWarning). The ranks build the same model from the same seed,
-            # so the start differs only for buffers a model makes differ per rank (tests/test_distributed.py
-            # runs both on 2 ranks).
+            # Not only a rename: torch 2.13's name still copies rank 0's buffers once, at the wrap, the
+            # older one (deprecated on 2.13) none (README, DDP options; tests/test_distributed.py).
             new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             self.options["forward_sync_buffers" if new_name else "broadcast_buffers"] = False
 

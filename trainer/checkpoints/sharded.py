@@ -172,6 +172,6 @@ def _on_rank0(action, directory: Path) -> str | None:
 
 
 def _first_failure(err: dcp.CheckpointException) -> str:
-    rank, (exc, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
+    rank, (exc, _) = min(err.failures.items())  # the lowest rank that failed
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"rank {rank}: {text[:200]}"

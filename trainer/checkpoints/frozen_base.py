@@ -17,15 +17,12 @@ from ringtrain.checkpoints.files import CheckpointError
 
 
 def base_identity(model: nn.Module) -> dict[str, Any]:
-    """The frozen parameters' names, count of elements and CRC-32 (of the bare, unsharded model)."""
-    crc, tensors, elements = 0, 0, 0
-    for param in model.parameters():
-        if not param.requires_grad:
-            data = param.detach().cpu().contiguous().view(torch.uint8).numpy()
-            crc = zlib.crc32(data, crc)
-            tensors += 1
-            elements += param.numel()
-    return {"crc32": crc, "tensors": tensors, "elements": elements}
+    """The frozen parameters' count, elements and the CRC-32 of their bytes (of the bare, unsharded model)."""
+    frozen = [param for param in model.parameters() if not param.requires_grad]
+    crc = 0
+    for param in frozen:
+        crc = zlib.crc32(param.detach().cpu().contiguous().view(torch.uint8).numpy(), crc)
+    return {"crc32": crc, "tensors": len(frozen), "elements": sum(param.numel() for param in frozen)}
 
 
 def trainable_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

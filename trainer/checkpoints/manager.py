@@ -244,7 +244,10 @@ class CheckpointManager:
         removed = [entry for entry in self.directory.iterdir() if _STALE_TEMP_NAME.match(entry.name) and entry.is_file()
                    or _STALE_SHARDS_NAME.match(entry.name) and entry.is_dir()]
         for entry in removed:
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else remove_if_present(entry)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                remove_if_present(entry)
         return sorted(removed + remove_unnamed_shards(self.directory))
 
     def __enter__(self) -> "CheckpointManager":

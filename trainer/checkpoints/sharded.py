@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ringtrain.storage.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
-from ringtrain.checkpoints.state_dicts import from_rank0, optimizer_state_dict, rank, without_data_parallel
+from ringtrain.checkpoints.state_dicts import from_rank0, optimizer_state_dict, rank
 
 # What DCP's index of a directory is made of (torch 2.4-2.13): its dataclasses, torch's sizes,
 # dtypes and layouts, and the paths of its files. Nothing here runs code beyond building them.
@@ -97,7 +97,6 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     partial = directory.with_name(f".{directory.name}.partial")
     # What a crash mid-save left, gone before any rank writes; DCP makes the directory (each rank, in its plan).
     _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)
-    model = without_data_parallel(model)
     state = {"model": get_model_state_dict(model), "optimizer": optimizer_state_dict(model, optimizer)}
     try:  # DCP gathers every rank's outcome: one rank's failure raises on all of them
         with _single_process_is_intended():
@@ -119,7 +118,6 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim
     call it on every rank (or without a process group). Each rank reads what its shards need, so
     the ranks and strategy may differ from the saving run's (fsdp on 2 -> ddp, 4 ranks, or one).
     `trusted`: unpickle the directory's index whole, as DCP's own reader does."""
-    model = without_data_parallel(model)
     # Templates with this run's shapes and placement, which DCP fills in place.
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     fresh = optimizer is not None and not optimizer.state
@@ -174,6 +172,6 @@ def _on_rank0(action, directory: Path) -> str | None:
 
 
 def _first_failure(err: dcp.CheckpointException) -> str:
-    rank, (exc, _) = next(iter(sorted(err.failures.items(), key=lambda item: item[0])))
+    rank, (exc, _) = min(err.failures.items())  # the lowest rank that failed
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"rank {rank}: {text[:200]}"

@@ -31,7 +31,6 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     `module.` / `_orig_mod.`), tied weights under each name as in state_dict(); for a plain
     module, DDP, torch.compile and FSDP2. On a CPU model without FSDP they share storage with
     the live parameters: save them before the next optimizer step."""
-    model = without_data_parallel(model)
     if not distributed():
         return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -44,7 +43,7 @@ def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor])
     plain, DDP or FSDP2 model, strictly."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(without_data_parallel(model), _rank0_only(state), options=_full(loading=True))
+    set_model_state_dict(model, _rank0_only(state), options=_full(loading=True))
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -52,7 +51,6 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     "param_groups": [{..., "params": [fqn, ...]}]}, plain CPU tensors and Python values,
     loadable with torch.load(weights_only=True); a tied parameter once, under its first name.
     Before the first step the state holds DCP's zero-lr step (optimizer_state_dict): save after it."""
-    model = without_data_parallel(model)
     if distributed():
         return optimizer_state_dict(model, optimizer, _full())
     # Without a process group: optimizer.state_dict() renamed (module docstring), with CPU tensors.
@@ -88,7 +86,6 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         for group, saved in zip(optimizer.param_groups, groups or []):
             group.update({key: value for key, value in saved.items() if key != "params"})
         return
-    model = without_data_parallel(model)
     if not distributed():
         index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
         optimizer.load_state_dict({
@@ -123,12 +120,6 @@ def _rank0_only(state: dict[str, Any]) -> dict[str, Any]:
     with broadcast_from_rank0, a full state off rank 0 under DDP keeps its unprefixed keys next
     to the broadcast `module.` ones, which load_state_dict rejects (torch 2.13)."""
     return dict(state) if rank() == 0 else {}
-
-
-def without_data_parallel(model: nn.Module) -> nn.Module:
-    # DCP strips DDP's `module.` and torch.compile's `_orig_mod.` itself, but not the prefix
-    # of the single-process nn.DataParallel (strategy=dp).
-    return model.module if isinstance(model, nn.DataParallel) else model
 
 
 def distributed() -> bool:

@@ -3,26 +3,22 @@ when compiling fails.
 
 What is compiled (`trainer.compile_scope`): `regional`, the default, compiles each of the
 model's repeated blocks (`repeated_blocks`, a Transformer's layers) and leaves the rest eager, as
-torchtitan's apply_compile and Accelerate's regional compilation do: dynamo compiles one block
-and reuses its graph for the others (it guards on the block's class and shapes, not on the
-object), so a 16-block model compiles about one block's worth of graph instead of 16
-(benchmarks/bench_compile.py: 0.37x a whole-model compile's time to the third step on CPU).
-`whole`, or a model without repeated blocks, compiles the model in one graph. Either way in place, with `nn.Module.compile` (PyTorch's
-regional-compilation recipe): no wrapper enters the module tree, so state dicts keep their
-plain keys (no `_orig_mod.`) and checkpoints load compiled or not. The model's blocks stay
-compiled after training (the Python API's model); `torch.compiler.set_stance("force_eager")`
-runs them eagerly, as evaluation does (inference mode and each new batch shape would recompile,
-which pays off only for long evaluations).
+torchtitan's apply_compile and Accelerate's regional compilation do: dynamo guards on a block's
+class and shapes, not on the object, so one block's graph serves them all (README,
+trainer.compile_scope; benchmarks/bench_compile.py). `whole`, or a model without repeated blocks,
+compiles the model in one graph. Either way in place, with `nn.Module.compile`: no wrapper enters
+the module tree, so state dicts keep their plain keys (no `_orig_mod.`) and checkpoints load
+compiled or not. Evaluation runs the compiled blocks eagerly (`torch.compiler.set_stance(
+"force_eager")`): inference mode and each new batch shape would recompile.
 
 The `CompiledModel` goes *inside* DDP, as nanoGPT and torchtitan order it: its compiled call
 runs within DDP's forward, so dynamo's DDP optimizer splits the graph at DDP's buckets and the
 all-reduce still overlaps the backward (torch 2.13's `optimize_ddp` default, shown by
-`TORCH_LOGS=ddp_graphs`; tests/test_speed_features.py). That splitting refuses buckets
-below DDP's 1 MiB first one, so strategies/ddp.py refuses `bucket_cap_mb` < 1 with compiling
-(strategies/dp.py refuses compiling altogether). Under fsdp,
-FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eagerly, breaking
-the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers them
-outside autograd): it costs one forward, and a backward that fails to compile raises.
+`TORCH_LOGS=ddp_graphs`; tests/test_speed_features.py). That splitting refuses buckets below
+DDP's 1 MiB first one, so strategies/ddp.py refuses `bucket_cap_mb` < 1 with compiling. Under
+fsdp, FSDP2 shards the model first, then it is compiled; dynamo runs FSDP2's hooks eagerly,
+breaking the graph at each unit. There the backward probe reaches no parameter (FSDP2 gathers
+them outside autograd): it costs one forward, and a backward that fails to compile raises.
 
 A wrapper around the model, because compile errors surface lazily, deep in the loop, and a
 failed compile (no C++ compiler, an op inductor cannot lower) should cost speed, not the run: a
@@ -73,10 +69,7 @@ class CompiledModel(nn.Module):
             return self.module(*args, **kwargs)
         except Exception as error:
             compile_error = error
-        # A compile error, or the model's own? Eager decides (its exception propagates; compiling stays on).
-        outputs = self._eager(*args, **kwargs)
-        self._give_up(compile_error)
-        return outputs
+        return self._fall_back(compile_error, args, kwargs)
 
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
         with torch.compiler.set_stance("force_eager"):
@@ -100,22 +93,23 @@ class CompiledModel(nn.Module):
                 except Exception as error:
                     compile_error = error
                 if compile_error is not None:
-                    # The model's own error (eager raises it too) propagates as it is.
-                    self._eager(*args, **kwargs)
-                    self._give_up(compile_error)
+                    self._fall_back(compile_error, args, kwargs)
         finally:
             with torch.no_grad():  # e.g. BatchNorm's running statistics: as if no probe ran
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)
         self.backward_checked = True
 
-    def _give_up(self, error: BaseException) -> None:
+    def _fall_back(self, error: BaseException, args: tuple, kwargs: dict) -> Any:
+        # A compile error, or the model's own? Eager decides (module docstring).
+        outputs = self._eager(*args, **kwargs)
         self.is_compiled = False
         detail = " ".join(str(error).split())[:240] or "no message"
         log.warning(
             f"trainer.compile: torch.compile failed ({type(error).__name__}: {detail}); "
             f"training continues in eager mode"
         )
+        return outputs
 
 
 def _tensors(outputs: Any) -> Iterator[torch.Tensor]:

@@ -30,16 +30,19 @@ class DDP(ProcessGroupStrategy):
                          max_restarts=max_restarts, scale_lr_by_world_size=scale_lr_by_world_size)
         if bucket_cap_mb <= 0:
             raise ConfigError(f"strategy.bucket_cap_mb={bucket_cap_mb} must be positive")
-        self.bucket_cap_mb = bucket_cap_mb
         self.options = {"bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters,
                         "gradient_as_bucket_view": gradient_as_bucket_view, "static_graph": static_graph}  # DDP's own
-        self.forward_sync_buffers = forward_sync_buffers
+        if not forward_sync_buffers:
+            # Not only a rename: torch 2.13's name still copies rank 0's buffers once, at the wrap, the
+            # older one (deprecated on 2.13) none (README, DDP options; tests/test_distributed.py).
+            new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            self.options["forward_sync_buffers" if new_name else "broadcast_buffers"] = False
 
     def check(self, trainer: Any) -> None:
         super().check(trainer)
-        if trainer.compile and self.bucket_cap_mb < 1:
+        if trainer.compile and (bucket_cap_mb := self.options["bucket_cap_mb"]) < 1:
             raise ConfigError(
-                f"strategy.bucket_cap_mb={self.bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
+                f"strategy.bucket_cap_mb={bucket_cap_mb} is below DDP's first bucket (1 MiB), which "
                 f"torch.compile's DDP graph splitting refuses; use strategy.bucket_cap_mb >= 1 with trainer.compile=true"
             )
 
@@ -50,22 +53,10 @@ class DDP(ProcessGroupStrategy):
 
     def wrap(self, module: nn.Module, dist: DistInfo) -> DistributedDataParallel:
         """`module` in DDP with this strategy's options (the bare model stays `.module`)."""
-        # Syncing buffers from rank 0 in every forward is DDP's default; strategy.forward_sync_buffers
-        # =false turns it off. It is not only a rename: torch >= 2.13's forward_sync_buffers=False
-        # still broadcasts rank 0's buffers once in DDP's constructor (with the parameters), while
-        # the broadcast_buffers=False of older torch (its only name) broadcasts none, so each rank
-        # starts from the buffers it built; on 2.13 that name is deprecated (a FutureWarning). The
-        # ranks build the same model from the same seed, so the start differs only for buffers a
-        # model makes differ per rank (tests/test_distributed.py runs both on 2 ranks).
-        buffers = {}
-        if not self.forward_sync_buffers:
-            new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-            buffers = {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
         return DistributedDataParallel(
             module,
             device_ids=[dist.device.index] if dist.device.type == "cuda" else None,  # also its output's
             **self.options,
-            **buffers,
         )
 
     def no_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

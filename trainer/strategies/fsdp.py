@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,7 @@ class FSDP(ProcessGroupStrategy):
         plain = [t for t in tensors if not isinstance(t, DTensor)]
         norms = [torch.nn.utils.get_total_norm(group) for group in (sharded, plain) if group]
         norms = [norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms]
-        if len(norms) < 2:  # none: the norm of nothing
-            return norms[0] if norms else torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        return norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms)  # none: 0
 
     def inference(self, module: nn.Module) -> contextlib.AbstractContextManager:
         # Under inference_mode FSDP2 allocates its all-gather buffers as inference tensors, and the
@@ -194,9 +193,7 @@ def shard_model(model: nn.Module, device: torch.device, *, shard_classes: tuple[
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         # The model's output in float32, as autocast would give the loss: cross-entropy over
         # bf16 logits loses precision in the log-sum-exp.
-        root_options["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
-        )
+        root_options["mp_policy"] = replace(options["mp_policy"], output_dtype=torch.float32)
     # fully_shard groups the parameters not yet owned by a unit, so children go first.
     for module in units:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **options)

@@ -164,3 +164,34 @@ def test_a_trainer_reused_for_another_model_trains_it_afresh_and_resuming_is_ask
         nn.Linear(1, 1), _line_data(), _line_data(16), task=RegressionTask())
     assert continued.steps == 8
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["progress"]["step"] == 8
+
+
+def test_a_model_whose_own_child_is_called_module_resumes_whole(tmp_path):
+    """A user's model may name a child `module` (a wrapper of their own): it is saved and
+    restored as the model it is, not taken for DDP's or DataParallel's wrapper."""
+    import torch
+    from torch import nn
+
+    from ringtrain import Trainer
+    from ringtrain.data.tasks import RegressionTask
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module, self.scale = nn.Linear(1, 1), nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return self.module(x) * self.scale
+
+    def fit(run_dir, steps, resume=None):
+        torch.manual_seed(0)
+        model = Scaled()
+        Trainer(run_dir, max_steps=steps, batch_size=8, progress_bar=False, resume=resume).fit(
+            model, _line_data(), _line_data(16), task=RegressionTask())
+        return model.state_dict()
+
+    straight = fit(tmp_path / "straight", 8)
+    fit(tmp_path / "resumed", 4)
+    resumed = fit(tmp_path / "resumed", 8, resume="auto")
+    assert set(resumed) == {"module.weight", "module.bias", "scale"}
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)

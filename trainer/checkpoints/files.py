@@ -76,17 +76,6 @@ class Unusable(Exception):
         self.fix, self.damaged, self.refused = fix, damaged, refused
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP / DataParallel (`.module`) and torch.compile (`._orig_mod`)."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def step_checkpoint_name(step: int) -> str:
     """`step-00001200.pt`: zero-padded so that names sort like steps in a directory listing."""
     return f"step-{step:08d}.pt"
@@ -261,7 +250,7 @@ def _first_sentence(err: Exception) -> str:
 
 def load_model_weights(model: nn.Module, state: dict[str, Any], path: str | Path) -> None:
     try:
-        unwrap_model(model).load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
     except RuntimeError as err:
         text = " ".join(str(err).split())
         # torch lists every mismatch; the first says enough ("size mismatch for x: copying a

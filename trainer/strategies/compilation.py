@@ -48,8 +48,8 @@ def repeated_blocks(model: nn.Module) -> nn.ModuleList | None:
 
 class CompiledModel(nn.Module):
     """The model, its repeated blocks (or itself) compiled in place, with an eager fall-back.
-    The model is the only registered child, `.module`, so parameters(), train()/eval(),
-    state_dict() and `unwrap_model` see it as usual."""
+    The model is the only registered child, `.module` (as in DDP), so parameters() and
+    train()/eval() see it as usual."""
 
     def __init__(self, module: nn.Module, mode: str = "default", regional: bool = True) -> None:
         super().__init__()

@@ -22,11 +22,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ringtrain.checkpoints.files import unwrap_model
 from ringtrain.checkpoints.sharded import save_sharded
 from ringtrain.checkpoints.state_dicts import distributed
 from ringtrain.distributed import DistInfo, under_torchrun
 from ringtrain.errors import ConfigError
+from ringtrain.strategies.compilation import CompiledModel
 from ringtrain.strategies.process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class FSDP(ProcessGroupStrategy):
     def no_sync(self, module: nn.Module, enabled: bool) -> Iterator[None]:
         # A micro-batch that is not the last skips the reduce-scatter and accumulates unsharded
         # gradients locally; the last one reduces the sum.
-        sharded = unwrap_model(module)
+        sharded = module.module if isinstance(module, CompiledModel) else module
         sharded.set_requires_gradient_sync(enabled)
         try:
             yield

@@ -24,6 +24,13 @@ import hydra.main  # noqa: F401
 import omegaconf  # noqa: F401
 import torch  # noqa: F401
 
+# The path every interpreter starts with, without what Python put first for this server alone:
+# its script's folder and its own PYTHONPATH (a command's own go in their place, run_command).
+# Kept, the first command's PYTHONPATH (run_module's: the checkout) would shadow a later
+# command's imports: a user project's `data` package found as the checkout's data/ folder.
+_SERVERS_OWN = {os.path.abspath(path) for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path}
+BASE_PATH = [path for path in sys.path[1:] if os.path.abspath(path) not in _SERVERS_OWN]
+
 
 def run_command(request: dict) -> None:
     """In the child: the command, as the interpreter would have started it."""
@@ -39,11 +46,11 @@ def run_command(request: dict) -> None:
     args = request["args"]
     if request["module"]:  # python -m: the working directory first on sys.path
         sys.argv = [request["module"], *args]
-        sys.path[0:1] = [os.getcwd(), *extra_paths]
+        sys.path[:] = [os.getcwd(), *extra_paths, *BASE_PATH]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     else:  # python script.py: the script's directory first
         sys.argv = list(args)
-        sys.path[0:1] = [os.path.dirname(os.path.abspath(args[0])), *extra_paths]
+        sys.path[:] = [os.path.dirname(os.path.abspath(args[0])), *extra_paths, *BASE_PATH]
         runpy.run_path(args[0], run_name="__main__")
 
 

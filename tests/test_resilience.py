@@ -148,6 +148,7 @@ def reference(tmp_path_factory) -> References:
 # --- 1. SIGKILL, then the same command ---------------------------------------------------------
 
 
+@pytest.mark.slow  # ~20 s; the default suite's kill -9: test_async_checkpoint.py's, mid-write
 def test_sigkill_mid_epoch_then_the_same_command_ends_bit_identical(tmp_path, reference):
     args = SINGLE + [f"hydra.run.dir={tmp_path / 'run'}"]
     step = interrupt_step("single-sigkill", 1)

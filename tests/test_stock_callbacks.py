@@ -276,7 +276,7 @@ def counted_jobs(user_dir, tmp_path_factory) -> CountedJobs:
     return CountedJobs(user_dir, tmp_path_factory)
 
 
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: ~25 s
 def test_a_users_callback_keeps_counting_exactly_across_sigterm_and_the_same_command(
         counted_jobs, uninterrupted_counts, ranks):
     """The user's my_callbacks.counter.Counter, chosen by their --config-dir's callbacks/counter.yaml

@@ -127,6 +127,7 @@ class Decision:
     stop_kind: str | None = None
 
 
+GO_ON = Decision()  # most steps: shared, not a new object each step
 STOP_NONFINITE = Decision(stop=NONFINITE, stop_kind=NONFINITE)
 
 
@@ -214,7 +215,7 @@ class StepEnds:
         if save and not saving and not validate and stops_nonfinite(None):
             return STOP_NONFINITE
         run.control.validate = run.control.save = False
-        return Decision(save=save, best=best, stop=stop, stop_kind=kind)
+        return Decision(save=save, best=best, stop=stop, stop_kind=kind) if save or stop else GO_ON
 
     def save(self, step: int, best: bool) -> None:
         self.watchdog.feed(SAVING, step)

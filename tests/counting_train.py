@@ -1,6 +1,6 @@
 """train.py (or `ringtrain <tool>`, its first word the tool) that counts, per process, how often the job's config is composed (Hydra composing
-it to run it; @hydra.main also composes once with run_mode=MULTIRUN to read `hydra.mode`
-before that, its own design, counted apart as `mode_probes`), validated (ringtrain's validate)
+it to run it; @hydra.main, which a command line with flags goes through, also composes once
+with run_mode=MULTIRUN to read `hydra.mode` before that, counted apart as `mode_probes`), validated (ringtrain's validate)
 and a checkpoint read from disk (torch.load of a .pt file), and prints them as its last line:
 
     counts: rank=<rank> compositions=<n> validations=<n> checkpoint_reads=<n> [<file> ...] mode_probes=<n>

@@ -251,3 +251,24 @@ def test_submitit_launchers_compose_and_the_local_one_runs(tmp_path):
     log = (tmp_path / first["dir"] / "train.log").read_text()
     assert "resuming from" in log and "nothing to train" in log
     assert json.loads((tmp_path / "sweep_summary.json").read_text())["jobs"][0]["value"] == first["value"]
+
+
+def test_a_plain_run_keeps_hydras_callbacks_and_a_config_that_sets_multirun_sweeps(tmp_path):
+    """A command line of overrides only is run from one composition (config/app.py), not by
+    @hydra.main: the hydra.callbacks a user adds still hear the run's hooks in Hydra's order, and
+    a config whose hydra.mode is MULTIRUN is still swept without -m."""
+    (tmp_path / "heard.py").write_text(
+        "from hydra.experimental.callback import Callback\n"
+        "class Heard(Callback):\n"
+        "    def __getattribute__(self, hook):\n"
+        "        if hook.startswith('on_'):\n"
+        "            with open('hooks.txt', 'a') as out:\n"
+        "                out.write(hook + '\\n')\n"
+        "        return object.__getattribute__(self, hook)\n")
+    ok(run_cli(["+hydra.callbacks.heard._target_=heard.Heard", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+               cwd=tmp_path))
+    assert (tmp_path / "hooks.txt").read_text().split() == ["on_run_start", "on_job_start", "on_job_end", "on_run_end"]
+    assert OmegaConf.load(tmp_path / "run" / ".hydra" / "hydra.yaml").hydra.overrides.hydra[-1] == "hydra.mode=RUN"
+    ok(run_cli(["hydra.mode=MULTIRUN", "optimizer.lr=0.01,0.02", "trainer.max_steps=2", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+               cwd=tmp_path))
+    assert len(_job_dirs(tmp_path / "sweep")) == 2

@@ -1,4 +1,4 @@
-"""Every command's Hydra app (primary config conf/<name>.yaml): composed once by @hydra.main.
+"""Every command's Hydra app (primary config conf/<name>.yaml), composed once.
 
 `run_app` has Hydra raise its exception rather than print a report (HYDRA_FULL_ERROR), so that
 a composition mistake's fields (the key, the options there are) make one line naming the fix,
@@ -12,6 +12,7 @@ import functools
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,11 @@ from typing import Any
 import hydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException, SearchPathException
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import configure_log, run_job
 from hydra.experimental.callback import Callback
+from hydra.types import HydraContext, RunMode
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
@@ -127,6 +132,8 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
     app = hydra.main(version_base="1.3", config_path="pkg://ringtrain.conf", config_name=primary.name)(job)
     with exit_on_user_error():
         try:
+            if all(arg in command.overrides for arg in command.args):  # no flag (-m, --help, ...)
+                return _run_composed_once(primary.name, job, command.hydra_args(), sweep=app)
             return app()
         except (ConfigCompositionException, MissingConfigException, OverrideParseException,
                 SearchPathException, YAMLError) as err:
@@ -148,6 +155,47 @@ def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: Command
                    else f"nothing can be written in {existing} ({err.strerror})")
             raise ConfigError(f"the {key.split('.')[1]} directory {path} ({key}) cannot be created: {why}; set {key} "
                               f"to a directory you can write to") from None
+
+
+def _run_composed_once(config_name: str, task: Callable[[Any], Any], overrides: list[str], sweep: Callable[[], Any]) -> Any:
+    """`task` run as @hydra.main runs it (Hydra's logging, the run directory, hydra.callbacks) from
+    one composition: @hydra.main composes the config twice, the first time only to read
+    hydra.mode (a third of the default job's start-up). `sweep` (@hydra.main itself) runs what
+    composes only as a multirun: a config that sets hydra.mode=MULTIRUN, or a mistake to report."""
+    name = task.__module__.rpartition(".")[2]  # hydra.job.name as @hydra.main names it: the task's module
+    with hydra.initialize_config_module("ringtrain.conf", job_name=name, version_base="1.3"):
+        try:
+            cfg = hydra.compose(config_name, overrides, return_hydra_config=True)
+        except ConfigCompositionException:  # a sweep override, which that config would sweep
+            cfg = None
+        if cfg is not None and cfg.hydra.mode != RunMode.MULTIRUN:
+            if cfg.hydra.mode is None:  # the override @hydra.main adds, and records
+                cfg.hydra.mode = RunMode.RUN
+                cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+            configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+            callbacks = HydraCallbacks(cfg)
+            callbacks.on_run_start(config=cfg, config_name=config_name)
+            done = run_job(task, cfg, "hydra.run.dir", None, HydraContext(GlobalHydra.instance().config_loader(), callbacks))
+            callbacks.on_run_end(config=cfg, config_name=config_name, job_return=done)
+            return done.return_value  # the task's exception, raised
+    return sweep()
+
+
+class HydraCallbacks:
+    """The config's hydra.callbacks, told of a run as Hydra tells them: the end hooks in reverse
+    order, and a callback's exception a warning."""
+
+    def __init__(self, cfg: Any):
+        self.callbacks = [instantiate(node) for node in (cfg.hydra.callbacks or {}).values()]
+
+    def __getattr__(self, hook: str) -> Callable[..., None]:
+        def notify(**arguments: Any) -> None:
+            for callback in self.callbacks if hook.endswith("_start") else self.callbacks[::-1]:
+                try:
+                    getattr(callback, hook)(**arguments)
+                except Exception as err:
+                    warnings.warn(f"Callback {type(callback).__name__}.{hook} raised {type(err).__name__}: {err}")
+        return notify
 
 
 def register_resolvers() -> None:

@@ -86,9 +86,9 @@ def train_job(cfg: Any, command: CommandLine) -> float:
         job.group = Path(hydra.sweep.dir).name if in_sweep else None
         job.recipe = record(hydra, job.resolved)
         # The job's .hydra/ files as Hydra writes them (the run writes them once the directory is its own).
-        hydra_cfg = OmegaConf.to_container(HydraConfig.instance().cfg, enum_to_str=True)
+        hydra_cfg = HydraConfig.instance().cfg
         files = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
-                 "overrides.yaml": OmegaConf.to_yaml(hydra_cfg["hydra"]["overrides"]["task"])}
+                 "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task)}
         try:
             result = launch(job, run_dir, given=given, record=files)
             if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:

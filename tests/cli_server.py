@@ -1,7 +1,8 @@
 """The process the tests' commands are forked from (conftest.run_cli and run_module).
 
-It imports what every command imports first (torch, Hydra, OmegaConf: 1-2 s of each of the
-suite's hundreds of commands) once, and then forks a child per command. The child is a process
+It imports what every command imports first (torch, Hydra, OmegaConf, and torch._dynamo, which
+torch.optim imports as the first optimizer is built: 3-4 s of each of the suite's hundreds of
+commands) once, and then forks a child per command. The child is a process
 of its own: it takes the command's working directory, environment, arguments and standard
 streams, runs the command from its entry as `python train.py ...` or `python -m <module> ...`
 would (ringtrain and everything else it imports, imported there), and ends with the command's
@@ -23,6 +24,7 @@ import sys
 import hydra.main  # noqa: F401
 import omegaconf  # noqa: F401
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401
 
 # The path every interpreter starts with, without what Python put first for this server alone:
 # its script's folder and its own PYTHONPATH (a command's own go in their place, run_command).

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import QUIET, REPO
 from helpers import TORCHRUN
 
@@ -44,6 +46,7 @@ def test_a_job_is_composed_and_validated_once_and_its_checkpoint_read_once(tmp_p
     assert continued == {"0": (1, 1, ["last.pt"])}
 
 
+@pytest.mark.slow  # each rank runs the one process's path, above
 def test_each_torchrun_rank_composes_validates_and_reads_once(tmp_path):
     run_dir = tmp_path / "run"
     ddp = JOB + ["strategy=ddp", "trainer.batch_size=8", f"hydra.run.dir={run_dir}"]

@@ -585,6 +585,7 @@ def test_validation_at_every_quarter_of_an_epoch(tmp_path, samples, global_batch
     assert expected[:4] == ([3, 5, 8, 10] if samples == 160 else [3, 6, 8, 11])
 
 
+@pytest.mark.slow  # with the 2-rank SIGTERM case of section 1, whose job it reads; one process above
 def test_validation_at_every_quarter_of_an_epoch_on_two_ranks(counted_jobs):
     """The counted job of two ranks (batch 8 each: 10 steps an epoch, 3 epochs), stopped by
     SIGTERM mid-epoch and continued by the same command: its validations over both sessions."""

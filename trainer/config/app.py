@@ -166,7 +166,7 @@ def _run_composed_once(config_name: str, task: Callable[[Any], Any], overrides: 
     with hydra.initialize_config_module("ringtrain.conf", job_name=name, version_base="1.3"):
         try:
             cfg = hydra.compose(config_name, overrides, return_hydra_config=True)
-        except ConfigCompositionException:  # a sweep override, which that config would sweep
+        except ConfigCompositionException:  # e.g. a=1,2 without -m: @hydra.main sweeps it or says why not
             cfg = None
         if cfg is not None and cfg.hydra.mode != RunMode.MULTIRUN:
             if cfg.hydra.mode is None:  # the override @hydra.main adds, and records

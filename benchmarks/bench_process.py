@@ -11,11 +11,12 @@ untimed run of each, reading the bytecode Python wrote (`child_env`).
 
 Prints each process's wall time (best and median of N, interleaved), the ratio, and where each
 process's time goes in a marked run of each (ringtrain's: the one of N more with the least
-start-up, as the floor is the best of N): importing torch, importing ringtrain's
+start-up): importing torch, importing ringtrain's
 command, Hydra's composition (and run directory), ringtrain's check of the job, claiming the
 run directory, building the components, callbacks and loggers, the training loop, finishing
-the job, and the interpreter's own start and exit. Last, the floor under any `@hydra.main`
-program: an empty Hydra app's import and start-up, best of N.
+the job, and the interpreter's own start and exit. Last, ringtrain's start-up against the floor
+under any `@hydra.main` program, an empty Hydra app's import and start-up, run in turn with
+ringtrain's marked runs: best and median of N each.
 """
 from __future__ import annotations
 
@@ -113,16 +114,12 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
-def hydra_floor(scratch: Path, repeats: int) -> tuple[float, float]:
-    """Best seconds of (import hydra, @hydra.main up to the task) over `repeats` runs."""
+def hydra_floor(scratch: Path, run: int) -> tuple[float, float]:
+    """One run's seconds of (import hydra, @hydra.main up to the task)."""
     (scratch / "one_key.yaml").write_text("key: 1\n")
-    env = child_env()
-    runs = []
-    for i in range(repeats):
-        done = subprocess.run([sys.executable, "-c", HYDRA_FLOOR, str(scratch), f"hydra.run.dir={scratch}/floor{i}"],
-                              cwd=scratch, env=env, check=True, capture_output=True, text=True)
-        runs.append(ast.literal_eval(done.stderr.strip().splitlines()[-1]))
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+    done = subprocess.run([sys.executable, "-c", HYDRA_FLOOR, str(scratch), f"hydra.run.dir={scratch}/floor{run}"],
+                          cwd=scratch, env=child_env(), check=True, capture_output=True, text=True)
+    return ast.literal_eval(done.stderr.strip().splitlines()[-1])
 
 
 def timed(command: list[str], cwd: str) -> float:
@@ -169,12 +166,14 @@ def main() -> None:
             times["tutorial"].append(timed([sys.executable, str(tutorial)], scratch))
             subprocess.run(["rm", "-rf", str(run_dir)], check=True)
             times["ringtrain"].append(timed(ringtrain, scratch))
-        # ringtrain's marked run: the one of N with the least start-up, as the floor is the best of N.
-        marked = [timeline([sys.executable, "-c", RINGTRAIN_MARKS, f"hydra.run.dir={run_dir}{i}", "trainer.resume=null"],
-                           scratch) for i in range(args.repeats)]
+        # ringtrain's marked runs and the floor's, interleaved (the VM's pace drifts over minutes).
+        marked, floors = [], []
+        for i in range(args.repeats):
+            marked.append(timeline([sys.executable, "-c", RINGTRAIN_MARKS, f"hydra.run.dir={run_dir}{i}",
+                                    "trainer.resume=null"], scratch))
+            floors.append(hydra_floor(Path(scratch), i))
         phases = {"tutorial": timeline([sys.executable, "-c", TUTORIAL_MARKS, str(tutorial)], scratch),
-                  "ringtrain": min(marked, key=start_up)}
-        floor = hydra_floor(Path(scratch), args.repeats)
+                  "ringtrain": min(marked, key=start_up)}  # the run with the least start-up, shown
     print(f"python {sys.version.split()[0]}, {args.repeats} interleaved runs of each process")
     for name, values in times.items():
         print(f"{name:10s} best {min(values):.2f} s   median {statistics.median(values):.2f} s")
@@ -184,11 +183,12 @@ def main() -> None:
         print(f"{name}, marked run ({sum(s for _, s in steps):.2f} s):")
         for phase, seconds in steps:
             print(f"  {seconds:6.3f} s  {phase}")
-    print(f"ringtrain's start-up (its import to the loop, best of {args.repeats}): {start_up(phases['ringtrain']):.3f} s. "
-          f"Hydra's floor, an empty "
-          f"@hydra.main app (best of {args.repeats}): import hydra {floor[0]:.3f} s + up to its task "
-          f"{floor[1]:.3f} s = {sum(floor):.3f} s")
-
+    ours, floor = [start_up(run) for run in marked], [sum(run) for run in floors]
+    best_floor = min(floors, key=sum)
+    print(f"ringtrain's start-up (its import to the loop) best {min(ours):.3f} s, median {statistics.median(ours):.3f} s. "
+          f"Hydra's floor, an empty @hydra.main app (import hydra + up to its task), in turn with it: best "
+          f"{best_floor[0]:.3f} + {best_floor[1]:.3f} = {min(floor):.3f} s, median {statistics.median(floor):.3f} s. "
+          f"Above the floor: best {min(ours) - min(floor):+.3f} s, median {statistics.median(ours) - statistics.median(floor):+.3f} s")
 
 if __name__ == "__main__":
     main()

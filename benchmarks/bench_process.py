@@ -11,10 +11,10 @@ untimed run of each, reading the bytecode Python wrote (`child_env`).
 
 Prints each process's wall time (best and median of N, interleaved), the ratio, and where each
 process's time goes in a marked run of each (ringtrain's: the one of N more with the least
-start-up): importing torch, importing ringtrain's
-command, Hydra's composition (and run directory), ringtrain's check of the job, claiming the
-run directory, building the components, callbacks and loggers, the training loop, finishing
-the job, and the interpreter's own start and exit. Last, ringtrain's start-up against the floor
+start-up): importing torch, importing ringtrain's command, Hydra's composition (and run
+directory), ringtrain's check of the job, claiming the run directory, building the components,
+callbacks and loggers, the training loop, finishing the job, and the interpreter's own start
+and exit. Last, ringtrain's start-up against the floor
 under any `@hydra.main` program, an empty Hydra app's import and start-up, run in turn with
 ringtrain's marked runs: best and median of N each.
 """

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from ringtrain.distributed import DistInfo  # noqa: E402
 from ringtrain.checkpoints.manager import CheckpointManager, Part  # noqa: E402
+from ringtrain.distributed import DistInfo  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
-from ringtrain.strategies.base import Single  # noqa: E402
+from ringtrain.strategies import Single  # noqa: E402
 
 CONFIG = dict(vocab_size=8192, block_size=128, n_layers=8, n_heads=8, d_model=512, dropout=0.0)
 

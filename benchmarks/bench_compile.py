@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

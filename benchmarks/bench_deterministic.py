@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ringtrain.loop.precision import use_deterministic_algorithms
 from ringtrain.models.transformer import Transformer
+from ringtrain.strategies import use_deterministic_algorithms
 
 
 def main() -> None:

@@ -56,10 +56,10 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
+from ringtrain.callbacks.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.optim import parameter_groups  # noqa: E402
-from ringtrain.callbacks.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layers=12, n_heads=12, d_model=768)
 TINY = dict(vocab_size=256, block_size=64, n_layers=2, n_heads=2, d_model=64)
@@ -232,7 +232,7 @@ def print_profile_differences(profiles: dict) -> None:
 def ringtrain_row(setup: Setup, compile: bool, scope: str = "regional") -> "StepClock":
     from hydra import compose, initialize_config_dir
 
-    from ringtrain.callbacks.base import Callback
+    from ringtrain.callbacks import Callback
     from ringtrain.config.app import register_resolvers
     from ringtrain.config.schema import validate
     from ringtrain.run import train_rank

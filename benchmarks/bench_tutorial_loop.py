@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.optim as optim
 from torch.utils.data import DataLoader, Dataset
 
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # EmptyCallback's module, by _target_
 

@@ -5,7 +5,7 @@ or the Dataset's own `collate_fn` when it defines one (torch DataLoader's argume
 callable taking the list of samples and returning the batch, e.g. padding variable-length rows
 to the longest of the batch); the loader uses it (`collate_of`, `first_batch`). Such a Dataset
 may also say how long its batches can get, as an int `max_sequence_length`: the run holds the
-model's positions against it before the first step (config/sizes.py). The batch is one of:
+model's positions against it before the first step (config/builders.py). The batch is one of:
   * a pair of tensors `(inputs, target)`: the model is called as `model(inputs)` (ringtrain's
     own data sets, the fast path);
   * a longer tuple `(x1, x2, ..., target)`: `model(x1, x2, ...)`;

@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ringtrain.data.bundle import DataError, looked_in
+from ringtrain.data import DataError, looked_in
 from ringtrain.data.vocab import BPEVocab
 
 # The byte alphabet is the first 256 ids; a BPE vocabulary has at least one merge beyond it.

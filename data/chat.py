@@ -3,7 +3,7 @@ chat template, as causal-LM rows that train only on the tokens `train_on` select
 
     python train.py data=chat data.path=chats.jsonl data.tokenizer=my_model/ model=hf_gpt2 ...
 
-conf/data/chat.yaml builds `ChatData`, a data component (data/bundle.py). Each row of the
+conf/data/chat.yaml builds `ChatData`, a data component (data/__init__.py). Each row of the
 files (json/jsonl, parquet or csv, read as data/hf_files.py reads them) is one conversation, given
 as either
 - `messages`: a list of {role, content} (OpenAI's and Hugging Face's chat format), or
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
+from ringtrain.data import DataError, DataModule, check_positive_ints
 from ringtrain.data.hf_files import cache_key, data_files, file_format, load_rows, mapped, peek_columns
 from ringtrain.data.hf_rows import IGNORE_INDEX, RowBatches
 from ringtrain.data.packing import PackedRows

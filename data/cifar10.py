@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data import DataError, DataModule
 from ringtrain.data.transformed import TransformedImages, transformed_size
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtrain.data.bundle import DataModule, check_positive_ints
+from ringtrain.data import DataModule, check_positive_ints
 from ringtrain.data.tensors import PairDataset
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ringtrain.data.bundle import DataError, looked_in
+from ringtrain.data import DataError, looked_in
 
 # File extension -> the datasets builder that reads it.
 FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -3,7 +3,7 @@
     python train.py data=hf_rows data.path=reviews.jsonl data.tokenizer=my_tokens/tokenizer.json \
         model=... task=classification            # batches {input_ids, attention_mask, label}
 
-conf/data/hf_rows.yaml builds `HFRows`, a data component (data/bundle.py), for data that is not
+conf/data/hf_rows.yaml builds `HFRows`, a data component (data/__init__.py), for data that is not
 one token stream: a json/jsonl, parquet or csv file of records (or a .txt of lines) with a
 text and a label, or already-tokenized `input_ids` / `labels`. Each row becomes a dict of
 tensors, unpadded, and `RowBatches.collate_fn` (the DataLoader's collate, data/batches.py)
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from ringtrain.data import DataError, DataModule, check_positive_ints
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.hf_files import cache_key, check_columns, data_files, file_format, load_rows, mapped, peek_columns
 
 LABEL_COLUMNS = ("labels", "label")

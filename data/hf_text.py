@@ -4,7 +4,7 @@
     python train.py model=transformer data=hf_text data.path=corpus.jsonl \
         data.tokenizer=my_tokens/tokenizer.json [data.text_column=text] [data.val_path=val.jsonl]
 
-conf/data/hf_text.yaml builds `HFText`, a data component (data/bundle.py). Its constructor
+conf/data/hf_text.yaml builds `HFText`, a data component (data/__init__.py). Its constructor
 checks the files, the text column (from the head of the first file) and the tokenizer, and
 knows `vocab_size` from the tokenizer; `setup()` does the work, once per cache:
 
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ringtrain.data import DataError, DataModule, check_positive_ints
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.hf_files import cache_key, check_columns, data_files, file_format, load_rows, mapped
 from ringtrain.data.vocab import BPEVocab
 

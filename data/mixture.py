@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import ConcatDataset, IterableDataset
 
-from ringtrain.data.bundle import DataError, DataModule
+from ringtrain.data import DataError, DataModule
 from ringtrain.data.stream_positions import check_loader_state, reader_layout, reader_states, settings_change
 from ringtrain.data.streams import StreamText
 

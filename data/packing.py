@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from ringtrain.data.bundle import DataError
+from ringtrain.data import DataError
 
 IGNORE_INDEX = -100  # data/tasks.py's: labels that count neither in the loss nor in the metrics
 

@@ -34,12 +34,12 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from ringtrain.storage.atomic import open_atomically, write_text_atomically
 from ringtrain.data.bpe import TOKENIZER_FILE, train_bpe
 from ringtrain.data.token_file import SPLITS, token_dtype_for, write_meta
 from ringtrain.data.token_ids import file_version
 from ringtrain.data.vocab import BPEVocab, ByteVocab, CharVocab, Vocab
 from ringtrain.errors import UserError
+from ringtrain.storage import open_atomically, write_text_atomically
 
 # Text read per step: big enough that per-chunk overhead vanishes, small enough that the
 # encoded chunk (int64 ids, 8 bytes per character) stays well under a gigabyte.
@@ -131,7 +131,7 @@ def prepare_random(out_dir: str | os.PathLike, num_tokens: int, vocab_size: int,
 
 
 class _TokenDirectoryWriter:
-    """train.bin and val.bin, each replaced atomically (storage/atomic.py) when the block
+    """train.bin and val.bin, each replaced atomically (storage/__init__.py) when the block
     ends without an error, then meta.json, with each split's largest id (`max_ids`, so that
     training need not read the files to check them: data/token_ids.py); on an error nothing
     is replaced, and a directory this made is removed again."""

@@ -3,7 +3,7 @@
     python train.py model=transformer data=stream data.path='corpus/*.jsonl' \
         data.tokenizer=my_tokens/tokenizer.json trainer.max_steps=10000
 
-conf/data/stream.yaml builds `StreamText` (data/bundle.py's contract). Its constructor finds the
+conf/data/stream.yaml builds `StreamText` (data/__init__.py's contract). Its constructor finds the
 files, checks their format and text column (each Parquet footer, the first other file's head) and
 reads the tokenizer; beyond setup()'s validation slice no text is read before training: the first
 batch waits for its own documents only, however large the corpus. A document is a record's or row's `text_column`, or a
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from ringtrain.data import DataError, DataModule, check_positive_ints
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule, check_positive_ints
 from ringtrain.data.hf_files import check_columns, data_files, file_format
 from ringtrain.data.stream_positions import check_loader_state, reader_layout, reader_states, settings_change
 from ringtrain.data.tensors import SequenceDataset, windows_of

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from ringtrain.storage.atomic import open_atomically
+from ringtrain.data import DataError, DataModule, check_positive_ints, looked_in
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule, check_positive_ints, looked_in
 from ringtrain.data.tensors import SequenceDataset, windows_of
 from ringtrain.data.vocab import BPEVocab
+from ringtrain.storage import open_atomically
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _cache_path(file: Path, cache_dir: str, tokenizer: BPEVocab | None) -> Path 
 
 
 def _write_cache(cache: Path, state: dict) -> None:
-    """Atomic (ringtrain.storage.atomic), so ranks writing at once never see half a file."""
+    """Atomic (ringtrain.storage), so ranks writing at once never see half a file."""
     try:
         with open_atomically(cache) as file:
             torch.save(state, file)

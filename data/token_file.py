@@ -3,7 +3,7 @@
     ringtrain prepare_tokens input=input.txt output=~/datasets/mytext vocab=char
     python train.py model=transformer data=token_file data.path=~/datasets/mytext
 
-conf/data/token_file.yaml builds `TokenFile`, a data component (data/bundle.py): its
+conf/data/token_file.yaml builds `TokenFile`, a data component (data/__init__.py): its
 constructor checks the directory and reads meta.json (vocab_size, vocabulary), `setup()`
 opens the splits.
 
@@ -44,10 +44,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ringtrain.storage.atomic import write_text_atomically
-from ringtrain.data.bundle import DataError, DataModule, looked_in
+from ringtrain.data import DataError, DataModule, looked_in
 from ringtrain.data.token_ids import largest_token_id
 from ringtrain.data.vocab import vocab_from_state
+from ringtrain.storage import write_text_atomically
 
 TOKEN_DTYPES = ("uint16", "uint32")
 SPLITS = ("train", "val")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ringtrain.storage.atomic import write_text_atomically
+from ringtrain.storage import write_text_atomically
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ringtrain.data import token_ids
+from ringtrain.data import DataError, DataModule, looked_in, token_ids
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.bundle import DataError, DataModule, looked_in
 from ringtrain.data.token_file import META_FILE, SPLITS, check_token_directory, read_meta, window_rows
 
 log = logging.getLogger("ringtrain")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset
 
-from ringtrain.data.bundle import DataError
+from ringtrain.data import DataError
 
 Scale = Callable[[torch.Tensor], torch.Tensor]  # uint8 (N, C, H, W) -> float (N, C, H, W)
 

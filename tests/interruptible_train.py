@@ -45,7 +45,7 @@ if REPO not in sys.path:
 
 
 def _announce_and_slow_down_every_step() -> None:
-    import ringtrain.callbacks.base as callbacks
+    import ringtrain.callbacks as callbacks
 
     original = callbacks.Callbacks.call
     if getattr(original, "_interruptible", False):
@@ -83,7 +83,7 @@ def _fill_the_disk_after(limit: int) -> None:
     deleted checkpoints freed: a full file system, where a test cannot mount a small one."""
     import errno
 
-    import ringtrain.storage.atomic as atomic
+    import ringtrain.storage as atomic
     import ringtrain.checkpoints.manager as manager
 
     written = {"bytes": 0}

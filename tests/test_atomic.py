@@ -1,4 +1,4 @@
-"""A file replaced through ringtrain.storage.atomic is the old one or the new one, never debris.
+"""A file replaced through ringtrain.storage is the old one or the new one, never debris.
 
 The checkpoint-specific guarantees (full disks, one-line errors, fsync order) are in
 tests/test_checkpoint_files.py; these are the helper's own, for every other file it writes.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.storage.atomic import open_atomically, temp_name_pattern, temp_path, write_text_atomically
+from ringtrain.storage import open_atomically, temp_name_pattern, temp_path, write_text_atomically
 
 
 def test_missing_directories_are_created_and_the_file_replaced(tmp_path):

@@ -248,7 +248,7 @@ class LongLengths(Lengths):
 class FourPositions(LengthsNet):
     def __init__(self, vocab_size: int, num_classes: int):
         super().__init__(vocab_size, num_classes)
-        self.block_size = 4  # what config/sizes.py reads as the model's positions
+        self.block_size = 4  # what config/builders.py reads as the model's positions
 
 
 def test_a_dataset_that_says_its_longest_batch_is_checked_against_the_models_positions_before_work(tmp_path):

@@ -16,8 +16,8 @@ pytest.importorskip("tokenizers", reason="the hf extra (pip install 'ringtrain[h
 
 from conftest import run_module, train_in_process  # noqa: E402
 from helpers import ok  # noqa: E402
+from ringtrain.data import DataError  # noqa: E402
 from ringtrain.data.bpe import read_tokenizer, train_bpe  # noqa: E402
-from ringtrain.data.bundle import DataError  # noqa: E402
 from ringtrain.data.prepare_tokens import PrepareError, prepare_text, train_tokenizer  # noqa: E402
 from ringtrain.data.token_file import token_file  # noqa: E402
 from ringtrain.data.vocab import BPEVocab, vocab_from_state  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from ringtrain.data.bundle import DataError  # noqa: E402
+from ringtrain.data import DataError  # noqa: E402
 from ringtrain.data.chat import ChatData  # noqa: E402
 from ringtrain.data.packing import PackedRows  # noqa: E402
 from ringtrain.data.tasks import LanguageModelTask  # noqa: E402

@@ -284,7 +284,7 @@ def chat_lora_checkpoint(user, tmp_path_factory) -> Path:
 
 def export_chat(user: Path, checkpoint: Path, format: str, output: Path, **settings) -> Path:  # noqa: A002
     """`ringtrain export --config-dir <user>/conf checkpoint=... format=... output=...`, in this process."""
-    from ringtrain.tools.app import composed_job
+    from ringtrain.tools import composed_job
     from ringtrain.tools.checkpoint_model import read_checkpoint
     from ringtrain.tools.export import export
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ringtrain.data.bundle import DataError
+from ringtrain.data import DataError
 from ringtrain.data.cifar10 import CIFAR10, CLASSES, FOLDER, MEAN, STD, cifar10, download_cifar10, write_fake_cifar10
 
 

@@ -16,7 +16,7 @@ import torch
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, run_cli, train_in_process
 from helpers import TORCHRUN, free_port, ok
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 # An MLP without dropout, SGD: one process with batch 2B must equal 2 ranks with batch B each.
 # 129 validation samples: not divisible by 2, so padding would show up as double counting.

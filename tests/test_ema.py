@@ -17,7 +17,7 @@ import torch
 
 from conftest import assert_same_weights, run_cli, run_module, train_in_process
 from helpers import TORCHRUN, ok, refused
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 DECAY = 0.9
 EMA = ["callbacks=[default,ema]", f"callbacks.ema.decay={DECAY}"]

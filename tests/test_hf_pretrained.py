@@ -97,7 +97,7 @@ def _check_run(user: Path, run: Path, evaluate: bool) -> dict[str, torch.Tensor]
 
 def _export(user: Path, run: Path, name: str) -> Path:
     """`export(...)` from Python: the job composed from the checkpoint with the user's options."""
-    from ringtrain.tools.app import composed_job
+    from ringtrain.tools import composed_job
     from ringtrain.tools.checkpoint_model import read_checkpoint
     from ringtrain.tools.export import export
 

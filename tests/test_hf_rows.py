@@ -32,7 +32,7 @@ class BagOfTokens(nn.Module):
     def __init__(self, vocab_size: int, num_classes: int, width: int = 16, block_size: int | None = None):
         super().__init__()
         self.embed, self.head = nn.Embedding(vocab_size, width), nn.Linear(width, num_classes)
-        if block_size is not None:  # the longest sequence it says it takes (config/sizes.py reads it)
+        if block_size is not None:  # the longest sequence it says it takes (config/builders.py reads it)
             self.block_size = block_size
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -193,7 +193,7 @@ def test_a_classifier_trains_on_dict_batches_through_two_workers_and_resumes_exa
     # `ringtrain evaluate`'s plan and rank (in process: its Hydra app only composes their
     # arguments) rebuild the data from the checkpoint's config and pad its batches of 5 through
     # the same collate, without workers: the metrics are per-sample sums, so the run's.
-    from ringtrain.tools.app import composed_job
+    from ringtrain.tools import composed_job
     from ringtrain.tools.checkpoint_model import read_checkpoint
     from ringtrain.tools.evaluate import evaluate_worker, plan
 

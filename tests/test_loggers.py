@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 
 from conftest import CONF_DIR, compose_config, run_cli, train_in_process
 from helpers import ok
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 from ringtrain.errors import ConfigError, UserError
-from ringtrain.loggers.base import Logger, import_extra
+from ringtrain.loggers import Logger, import_extra
 from ringtrain.loggers.csv import CSVLogger
 from ringtrain.loggers.mlflow import MLflowLogger
 from ringtrain.loggers.tensorboard import TensorBoardLogger
@@ -390,7 +390,7 @@ RUN = ["trainer.max_steps=20", "trainer.log_every_n_steps=10", "trainer.eval_eve
 def _expected(run_dir: Path, config: dict) -> tuple[dict, dict]:
     """What every logger must hold: the config flattened, and final/<metric> and best/<monitor>
     as the run's metrics.json has them."""
-    from ringtrain.loggers.base import flatten
+    from ringtrain.loggers import flatten
 
     metrics = json.loads((run_dir / "metrics.json").read_text())
     final = {f"final/{name}": value for name, value in metrics["final"].items()}
@@ -434,7 +434,7 @@ def _mlflow_logged(tracking_uri: str, run_dir: Path) -> tuple[dict, dict, dict, 
 
 def _assert_each_logger_holds(run_dir: Path, config: dict, tracking_uri: str) -> None:
     """The same hyperparameters, final metrics and logged history in all four loggers."""
-    from ringtrain.loggers.base import flatten
+    from ringtrain.loggers import flatten
 
     hparams, final = _expected(run_dir, config)
     as_text = {key: str(value) for key, value in hparams.items()}

@@ -156,7 +156,7 @@ def _step_file(run: Path) -> Path:
 
 def _job(user: Path, state: dict, path: str) -> dict:
     """The job a tool composes from the checkpoint, with the user's own options (--config-dir)."""
-    from ringtrain.tools.app import composed_job
+    from ringtrain.tools import composed_job
 
     return composed_job(state, path, config_dir=user / "conf")
 
@@ -425,7 +425,7 @@ def test_evaluating_or_exporting_over_a_changed_base_directory_is_refused_in_one
     _refused(run_module("ringtrain", ["evaluate", "--config-dir", str(changed_base["conf"]), f"checkpoint={checkpoint}"],
                         cwd=folder), BASE_CHANGED)
     assert _snapshot(folder) == before  # no eval/ file
-    from ringtrain.tools.app import composed_job
+    from ringtrain.tools import composed_job
     from ringtrain.tools.checkpoint_model import read_checkpoint
 
     job = composed_job(read_checkpoint(str(checkpoint)), str(checkpoint), config_dir=changed_base["conf"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringtrain.data.bundle import DataError
+from ringtrain.data import DataError
 from ringtrain.data.packing import PackedRows, first_fit
 from ringtrain.models.transformer import Transformer
 

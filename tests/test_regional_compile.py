@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from conftest import assert_same_weights, checkpoint_weights
 from ringtrain import Trainer
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.models.transformer import Transformer
 from ringtrain.strategies.compilation import repeated_blocks

@@ -50,7 +50,7 @@ class Recorded(Dataset):
 
     def __getitem__(self, index):
         # Only what the training loader serves (torch's DataLoader fetcher calls this), not a
-        # sample read to check sizes before any work (config/sizes.py), which trains on none.
+        # sample read to check sizes before any work (config/builders.py), which trains on none.
         if self.record and sys._getframe(1).f_code.co_filename.endswith("fetch.py"):
             os.makedirs(self.record, exist_ok=True)
             name = f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.txt"

@@ -34,7 +34,7 @@ class LazyMLP(nn.Module):
 '''
 
 CALLBACKS = '''
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 
 class Fragile(Callback):
@@ -51,7 +51,7 @@ LOGGERS = '''
 import errno
 import os
 
-from ringtrain.loggers.base import Logger
+from ringtrain.loggers import Logger
 
 
 class FillsTheDisk(Logger):

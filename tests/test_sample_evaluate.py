@@ -196,7 +196,7 @@ def test_evaluate_config_is_the_checkpoints_own_changed_with_hydras_grammar(char
     assert cfg["model"] == stored["model"] and cfg["task"] == stored["task"]
     assert cfg["data"] == {**{k: v for k, v in stored["data"].items() if k != "cache_dir"}, "path": "other.txt", "extra": 1}
     assert cfg["trainer"] == {**stored["trainer"], "val_batch_size": 7}
-    assert cfg["strategy"]["_target_"] == "ringtrain.strategies.base.Single"  # strategy=auto, no torchrun
+    assert cfg["strategy"]["_target_"] == "ringtrain.strategies.Single"  # strategy=auto, no torchrun
     assert not list(tmp_path.iterdir())
 
 
@@ -262,7 +262,7 @@ def test_evaluate_multirun_writes_each_checkpoints_own_metrics(char_run, token_c
     (["checkpoint=missing.pt"], ["checkpoint='missing.pt' is not a file"]),
     (["data.pth=x"], ["data.pth is not set by this data", "+data.pth=<value>"]),
     (["~data.pth"], ["Could not delete from config. 'data.pth' does not exist"]),
-    # Messages every command shares (one Hydra app each, tools/app.py), pinned in process for
+    # Messages every command shares (one Hydra app each, tools/__init__.py), pinned in process for
     # train by test_config.py and test_user_components.py and for fsdp by test_fsdp_training.py:
     # -m slow runs them through evaluate too.
     pytest.param(["+data.path=x"], ["An item is already at 'data.path'"], marks=pytest.mark.slow),

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 from helpers import Job, free_port
 from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT
-from ringtrain.loop.signals import Agreement, StopSignals
+from ringtrain.loop.stopping import Agreement, StopSignals
 
 # Seconds a line or an exit may take: these processes do nothing slow.
 WAIT = 20
@@ -22,7 +22,7 @@ LOOP = r"""
 import logging, sys, time
 logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT
-from ringtrain.loop.signals import StopSignals
+from ringtrain.loop.stopping import StopSignals
 step_seconds, grace = float(sys.argv[1]), float(sys.argv[2])
 with StopSignals(repeat_grace_s=grace) as signals:
     signals.poll(0)
@@ -42,7 +42,7 @@ logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 import torch.distributed as dist
 from ringtrain.distributed import exit_rank, teardown_distributed
 from ringtrain.errors import STOPPED_BY_SIGNAL_EXIT
-from ringtrain.loop.signals import Agreement, StopSignals
+from ringtrain.loop.stopping import Agreement, StopSignals
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 with StopSignals() as signals:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, assert_same_weights, checkpoint_weights, compose_config, train_in_process
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 from ringtrain.config.schema import validate
 from ringtrain.errors import ConfigError
 from ringtrain.models.transformer import Transformer
@@ -334,7 +334,7 @@ def test_an_unknown_gpu_gets_no_mfu_and_one_info_line(monkeypatch, caplog):
 
 
 def test_tf32_sets_the_cuda_matmul_precision_and_leaves_the_cpu_alone():
-    from ringtrain.loop.precision import set_matmul_precision
+    from ringtrain.strategies import set_matmul_precision
 
     before = torch.get_float32_matmul_precision()
     try:

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from conftest import train_in_process
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 # Device ops a plain step (no log, no evaluation, no save) may add to the bare work of
 # forward + loss + backward + optimizer.step + zero_grad: the loss's detach (see the test).
@@ -133,7 +133,7 @@ def test_a_transformer_step_runs_a_hand_written_steps_ops_plus_the_listed_extras
 
 def _poison_gradients_at(step: int, monkeypatch) -> None:
     """NaN gradients at optimizer step `step`, whose loss stays finite: only the update is bad."""
-    from ringtrain.loop.precision import Precision
+    from ringtrain.strategies import Precision
 
     original, calls = Precision.unscale_, []
 

@@ -24,7 +24,7 @@ import torch
 
 from conftest import QUIET, REPO, run_cli, run_module, train_in_process
 from helpers import STEP_ANNOUNCEMENT, TORCHRUN, Job, assert_same_state, job_ok, ok, refused, user_package
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 WRAPPER = REPO / "tests" / "interruptible_train.py"
 
@@ -34,7 +34,7 @@ COUNTER = '''
 """A user's own callback: how often each hook ran on this rank, kept in every checkpoint."""
 import json
 
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 COUNTED = ("on_step_start", "on_step_end", "on_validation_start", "on_validation_end")
 
@@ -78,7 +78,7 @@ class Counter(Callback):
 
 LATE = '''
 """A callback whose hook is misspelt: on_validation_ended is not a hook ringtrain calls."""
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 
 class Late(Callback):
@@ -91,7 +91,7 @@ PROBE = '''
 run's on_load_checkpoint writes down what it saw to <run dir>/probe-loaded.json."""
 import json
 
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 
 
 class Probe(Callback):
@@ -507,7 +507,7 @@ def test_best_k_leaves_at_most_k_after_a_kill_9_during_a_save_and_the_k_best_onc
 
 def test_a_callback_whose_state_is_not_data_is_refused_at_the_first_save_and_nothing_unreadable_is_written(tmp_path):
     module = """
-        from ringtrain.callbacks.base import Callback
+        from ringtrain.callbacks import Callback
 
 
         class Opaque:
@@ -596,7 +596,7 @@ def test_validation_at_every_quarter_of_an_epoch_on_two_ranks(counted_jobs):
 # --- 5. one-line refusals --------------------------------------------------------------------------
 
 
-# best-k's monitor goes through the same check as early stopping's (callbacks/base.py check_monitors): -m slow.
+# best-k's monitor goes through the same check as early stopping's (callbacks/__init__.py check_monitors): -m slow.
 @pytest.mark.parametrize("setting", ["callbacks.early_stopping.monitor",
                                      pytest.param("callbacks.best_checkpoints.monitor", marks=pytest.mark.slow),
                                      "task.monitor"])

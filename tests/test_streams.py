@@ -23,8 +23,8 @@ import pyarrow.parquet  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from conftest import compose_config  # noqa: E402
+from ringtrain.data import DataError  # noqa: E402
 from ringtrain.data.bpe import train_bpe  # noqa: E402
-from ringtrain.data.bundle import DataError  # noqa: E402
 from ringtrain.data.mixture import MixedStream, StreamMixture  # noqa: E402
 from ringtrain.data.streams import StreamText  # noqa: E402
 from ringtrain.data.vocab import vocab_from_state  # noqa: E402
@@ -476,7 +476,7 @@ def test_a_jsonl_line_without_the_text_column_is_refused_with_its_file_and_line_
         take(iter(loader(data.train, workers=2)), 200)
     # torch re-raises a worker's exception with its own lines first; the last is the exception's.
     assert str(info.value).splitlines()[-1] == (
-        f"ringtrain.data.bundle.DataError: data.path: {path} line 6 (byte {offset}) has no 'text' text (it has id, body); "
+        f"ringtrain.data.DataError: data.path: {path} line 6 (byte {offset}) has no 'text' text (it has id, body); "
         f"fix the line or set data.text_column")
 
 

@@ -13,11 +13,10 @@ from torch.utils.data import DataLoader
 
 from conftest import run_cli, run_module
 from helpers import refused
-from ringtrain.data.bundle import DataError
+from ringtrain.data import DataError, token_ids
 from ringtrain.data.prepare_tokens import PrepareError, prepare_random, prepare_text
 from ringtrain.data.tensors import windows_of
 from ringtrain.data.text import encode_text
-from ringtrain.data import token_ids
 from ringtrain.data.token_file import token_file, write_meta
 from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state
 from ringtrain.errors import ConfigError
@@ -257,7 +256,7 @@ def test_each_broken_directory_is_refused_in_one_line(tmp_path, damage, message)
 
 def test_a_missing_or_unset_directory_is_refused(tmp_path, monkeypatch):
     # A relative path names the directory it was looked for in (every data set's missing path
-    # says it the same way, data/bundle.py's looked_in); an absolute one needs no such note.
+    # says it the same way, data/__init__.py's looked_in); an absolute one needs no such note.
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as error:
         token_file("nope", block_size=8)

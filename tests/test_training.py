@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_same_weights, checkpoint_weights, train_in_process
-from ringtrain.callbacks.base import Callback
+from ringtrain.callbacks import Callback
 from ringtrain.models.linear import LinearRegression
 from ringtrain.models.transformer import Transformer
 

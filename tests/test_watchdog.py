@@ -1,4 +1,4 @@
-"""The watchdog (ringtrain/loop/watchdog.py): a rank that makes no progress for
+"""The watchdog (ringtrain/loop/stopping.py): a rank that makes no progress for
 strategy.timeout_minutes ends with one line naming it, whatever it is doing.
 
 The watchdog ends its process, so each case runs in a subprocess: a tiny script for the
@@ -20,7 +20,7 @@ from helpers import Job
 # Python, as a user's Dataset.__getitem__ with a bug does.
 WATCHED = """
 import sys, time
-from ringtrain.loop.watchdog import LOADING_TRAINING_BATCHES, TRAINING, Watchdog
+from ringtrain.loop.stopping import LOADING_TRAINING_BATCHES, TRAINING, Watchdog
 timeout, grace, fed_for, every, spin_in = {timeout}, {grace}, {fed_for}, {every}, {spin_in}
 with Watchdog(timeout, rank=3, grace_s=grace, setting="strategy.timeout_minutes=x") as dog:
     until = time.monotonic() + fed_for

@@ -28,7 +28,7 @@ TOOLS = ("train", "evaluate", "sample", "consolidate", "export", "prepare_tokens
 def _interrupted_outside_training(signum, frame):
     """Ctrl-C while starting up or finishing: nothing to save, so one line instead of a
     KeyboardInterrupt traceback from whatever was being imported. Training handles SIGINT
-    itself (loop/signals.py: finish the step, save last.pt, exit 143) and restores this after."""
+    itself (loop/stopping.py: finish the step, save last.pt, exit 143) and restores this after."""
     print("interrupted by SIGINT outside training (nothing to save); exiting with status 130", file=sys.stderr)
     sys.stderr.flush()
     os._exit(128 + signal.SIGINT)
@@ -57,7 +57,7 @@ def main(tool: str | None = None) -> None:
         # `_target_: my_pkg.MyNet` imports from where you run, as `python -m` would (a console
         # script or `python train.py` puts only its own folder on the path).
         sys.path.insert(1, os.getcwd())
-        for command in commands:  # one, or a multirun's per checkpoint recipe (tools/app.py)
+        for command in commands:  # one, or a multirun's per checkpoint recipe (tools/__init__.py)
             sys.argv[:] = [program, *command.hydra_args()]  # what Hydra's own parser reads
             module.main(command)
     finally:

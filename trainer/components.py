@@ -230,7 +230,7 @@ def fits(value: Any, annotation: Any) -> bool:
     if is_node(value) or annotation is Any or annotation is inspect.Parameter.empty:
         return True
     if isinstance(value, str) and value.startswith("${data.dims."):
-        return True  # the data's size, filled when the model is built (config/sizes.py)
+        return True  # the data's size, filled when the model is built (config/builders.py)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         return any(fits(value, a) for a in args)

@@ -6,7 +6,7 @@ Exit statuses of `python train.py` (and of each rank):
   2    a mistake in the configuration or inputs, in one line, before work starts where it can be
   3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
   143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the log's
-       last line is the command that continues the run (tools/train.py; loop/signals.py
+       last line is the command that continues the run (tools/train.py; loop/stopping.py
        says why 143)
 The error bases live here, importing nothing of ringtrain, so every module can raise one and
 `exit_on_user_error` catch them all without importing those modules.

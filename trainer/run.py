@@ -15,19 +15,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.callbacks.base import Callbacks, check_monitors
+from ringtrain.callbacks import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
-from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import RunDirError
 from ringtrain.checkpoints.manager import CheckpointManager, Part, Resumed
-from ringtrain.storage.rundir import RunDirectory, forget_restart_note, leave_restart_note
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.components import build, is_node
-from ringtrain.config.builders import build_data, build_model, check_data_lengths, check_task
+from ringtrain.config.builders import build_data, build_model, check_data_lengths, check_model_sizes, check_task
 from ringtrain.config.schema import Job, gpu_preset_notice
-from ringtrain.config.sizes import check_model_sizes
-from ringtrain.data.bundle import DataBundle
+from ringtrain.data import DataBundle
 from ringtrain.data.tasks import validation_metrics
+from ringtrain.storage import json_text, write_text_atomically
+from ringtrain.storage.rundir import RunDirectory, forget_restart_note, leave_restart_note
 from ringtrain.distributed import (
     DistInfo,
     DistributedSetupError,
@@ -38,14 +37,12 @@ from ringtrain.distributed import (
     teardown_distributed,
 )
 from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, USER_ERROR_EXIT, ComponentFailed, TrainingStopped, UserError, first_to_report
-from ringtrain.loop.failures import component_name, failures_reported_as_mistakes
 from ringtrain.loop.fit import fit
 from ringtrain.loop.loaders import is_stream
-from ringtrain.loop.precision import use_deterministic_algorithms
-from ringtrain.loop.setup import set_up_training
 from ringtrain.loop.progress import FitResult
-from ringtrain.loop.signals import StopSignals
-from ringtrain.loop.watchdog import watching
+from ringtrain.loop.setup import failures_reported_as_mistakes, set_up_training
+from ringtrain.loop.stopping import StopSignals, watching
+from ringtrain.strategies import use_deterministic_algorithms
 
 log = logging.getLogger("ringtrain")
 
@@ -189,6 +186,13 @@ def _build(job: Job, dist: DistInfo, resumed: Resumed | None) -> tuple[nn.Module
             model = build(job.adapter, "adapter").apply(model)
     torch.manual_seed(cfg.seed + dist.rank)  # dropout differs per rank; the data order is the sampler's
     return model, data, task
+
+
+def component_name(node: dict | None) -> str:
+    """The component a config node builds, for the line: its _target_ (or its splits')."""
+    node = node if isinstance(node, dict) else {}
+    target = node.get("_target_") or (node.get("train") or {}).get("_target_")
+    return f" {target}" if target else ""
 
 
 def _callbacks(job: Job, dist: DistInfo) -> Callbacks:

@@ -24,14 +24,14 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.data import Dataset
 
-from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
+from ringtrain.callbacks import HOOKS, Callback, unknown_hooks
 from ringtrain.conf import composed
 from ringtrain.config.builders import check_task
 from ringtrain.config.schema import Job, TrainerConfig, check_optimization, check_options, strategy_option, trainer_config
-from ringtrain.data.bundle import DataBundle
+from ringtrain.data import DataBundle
 from ringtrain.errors import ConfigError
 from ringtrain.loop.progress import FitResult
-from ringtrain.strategies.base import Strategy
+from ringtrain.strategies import Strategy
 
 DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.01}
 _runs = itertools.count()  # this process's runs, for directory names of their own

@@ -6,9 +6,9 @@ import logging
 import math
 from pathlib import Path
 
-from ringtrain.callbacks.base import Callback, Run, monitored
-from ringtrain.storage.atomic import remove_if_present
+from ringtrain.callbacks import Callback, Run, monitored
 from ringtrain.checkpoints.files import link_checkpoint, step_checkpoint_name
+from ringtrain.storage import remove_if_present
 
 log = logging.getLogger("ringtrain")
 

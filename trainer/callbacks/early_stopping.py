@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from ringtrain.callbacks.base import Callback, Run, monitored
+from ringtrain.callbacks import Callback, Run, monitored
 
 
 class EarlyStopping(Callback):

@@ -7,7 +7,7 @@ import errno
 import logging
 from collections.abc import Iterator
 
-from ringtrain.callbacks.base import Callback, Run
+from ringtrain.callbacks import Callback, Run
 from ringtrain.errors import UserError
 
 log = logging.getLogger("ringtrain")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtrain.callbacks.base import Callback, Run, StepEnd
+from ringtrain.callbacks import Callback, Run, StepEnd
 from ringtrain.distributed import all_reduce_sum
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from ringtrain.callbacks.base import Callback, Run, StepEnd
+from ringtrain.callbacks import Callback, Run, StepEnd
 
 log = logging.getLogger("ringtrain")
 

@@ -6,7 +6,7 @@ import logging
 
 from torch.nn.parameter import UninitializedParameter
 
-from ringtrain.callbacks.base import Callback, Run, StepEnd
+from ringtrain.callbacks import Callback, Run, StepEnd
 
 log = logging.getLogger("ringtrain")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ringtrain.callbacks.base import Callback, Run, StepEnd
+from ringtrain.callbacks import Callback, Run, StepEnd
 from ringtrain.distributed import all_reduce_sum
 
 log = logging.getLogger("ringtrain")

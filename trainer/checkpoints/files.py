@@ -8,7 +8,7 @@ A checkpoint is a dict loadable with `torch.load(path, weights_only=True)`:
   layout       {"world_size", "batch_size", "accumulate_grad_batches"} it was trained in
   progress     {"step", "epoch", "samples_into_epoch", "best_metric", "skipped_steps"}
   rng          one torch RNG state per rank (CPU, and CUDA when used), in rank order
-  callbacks    each callback's state_dict, by its name (callbacks/base.py)
+  callbacks    each callback's state_dict, by its name (callbacks/__init__.py)
   job          what rebuilds the run: the option chosen in each config group and the overrides
                given (config/recipe.py), never a node that is built; None from the Python API
   config       the resolved run config as plain data, for the record only: nothing builds from it
@@ -18,7 +18,7 @@ Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.check
 beside the file (`step-<N>.shards/`, that name and no other) instead of `model` and `optimizer`,
 and `shard_checksums` holds the CRC-32 of each of its files.
 
-A file is written atomically and durably (storage/atomic.py), read with weights_only (a
+A file is written atomically and durably (storage/__init__.py), read with weights_only (a
 pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
 every zip record, which torch.load never compares: changed bytes make the file unusable like a
 truncated one, never silently wrong weights. CRC-32 catches every burst up to 32 bits and all
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.storage.atomic import fsync_directory, open_atomically, replace_atomically
 from ringtrain.errors import UserError
+from ringtrain.storage import fsync_directory, open_atomically, replace_atomically
 
 CHECKPOINT_FORMAT = 3  # 2 kept the config as nodes that were built again (before config/recipe.py)
 _REQUIRED_KEYS = ("scheduler", "progress", "rng", "job", "config", "format")  # after the weights' keys

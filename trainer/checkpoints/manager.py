@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ringtrain.storage.atomic import remove_if_present, temp_name_pattern
 from ringtrain.checkpoints.background import BackgroundWriter, detached_copy
+from ringtrain.storage import remove_if_present, temp_name_pattern
 from ringtrain.checkpoints.files import (
     BEST_NAME, CHECKPOINT_FORMAT, LAST_NAME, UNREADABLE_DIR, CheckpointError, RunDirError, Unusable, directory_checksums, link_checkpoint,
     load_checkpoint, read_checkpoint, remove_unnamed_shards, save_checkpoint, set_aside, step_checkpoint_name,

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 
-from ringtrain.storage.atomic import replace_directory
 from ringtrain.checkpoints.files import LAST_NAME, CheckpointError, write_failure_message
 from ringtrain.checkpoints.state_dicts import from_rank0, optimizer_state_dict, rank
+from ringtrain.storage import replace_directory
 
 # What DCP's index of a directory is made of (torch 2.4-2.13): its dataclasses, torch's sizes,
 # dtypes and layouts, and the paths of its files. Nothing here runs code beyond building them.

@@ -4,7 +4,7 @@ key, a wrong type, a target that does not import or take its arguments, a callba
 never calls, a missing file or device). Cheap constructions run too, so the components' own
 argument checks fire now, not after minutes of data setup and the ranks' start: the data component
 (its constructor only checks, by contract), the task, and the optimizer and schedule on a
-stand-in parameter. The rest fails as one line when built or at the first step (loop/failures.py).
+stand-in parameter. The rest fails as one line when built or at the first step (loop/setup.py).
 """
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ringtrain.components import build, check, check_built, is_node
 from ringtrain.conf import composed, option_names
-from ringtrain.config.builders import check_data, check_model, check_task, check_validation_limit
+from ringtrain.config.builders import check_data, check_model, check_task, check_validation_limit, resolve
 from ringtrain.config.recipe import record
-from ringtrain.config.sizes import resolve
-from ringtrain.data.bundle import DataBundle
+from ringtrain.data import DataBundle
 from ringtrain.errors import ConfigError
-from ringtrain.loggers.base import Logger
-from ringtrain.strategies.base import Strategy
+from ringtrain.loggers import Logger
+from ringtrain.strategies import Strategy
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -118,7 +117,7 @@ def validate(cfg: Any) -> Job:
     """Check the composed config; return the Job, or raise ConfigError on the first mistake.
     A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
     gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
-    from ringtrain.callbacks.base import HOOKS, Callback, unknown_hooks
+    from ringtrain.callbacks import HOOKS, Callback, unknown_hooks
 
     hydra = None
     if isinstance(cfg, DictConfig) and "hydra" in cfg:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ringtrain.storage.atomic import json_text, write_text_atomically
+from ringtrain.storage import json_text, write_text_atomically
 from ringtrain.storage.rundir import RECORD_SUBDIR
 
 log = logging.getLogger("ringtrain")

@@ -15,8 +15,8 @@ import csv
 import io
 from pathlib import Path
 
-from ringtrain.storage.atomic import write_text_atomically
-from ringtrain.loggers.base import Logger, final_and_best, flatten
+from ringtrain.loggers import Logger, final_and_best, flatten
+from ringtrain.storage import write_text_atomically
 
 
 class CSVLogger(Logger):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ringtrain.errors import ConfigError
-from ringtrain.loggers.base import Logger, final_and_best, flatten, import_extra
+from ringtrain.loggers import Logger, final_and_best, flatten, import_extra
 
 log = logging.getLogger("ringtrain")
 # MLflow's run status for each way a run ends.

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from ringtrain.loggers.base import Logger, flatten
+from ringtrain.loggers import Logger, flatten
 
 
 class TensorBoardLogger(Logger):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ringtrain.errors import ConfigError
-from ringtrain.loggers.base import Logger, final_and_best, import_extra
+from ringtrain.loggers import Logger, final_and_best, import_extra
 
 MODES = ("offline", "online", "disabled")
 

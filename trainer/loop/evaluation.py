@@ -10,14 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.callbacks.base import Callbacks, Run
+from ringtrain.callbacks import Callbacks, Run
 from ringtrain.data.batches import predictions
 from ringtrain.data.tasks import metrics_from_sums
 from ringtrain.distributed import DistInfo, all_reduce_sum, gather_objects
 from ringtrain.loop.loaders import BatchLoader
-from ringtrain.loop.precision import Precision
-from ringtrain.loop.watchdog import EVALUATING, LOADING_VALIDATION_BATCH, Watchdog
-from ringtrain.strategies.base import Strategy
+from ringtrain.loop.stopping import EVALUATING, LOADING_VALIDATION_BATCH, Watchdog
+from ringtrain.strategies import Precision, Strategy
 
 log = logging.getLogger("ringtrain")
 

@@ -1,11 +1,22 @@
 """What one rank trains with, set up once: the model as the strategy runs it, the loaders, the
 optimizer, the lr schedule and the precision (`TrainingParts`), restored from the checkpoint
-the run continues from, if any; and the optimizer steps' batches, epoch after epoch."""
+the run continues from, if any; and the optimizer steps' batches, epoch after epoch.
+
+A component that fails after the checks before work passed (`failures_reported_as_mistakes`)
+ends the run as a mistake in one line (exit 2), not as a traceback from inside ringtrain.
+
+Some things show only when the components run: a constructor that raises when built for real
+(a file it opens), or a model, task and data that do not fit (a shape, a dtype, a key) and fail
+the first step. Those are the user's to fix, so the line names what failed, the exception, where
+it was raised and what to check (errors.py component_failed). A process group's failure keeps
+its own line (distributed.py), and a failure after the first step its traceback.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -17,20 +28,37 @@ from torch.optim.lr_scheduler import LRScheduler
 from ringtrain.checkpoints.files import load_model_weights, shards_name
 from ringtrain.checkpoints.manager import CheckpointManager, Part
 from ringtrain.checkpoints.state_dicts import load_full_optimizer_state_dict
-from ringtrain.data.bundle import DataBundle
-from ringtrain.distributed import DistInfo, gather_objects
-from ringtrain.errors import ConfigError
+from ringtrain.data import DataBundle
+from ringtrain.distributed import DistInfo, gather_objects, is_timeout, peer_lost
+from ringtrain.errors import ComponentFailed, ConfigError, RankEnded, UserError, component_failed
 from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, is_stream, worker_options
-from ringtrain.optim import WarmupCosine, build_optimizer, build_scheduler
-from ringtrain.loop.precision import Precision, set_matmul_precision
 from ringtrain.loop.progress import Layout, Progress
-from ringtrain.loop.watchdog import LOADING_TRAINING_BATCHES, Watchdog
-from ringtrain.strategies.base import Strategy
+from ringtrain.loop.stopping import LOADING_TRAINING_BATCHES, Watchdog
+from ringtrain.optim import WarmupCosine, build_optimizer, build_scheduler
+from ringtrain.strategies import Precision, Strategy, set_matmul_precision
 
 if TYPE_CHECKING:
     from ringtrain.loop.streams import StreamLoader
 
 log = logging.getLogger("ringtrain")
+
+
+@contextlib.contextmanager
+def failures_reported_as_mistakes(what: str, fix: str, dist: DistInfo,
+                                  armed: Callable[[], bool] = lambda: True) -> Iterator[None]:
+    """An exception inside (while `armed()`) is re-raised as `what` failed: ..., `fix`."""
+    try:
+        yield
+    except RankEnded:
+        raise
+    except UserError as err:  # already one line; inside, it refuses the run (nothing of it is kept)
+        if armed() and not isinstance(err, ComponentFailed):
+            raise ComponentFailed(str(err)) from err
+        raise
+    except Exception as err:
+        if not armed() or (dist.is_distributed and (is_timeout(err) or peer_lost(err, dist.rank))):
+            raise
+        raise component_failed(what, err, fix) from err
 
 
 @dataclass

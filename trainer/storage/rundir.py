@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ringtrain.storage.atomic import write_text_atomically
 from ringtrain.distributed import env_rank, under_torchrun
+from ringtrain.storage import write_text_atomically
 
 try:
     import fcntl

@@ -12,9 +12,9 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ringtrain.errors import ConfigError
 from ringtrain.distributed import DistInfo
-from ringtrain.strategies.base import NOTHING
+from ringtrain.errors import ConfigError
+from ringtrain.strategies import NOTHING
 from ringtrain.strategies.process_group import ProcessGroupStrategy
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringtrain.errors import ConfigError
-from ringtrain.strategies.base import Strategy
 from ringtrain.distributed import DistInfo
+from ringtrain.errors import ConfigError
+from ringtrain.strategies import Strategy
 
 log = logging.getLogger(__name__)
 

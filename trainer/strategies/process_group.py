@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ringtrain.errors import ConfigError
-from ringtrain.strategies.base import Strategy
 from ringtrain.distributed import DistInfo, join_process_group, launcher_ranks, runs_on_cpu, under_torchrun
+from ringtrain.errors import ConfigError
+from ringtrain.strategies import Strategy
 
 BACKENDS = ("auto", "gloo", "nccl")
 

@@ -21,7 +21,7 @@ from ringtrain.components import build, is_node, locate
 from ringtrain.config.builders import build_model, check_model
 from ringtrain.errors import ConfigError, UserError, component_failed
 from ringtrain.models.pretrained import from_architecture
-from ringtrain.tools.app import composed_job
+from ringtrain.tools import composed_job
 
 
 def read_checkpoint(path: str, loaded: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimi
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.errors import ConfigError
 from ringtrain.optim import build_optimizer
-from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.tools import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import build_checked_model, read_checkpoint
 
 

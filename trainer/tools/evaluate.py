@@ -15,7 +15,6 @@ from typing import Any, Literal
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 
-from ringtrain.storage.atomic import json_text, write_text_atomically
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
@@ -27,9 +26,9 @@ from ringtrain.distributed import env_rank, exit_rank, teardown_distributed, und
 from ringtrain.errors import ConfigError
 from ringtrain.loop.evaluation import evaluate_parts
 from ringtrain.loop.loaders import build_val_loader, worker_options
-from ringtrain.loop.precision import Precision
-from ringtrain.strategies.base import Strategy
-from ringtrain.tools.app import prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.storage import json_text, write_text_atomically
+from ringtrain.strategies import Precision, Strategy
+from ringtrain.tools import prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model
 
 

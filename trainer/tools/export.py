@@ -20,13 +20,13 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ringtrain.storage.atomic import fsync_directory, replace_atomically, replace_directory
 from ringtrain.components import build
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
-from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
+from ringtrain.storage import fsync_directory, replace_atomically, replace_directory
+from ringtrain.tools import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
 MARK = ".ringtrain-export"  # in an exported directory, and a key of an exported file's metadata

@@ -11,7 +11,7 @@ from ringtrain.config.app import PrimaryConfig
 from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import tool_main
+from ringtrain.tools import tool_main
 
 PREPARE_TOKENS = PrimaryConfig(
     "prepare_tokens", "ringtrain prepare_tokens", usage="ringtrain prepare_tokens input=<text file> output=<token dir>",

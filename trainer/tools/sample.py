@@ -17,13 +17,13 @@ from torch import nn
 
 from ringtrain.components import build, is_node, locate
 from ringtrain.config.app import PrimaryConfig
-from ringtrain.config.sizes import position_limit
+from ringtrain.config.builders import position_limit
 from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
 from ringtrain.data.vocab import BPEVocab, CharVocab, Vocab, vocab_from_state
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
-from ringtrain.loop.precision import Precision
+from ringtrain.strategies import Precision
+from ringtrain.tools import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
 SEPARATOR = "\n---------------\n"

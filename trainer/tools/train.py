@@ -21,14 +21,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ringtrain.storage.rundir import remove_if_empty
 from ringtrain.config.app import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate
 from ringtrain.distributed import env_rank, exit_rank, under_torchrun
 from ringtrain.errors import NONFINITE_EXIT, ConfigError, TrainingStopped, UserError, exit_on_user_error
 from ringtrain.run import launch, stopped_error, sweep_value
-from ringtrain.tools.app import with_checkpoint
+from ringtrain.storage.rundir import remove_if_empty
+from ringtrain.tools import with_checkpoint
 
 log = logging.getLogger("ringtrain")
 # What a continued run decides anew rather than replays: which file it resumes from, how a

@@ -18,7 +18,7 @@ from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, Unusable, check_file_
 from ringtrain.config.app import PrimaryConfig
 from ringtrain.config.recipe import record
 from ringtrain.errors import ConfigError
-from ringtrain.tools.app import tool_main
+from ringtrain.tools import tool_main
 
 def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None = None) -> Path:
     path = Path(checkpoint)

@@ -7,7 +7,7 @@ the sharded way; this shows how much the full way gathers, and what each costs i
 
 For each world size: the same Transformer as benchmarks/bench_memory.py, sharded with FSDP2,
 2 AdamW steps (so the optimizer has its moments), then each rank saves as the training loop
-does (trainer/checkpoints/manager.py), three times, on CPU/gloo in fresh spawned processes:
+does (trainer/checkpoints/__init__.py), three times, on CPU/gloo in fresh spawned processes:
   full     full_model_state_dict + full_optimizer_state_dict (every rank takes part, rank 0
            receives), then rank 0 writes the file durably (trainer/checkpoints/files.py)
   sharded  save_sharded (trainer/checkpoints/sharded.py): every rank writes its shards, rank 0 renames
@@ -47,9 +47,9 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests")]
 
 from bench_memory import MIB, parse_arguments, train_steps  # noqa: E402
 from helpers import CheckpointStore  # noqa: E402
-from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.checkpoints.files import check_file_bytes, check_shards, directory_checksums, save_checkpoint  # noqa: E402
 from ringtrain.checkpoints.sharded import load_sharded, save_sharded  # noqa: E402
+from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.checkpoints.state_dicts import (  # noqa: E402
     full_model_state_dict,
     full_optimizer_state_dict,

@@ -7,7 +7,7 @@ thread while training goes on.
 
 One process, the Transformer of benchmarks/bench_memory.py (8 layers x 512, vocab 8192:
 29.5 M parameters, fp32, AdamW, so a checkpoint holds weights and two moments, ~340 MiB). The
-real `CheckpointManager.save` (trainer/checkpoints/manager.py) with the single strategy's
+real `CheckpointManager.save` (trainer/checkpoints/__init__.py) with the single strategy's
 state gathering, in a temporary directory (keep_last_k=1).
 Between two saves, `--steps` training steps on random tokens (the time a background write has;
 a save that comes before the previous write finished waits for it, and that wait is counted
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from ringtrain.checkpoints.manager import CheckpointManager, Part  # noqa: E402
+from ringtrain.checkpoints import CheckpointManager, Part  # noqa: E402
 from ringtrain.distributed import DistInfo  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.strategies import Single  # noqa: E402

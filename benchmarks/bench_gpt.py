@@ -233,7 +233,7 @@ def ringtrain_row(setup: Setup, compile: bool, scope: str = "regional") -> "Step
     from hydra import compose, initialize_config_dir
 
     from ringtrain.callbacks import Callback
-    from ringtrain.config.app import register_resolvers
+    from ringtrain.config import register_resolvers
     from ringtrain.config.schema import validate
     from ringtrain.run import train_rank
 

@@ -114,7 +114,7 @@ class EmptyCallback(Callback):
 def ringtrain_default_job(*overrides: str) -> tuple[float, float, float]:
     from hydra import compose, initialize_config_dir
 
-    from ringtrain.config.app import register_resolvers
+    from ringtrain.config import register_resolvers
     from ringtrain.config.schema import validate
     from ringtrain.run import train_rank
 

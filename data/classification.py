@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtrain.data import DataModule, check_positive_ints
-from ringtrain.data.tensors import PairDataset
+from ringtrain.data import DataModule, PairDataset, check_positive_ints
 
 
 class ClassificationData(DataModule):

@@ -16,7 +16,7 @@ knows `vocab_size` from the tokenizer; `setup()` does the work, once per cache:
    memory-mapped file (`TokenStream`); the first (1 - val_fraction) of the tokens train and
    the rest validate, or `val_path`'s files validate.
 
-Samples are the windows `data.tensors.windows_of` cuts from a stream: window i is the
+Samples are the windows `data.windows_of` cuts from a stream: window i is the
 seq_len + 1 tokens from token i * seq_len, (inputs, targets) = (window[:-1], window[1:]),
 what the built-in language_model task reads. The windows are a plain map-style Dataset
 without `get_batch`, so they go through torch's DataLoader with `trainer.num_workers`

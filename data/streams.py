@@ -8,7 +8,7 @@ files, checks their format and text column (each Parquet footer, the first other
 reads the tokenizer; beyond setup()'s validation slice no text is read before training: the first
 batch waits for its own documents only, however large the corpus. A document is a record's or row's `text_column`, or a
 .txt line; null or "" is none. The documents' ids, each then the end-of-text id (`eot_token`, added
-to the tokenizer when it lacks it), are one token stream cut as data/tensors.py `windows_of` cuts
+to the tokenizer when it lacks it), are one token stream cut as data/__init__.py `windows_of` cuts
 one: seq_len + 1 tokens, each window's last the next one's first; a sample is (w[:-1], w[1:]).
 
 `train` (`TextStream`) is an infinite IterableDataset that cycles over the files, counting epochs.
@@ -44,11 +44,10 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from ringtrain.data import DataError, DataModule, check_positive_ints
+from ringtrain.data import DataError, DataModule, SequenceDataset, check_positive_ints, windows_of
 from ringtrain.data.bpe import read_tokenizer
 from ringtrain.data.hf_files import check_columns, data_files, file_format
 from ringtrain.data.stream_positions import check_loader_state, reader_layout, reader_states, settings_change
-from ringtrain.data.tensors import SequenceDataset, windows_of
 from ringtrain.data.vocab import BPEVocab
 
 EOT_TOKEN = "<|endoftext|>"

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ringtrain.data import DataError, DataModule, check_positive_ints, looked_in
+from ringtrain.data import DataError, DataModule, SequenceDataset, check_positive_ints, looked_in, windows_of
 from ringtrain.data.bpe import read_tokenizer
-from ringtrain.data.tensors import SequenceDataset, windows_of
 from ringtrain.data.vocab import BPEVocab
 from ringtrain.storage import open_atomically
 

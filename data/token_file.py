@@ -19,7 +19,7 @@ Every id is checked against vocab_size before training (data/token_ids.py: each 
 once, a chunk at a time, and what it found kept). Beyond that, neither file is ever read whole: a batch reads only its own windows, so a corpus of many
 gigabytes trains with a resident set of a few hundred megabytes, and the ranks of a DDP job
 share one copy of the file in the page cache. Samples are the windows
-`data.tensors.windows_of` makes: window i is the block_size + 1 tokens starting at token
+`data.windows_of` makes: window i is the block_size + 1 tokens starting at token
 i * block_size, so consecutive windows share one token and every token is a target exactly
 once.
 

@@ -12,7 +12,7 @@ if it holds meta.json, and each subdirectory that does. Two kinds of shard:
 - ringtrain's token directories (data/token_file.py: train.bin, val.bin, meta.json): several
   of them, one per source say, make one corpus; each gives one shard to each split.
 
-Samples are data/tensors.py `windows_of`'s windows, each within one shard: window j of a
+Samples are data/__init__.py `windows_of`'s windows, each within one shard: window j of a
 shard is its seq_len + 1 tokens from token j * seq_len. A split numbers its shards' windows
 one shard after the other, in path order, and finds sample i's shard by a binary search in
 the cumulative counts, so the trainer's order (a permutation of the split, loop/loaders.py

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtrain.data import DataModule, check_positive_ints
-from ringtrain.data.tensors import SequenceDataset
+from ringtrain.data import DataModule, SequenceDataset, check_positive_ints
 
 
 def markov_sequences(

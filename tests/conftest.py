@@ -42,7 +42,7 @@ QUIET = ["trainer.progress_bar=false"]
 def compose_config(overrides: list[str], hydra: bool = False):
     """conf/train.yaml composed with `overrides`; `hydra`: with Hydra's settings, from which
     validate() takes the job's recipe (config/recipe.py), as a command's job has it."""
-    from ringtrain.config.app import register_resolvers
+    from ringtrain.config import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -30,7 +30,7 @@ class CheckpointStore:
 
         import torch
 
-        from ringtrain.checkpoints.manager import CheckpointManager
+        from ringtrain.checkpoints import CheckpointManager
         from ringtrain.distributed import DistInfo
 
         trainer = SimpleNamespace(keep_last_k=keep_last_k, checkpoint=True, checkpoint_every_n_steps=0,
@@ -39,7 +39,7 @@ class CheckpointStore:
         self.directory, self.last, self.best = Path(directory), Path(directory) / "last.pt", Path(directory) / "best.pt"
 
     def save(self, state: dict, step: int, best: bool) -> None:
-        from ringtrain.checkpoints.manager import Part
+        from ringtrain.checkpoints import Part
 
         self.manager.register(given=Part(lambda: state, spread=True))  # its keys are the file's
         self.manager.save(step, best)

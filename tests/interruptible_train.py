@@ -84,7 +84,7 @@ def _fill_the_disk_after(limit: int) -> None:
     import errno
 
     import ringtrain.storage as atomic
-    import ringtrain.checkpoints.manager as manager
+    import ringtrain.checkpoints as manager
 
     written = {"bytes": 0}
     original_write, original_remove = atomic._ErrorRecordingWriter.write, atomic.remove_if_present
@@ -138,7 +138,7 @@ def _slow_down_step_file_writes(from_step: int, seconds: float) -> None:
 def _record_restored_state(path: str) -> None:
     import torch
 
-    from ringtrain.checkpoints.manager import CheckpointManager
+    from ringtrain.checkpoints import CheckpointManager
 
     original = CheckpointManager.restore
 

@@ -184,7 +184,7 @@ def test_a_full_disk_during_a_background_write_stops_every_rank_with_one_line_an
 def test_an_exception_waits_for_the_write_in_flight_before_leaving_the_checkpointer(tmp_path):
     from types import SimpleNamespace
 
-    from ringtrain.checkpoints.manager import CheckpointManager, Part
+    from ringtrain.checkpoints import CheckpointManager, Part
     from ringtrain.distributed import DistInfo
 
     trainer = SimpleNamespace(keep_last_k=1, async_checkpoint=True, checkpoint=True, checkpoint_every_n_steps=0)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import CheckpointStore, remove_stale_temp_files
+from ringtrain.checkpoints import find_resumable
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, save_checkpoint, shards_name
-from ringtrain.checkpoints.manager import find_resumable
 from ringtrain.checkpoints.sharded import load_sharded, save_sharded
 
 
@@ -421,8 +421,8 @@ def test_a_sharded_save_where_no_directory_can_be_made_is_one_line(tmp_path):
 
 def _trained(optimizer_name: str):
     """A Transformer with tied weights and AdamW groups (or SGD with momentum), two steps in."""
-    from ringtrain.optim import parameter_groups
     from ringtrain.models.transformer import Transformer
+    from ringtrain.optim import parameter_groups
 
     torch.manual_seed(0)
     model = Transformer(vocab_size=16, block_size=8, n_layers=2, d_model=16, n_heads=2)

@@ -19,7 +19,7 @@ from conftest import run_cli, run_module, train_in_process
 from helpers import CheckpointStore, corrupt_file_bytes, corrupt_tensor_bytes, refused
 from ringtrain.checkpoints.files import (CHECKPOINT_FORMAT, UNREADABLE_DIR, CheckpointError, Unusable, load_checkpoint,
                                          read_checkpoint, set_aside, shards_name)
-from ringtrain.checkpoints.manager import find_resumable
+from ringtrain.checkpoints import find_resumable
 from ringtrain.checkpoints.sharded import save_sharded
 
 

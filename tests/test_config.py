@@ -255,7 +255,7 @@ def test_cli_bad_value_exits_2_with_one_line_before_any_work(tmp_path, args, lin
 def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
     """train's Hydra app run in this process on `args` as its command line: the one line it
     exits 2 with. Composition mistakes never reach `task`."""
-    from ringtrain.config.app import TRAIN, CommandLine, run_app
+    from ringtrain.config import TRAIN, CommandLine, run_app
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", ["ringtrain", *args])
@@ -310,7 +310,7 @@ def test_command_line_mistakes_are_one_line_from_hydras_own_exception(args, mess
 
 
 def test_valid_runs_and_sweeps_compose(tmp_path):
-    from ringtrain.config.app import TRAIN, CommandLine, run_app
+    from ringtrain.config import TRAIN, CommandLine, run_app
 
     composed = []
     for args in (["model=transformer", "model.d_model=64", "trainer.max_steps=5"],

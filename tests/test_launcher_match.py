@@ -125,7 +125,7 @@ def test_one_rank_of_torchrun_keeps_one_process_strategies(monkeypatch):
 def test_a_self_launched_run_continues_under_torchrun_on_torchruns_ranks(tmp_path, monkeypatch):
     """A checkpoint of `ringtrain strategy=ddp strategy.nproc_per_node=3` records that 3; continued
     under torchrun, torchrun's ranks decide, unless the command line types another number."""
-    from ringtrain.config.app import CommandLine
+    from ringtrain.config import CommandLine
     from ringtrain.config.schema import validate
     from ringtrain.tools.train import prepare
 

@@ -549,7 +549,7 @@ def test_resume_from_a_path_alone_continues_that_run_in_its_own_directory(tmp_pa
 
     # The checkpoint's options are replayed before the command line, so a key only they have is an
     # override like any other (it used to fail: "not a setting of this data").
-    from ringtrain.config.app import CommandLine
+    from ringtrain.config import CommandLine
     from ringtrain.tools.train import prepare
 
     args = [f"trainer.resume={last}", "data.num_val_tokens=2000"]

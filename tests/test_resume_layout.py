@@ -261,7 +261,7 @@ def test_an_epochs_rest_without_a_full_batch_moves_on_and_the_cosine_ends_with_t
 def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tmp_path, caplog, monkeypatch):
     """SIGTERM while a continued run reads its checkpoint (in another layout): it ends before
     training anything, saves nothing new, and says where the run stands."""
-    import ringtrain.checkpoints.manager as manager_module
+    import ringtrain.checkpoints as manager_module
 
     train_in_process(LINE + ["trainer.max_steps=5"], tmp_path / "first")
     last = tmp_path / "first" / "checkpoints" / "last.pt"
@@ -291,7 +291,7 @@ def test_a_stop_signal_while_the_checkpoint_loads_stops_before_the_first_step(tm
 ])
 def test_the_exit_line_of_a_stopped_run_says_only_what_was_saved(steps, checkpoint, said):
     """The last line of a stopped run (its exit 143) never claims a last.pt that was not written."""
-    from ringtrain.loop.progress import FitResult
+    from ringtrain.loop import FitResult
     from ringtrain.run import stopped_error
 
     result = FitResult(metrics={}, monitor="val/loss", mode="min", best_metric=None, steps=steps,

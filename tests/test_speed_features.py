@@ -379,7 +379,7 @@ def test_the_lm_loss_copies_no_logits_unless_asked_and_keeps_a_float32_loss(monk
 
 
 def test_batches_are_pinned_before_their_non_blocking_copy_on_cuda(monkeypatch):
-    from ringtrain.data.tensors import PairDataset
+    from ringtrain.data import PairDataset
     from ringtrain.loop.loaders import WorkerOptions, build_train_loader
 
     events: list[str] = []

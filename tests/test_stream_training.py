@@ -191,7 +191,7 @@ def test_a_streams_position_round_trips_through_a_checkpoint_with_every_other_pa
     """data=stream with two DataLoader workers, started again by the same command: right after
     the restore, every part registered with the CheckpointManager, the stream's position
     (data_stream) among them, holds what the checkpoint it was restored from holds."""
-    from ringtrain.checkpoints.manager import CheckpointManager
+    from ringtrain.checkpoints import CheckpointManager
 
     common = SMALL_LM + ["data=stream", f"data.path={corpus / 'web.jsonl'}", f"data.tokenizer={corpus / 'tokenizer.json'}",
                          "data.val_documents=20", "data.piece_bytes=2048", "trainer.num_workers=2", "trainer.max_steps=5"]

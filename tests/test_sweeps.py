@@ -168,8 +168,8 @@ def test_ddp_inside_a_sweep_runs_each_job_as_its_own_two_process_job(tmp_path):
 
 
 def test_a_diverged_job_is_the_worst_value_never_nan():
+    from ringtrain.loop import FitResult
     from ringtrain.run import sweep_value
-    from ringtrain.loop.progress import FitResult
 
     def result(value, mode):
         return FitResult({"val/x": value}, "val/x", mode, None, 1, 0.0)
@@ -209,7 +209,7 @@ def test_optuna_direction_follows_the_task_metric():
     from omegaconf import OmegaConf
 
     from conftest import CONF_DIR
-    from ringtrain.config.app import register_resolvers
+    from ringtrain.config import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -254,7 +254,7 @@ def test_submitit_launchers_compose_and_the_local_one_runs(tmp_path):
 
 
 def test_a_plain_run_keeps_hydras_callbacks_and_a_config_that_sets_multirun_sweeps(tmp_path):
-    """A command line of overrides only is run from one composition (config/app.py), not by
+    """A command line of overrides only is run from one composition (config/__init__.py), not by
     @hydra.main: the hydra.callbacks a user adds still hear the run's hooks in Hydra's order, and
     a config whose hydra.mode is MULTIRUN is still swept without -m."""
     (tmp_path / "heard.py").write_text(

@@ -13,9 +13,8 @@ from torch.utils.data import DataLoader
 
 from conftest import run_cli, run_module
 from helpers import refused
-from ringtrain.data import DataError, token_ids
+from ringtrain.data import DataError, token_ids, windows_of
 from ringtrain.data.prepare_tokens import PrepareError, prepare_random, prepare_text
-from ringtrain.data.tensors import windows_of
 from ringtrain.data.text import encode_text
 from ringtrain.data.token_file import token_file, write_meta
 from ringtrain.data.vocab import ByteVocab, CharVocab, vocab_from_state

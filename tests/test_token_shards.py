@@ -12,8 +12,7 @@ import torch
 
 from conftest import assert_same_weights, checkpoint_weights, run_cli
 from helpers import ok, refused
-from ringtrain.data import DataError, token_ids, token_shards
-from ringtrain.data.tensors import windows_of
+from ringtrain.data import DataError, token_ids, token_shards, windows_of
 from ringtrain.data.token_shards import ShardWindows, TokenShards
 from ringtrain.loop.loaders import ShuffledShards, build_train_loader
 

@@ -104,7 +104,7 @@ def test_checkpoints_hold_plain_data_and_load_into_a_bare_model(tmp_path):
 
 
 def test_checkpoint_every_n_steps_saves_last_between_evaluations(tmp_path, monkeypatch):
-    from ringtrain.checkpoints.manager import CheckpointManager
+    from ringtrain.checkpoints import CheckpointManager
 
     saved = []
     original_save = CheckpointManager.save

@@ -47,7 +47,7 @@ def main(tool: str | None = None) -> None:
     elif tool is None and args:
         _refuse_a_mistyped_command(args[0])
     try:
-        from ringtrain.config.app import CommandLine
+        from ringtrain.config import CommandLine
         from ringtrain.errors import exit_on_user_error
 
         module = importlib.import_module(f"ringtrain.tools.{tool or 'train'}")

@@ -17,8 +17,8 @@ from torch import nn
 
 from ringtrain.callbacks import Callbacks, check_monitors
 from ringtrain.callbacks.loggers import Loggers
+from ringtrain.checkpoints import CheckpointManager, Part, Resumed
 from ringtrain.checkpoints.files import RunDirError
-from ringtrain.checkpoints.manager import CheckpointManager, Part, Resumed
 from ringtrain.checkpoints.state_dicts import full_model_state_dict
 from ringtrain.components import build, is_node
 from ringtrain.config.builders import build_data, build_model, check_data_lengths, check_model_sizes, check_task
@@ -37,9 +37,9 @@ from ringtrain.distributed import (
     teardown_distributed,
 )
 from ringtrain.errors import NONFINITE_EXIT, STOPPED_BY_SIGNAL_EXIT, USER_ERROR_EXIT, ComponentFailed, TrainingStopped, UserError, first_to_report
+from ringtrain.loop import FitResult
 from ringtrain.loop.fit import fit
 from ringtrain.loop.loaders import is_stream
-from ringtrain.loop.progress import FitResult
 from ringtrain.loop.setup import failures_reported_as_mistakes, set_up_training
 from ringtrain.loop.stopping import StopSignals, watching
 from ringtrain.strategies import use_deterministic_algorithms

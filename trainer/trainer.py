@@ -30,7 +30,7 @@ from ringtrain.config.builders import check_task
 from ringtrain.config.schema import Job, TrainerConfig, check_optimization, check_options, strategy_option, trainer_config
 from ringtrain.data import DataBundle
 from ringtrain.errors import ConfigError
-from ringtrain.loop.progress import FitResult
+from ringtrain.loop import FitResult
 from ringtrain.strategies import Strategy
 
 DEFAULT_OPTIMIZER = {"_target_": "torch.optim.SGD", "lr": 0.01}

@@ -74,7 +74,7 @@ class Loggers(Callback):
 def _writing(key: str, run: Run | None) -> Iterator[None]:
     """A logger's write that fails on the file system (a full disk, a store gone) ends the run in
     one line naming the logger and the fix, not in its library's tracebacks; the checkpoints
-    saved so far are untouched (a save in flight completes: checkpoints/manager.py)."""
+    saved so far are untouched (a save in flight completes: checkpoints/__init__.py)."""
     try:
         yield
     except OSError as err:

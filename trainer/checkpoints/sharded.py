@@ -1,6 +1,6 @@
 """Sharded checkpoints (strategy.state_dict_type=sharded): each rank writes its own shards
 with torch.distributed.checkpoint, nothing gathered, so a model too large for one rank's memory
-still saves. CheckpointManager (checkpoints/manager.py) keeps the rest of the state in a small
+still saves. CheckpointManager (checkpoints/__init__.py) keeps the rest of the state in a small
 step-<N>.pt beside the shards directory, written only once the directory is complete.
 
 The shards are written synchronously even with trainer.async_checkpoint, not with DCP's

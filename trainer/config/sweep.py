@@ -1,5 +1,5 @@
 """What a multirun leaves behind: one summary of every job, naming the best. Once every job has
-finished, whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/app.py,
+finished, whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/__init__.py,
 conf/train.yaml's hydra.callbacks) in the launching process, which imports this module; it
 collects each job's metrics.json into `<sweep dir>/sweep_summary.json` and logs one line per
 job, best first.

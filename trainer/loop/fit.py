@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from ringtrain.callbacks import Callbacks, Run, StepEnd
-from ringtrain.checkpoints.manager import CheckpointManager
+from ringtrain.checkpoints import CheckpointManager
 from ringtrain.data.batches import counted, samples_in, split_batch, summed_training_loss, training_loss
 from ringtrain.distributed import DistInfo, all_reduce_sum
+from ringtrain.loop import FitResult
 from ringtrain.loop.evaluation import Evaluator
 from ringtrain.loop.nonfinite import NonFiniteWatch
-from ringtrain.loop.progress import FitResult
 from ringtrain.loop.setup import TrainingParts, failures_reported_as_mistakes
 from ringtrain.loop.stopping import SAVING, TRAINING, Agreement, StopSignals, Watchdog
 

@@ -25,14 +25,14 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from ringtrain.checkpoints import CheckpointManager, Part
 from ringtrain.checkpoints.files import load_model_weights, shards_name
-from ringtrain.checkpoints.manager import CheckpointManager, Part
 from ringtrain.checkpoints.state_dicts import load_full_optimizer_state_dict
 from ringtrain.data import DataBundle
 from ringtrain.distributed import DistInfo, gather_objects, is_timeout, peer_lost
 from ringtrain.errors import ComponentFailed, ConfigError, RankEnded, UserError, component_failed
+from ringtrain.loop import Layout, Progress
 from ringtrain.loop.loaders import Batch, BatchLoader, build_train_loader, build_val_loader, is_stream, worker_options
-from ringtrain.loop.progress import Layout, Progress
 from ringtrain.loop.stopping import LOADING_TRAINING_BATCHES, Watchdog
 from ringtrain.optim import WarmupCosine, build_optimizer, build_scheduler
 from ringtrain.strategies import Precision, Strategy, set_matmul_precision

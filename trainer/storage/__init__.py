@@ -123,7 +123,7 @@ def _replacing(path: Path) -> Iterator[Path]:
     """The temporary path to make `path`'s new file at, renamed over `path` (durably) when the block ends without an error."""
     temp = temp_path(path)
     # Left by a killed process with our pid (containers reuse pids). It may be a hard link to
-    # a checkpoint (checkpoints/manager.py links last.pt so), which writing through it would truncate.
+    # a checkpoint (checkpoints/__init__.py links last.pt so), which writing through it would truncate.
     remove_if_present(temp)
     try:
         yield temp

@@ -20,11 +20,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
+from ringtrain.checkpoints import Resumed
 from ringtrain.checkpoints.files import load_checkpoint
-from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import fits
 from ringtrain.conf import composed
-from ringtrain.config.app import CommandLine, PrimaryConfig, register_resolvers, run_app
+from ringtrain.config import CommandLine, PrimaryConfig, register_resolvers, run_app
 from ringtrain.config.builders import resolve
 from ringtrain.config.recipe import replay
 from ringtrain.config.schema import OPTIONAL_SECTIONS, SECTIONS

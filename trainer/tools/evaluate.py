@@ -15,10 +15,10 @@ from typing import Any, Literal
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 
+from ringtrain.checkpoints import Resumed
 from ringtrain.checkpoints.files import load_checkpoint
-from ringtrain.checkpoints.manager import Resumed
 from ringtrain.components import build
-from ringtrain.config.app import CommandLine, PrimaryConfig
+from ringtrain.config import CommandLine, PrimaryConfig
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_trainer
 from ringtrain.data.vocab import same_ids

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from torch import nn
 
 from ringtrain.components import build
-from ringtrain.config.app import PrimaryConfig
+from ringtrain.config import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from ringtrain.config.app import PrimaryConfig
+from ringtrain.config import PrimaryConfig
 from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError

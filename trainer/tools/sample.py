@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ringtrain.components import build, is_node, locate
-from ringtrain.config.app import PrimaryConfig
+from ringtrain.config import PrimaryConfig
 from ringtrain.config.builders import position_limit
 from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask

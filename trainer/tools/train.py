@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from ringtrain.config.app import TRAIN, CommandLine, run_app
+from ringtrain.config import TRAIN, CommandLine, run_app
 from ringtrain.config.recipe import record
 from ringtrain.config.schema import validate
 from ringtrain.distributed import env_rank, exit_rank, under_torchrun

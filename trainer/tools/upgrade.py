@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, Unusable, check_file_bytes, save_checkpoint
-from ringtrain.config.app import PrimaryConfig
+from ringtrain.config import PrimaryConfig
 from ringtrain.config.recipe import record
 from ringtrain.errors import ConfigError
 from ringtrain.tools import tool_main

@@ -18,13 +18,10 @@ Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.check
 beside the file (`step-<N>.shards/`, that name and no other) instead of `model` and `optimizer`,
 and `shard_checksums` holds the CRC-32 of each of its files.
 
-A file is written atomically and durably (storage/atomic.py), read with weights_only (a
-pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
-every zip record, which torch.load never compares: changed bytes make the file unusable like a
-truncated one, never silently wrong weights. CRC-32 catches every burst up to 32 bits and all
-but one in 2^32 other corruptions, at 1.8 GB/s; it does not stop deliberate tampering
-(weights_only keeps code out). Files saved with torch's CRC-32 off, or shards without recorded
-checksums, load unchecked.
+A file is written atomically and durably (storage/atomic.py), read with weights_only, and
+checked against the CRC-32 torch.save writes for every zip record, which torch.load never
+compares (README.md "Checksums"): CRC-32 catches every burst up to 32 bits and all but one in
+2^32 other corruptions, at 1.8 GB/s.
 """
 from __future__ import annotations
 
@@ -234,8 +231,8 @@ def _first_sentence(err: Exception) -> str:
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    # torch < 2.6 says "Unsupported global: GLOBAL x.y", later ones "Trying to load
-    # unsupported GLOBAL x.y whose module x is blocked".
+    # torch says "Unsupported global: GLOBAL x.y" for a class it does not allow, and "Trying to
+    # load unsupported GLOBAL x.y whose module x is blocked" for one of os, subprocess, ...
     if code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text):
         return f"loading it would run {code.group(1)}, which ringtrain refuses"
     if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):

@@ -114,17 +114,16 @@ def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
     return f"cannot save checkpoint {path}: {reason}; {fix}; {kept}"
 
 
-def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
-                    verify: bool = True) -> dict[str, Any]:
-    """The checkpoint at `path`, its bytes (and its shards') checked against their checksums
-    (`verify=False`: rank 0, which chose the file for every rank, did); Unusable otherwise."""
+def read_checkpoint(path: str | Path, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
+    """The checkpoint at `path`, on the CPU, its bytes (and its shards') checked against their
+    checksums (`verify=False`: rank 0, which chose the file for every rank, did); Unusable otherwise."""
     path = Path(path)
     if not path.is_file():
         raise Unusable("does not exist", "check the path")
     if verify:
         check_file_bytes(path)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # a pickle with code in it, a file torch cannot read
         detail = _first_sentence(err)
         if "would run" in detail or _starts_as_zip(path):
@@ -158,11 +157,10 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
 _OLDER = "use another checkpoint of that run (an older step-*.pt, or best.pt) or a copy of this one from elsewhere"
 
 
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
-                    verify: bool = True) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     """`read_checkpoint`, with what is wrong as one CheckpointError line naming the fix."""
     try:
-        return read_checkpoint(path, map_location, mmap, verify)
+        return read_checkpoint(path, mmap, verify)
     except Unusable as err:
         raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
 

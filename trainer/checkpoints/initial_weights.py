@@ -54,7 +54,7 @@ def _read_torch_file(path: str) -> dict:
     """A ringtrain checkpoint (through the loader every tool uses, with its checks), else a
     plain `torch.save(model.state_dict())` file as {"model": ...}."""
     try:
-        return read_checkpoint(path, "cpu")
+        return read_checkpoint(path)
     except Unusable as err:  # a state_dict file carries torch.save's checksums too
         if err.damaged:
             raise ConfigError(f"trainer.init_from={path} {err}; pass an intact copy of it") from None

@@ -18,13 +18,10 @@ Under fsdp's state_dict_type=sharded, `shards` names the torch.distributed.check
 beside the file (`step-<N>.shards/`, that name and no other) instead of `model` and `optimizer`,
 and `shard_checksums` holds the CRC-32 of each of its files.
 
-A file is written atomically and durably (storage/__init__.py), read with weights_only (a
-pickle that would run code is refused), and checked against the CRC-32 torch.save writes for
-every zip record, which torch.load never compares: changed bytes make the file unusable like a
-truncated one, never silently wrong weights. CRC-32 catches every burst up to 32 bits and all
-but one in 2^32 other corruptions, at 1.8 GB/s; it does not stop deliberate tampering
-(weights_only keeps code out). Files saved with torch's CRC-32 off, or shards without recorded
-checksums, load unchecked.
+A file is written atomically and durably (storage/__init__.py), read with weights_only, and
+checked against the CRC-32 torch.save writes for every zip record, which torch.load never
+compares (README.md "Checksums"): CRC-32 catches every burst up to 32 bits and all but one in
+2^32 other corruptions, at 1.8 GB/s.
 """
 from __future__ import annotations
 
@@ -117,17 +114,16 @@ def write_failure_message(path: Path, err: OSError, intact: Path) -> str:
     return f"cannot save checkpoint {path}: {reason}; {fix}; {kept}"
 
 
-def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
-                    verify: bool = True) -> dict[str, Any]:
-    """The checkpoint at `path`, its bytes (and its shards') checked against their checksums
-    (`verify=False`: rank 0, which chose the file for every rank, did); Unusable otherwise."""
+def read_checkpoint(path: str | Path, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
+    """The checkpoint at `path`, on the CPU, its bytes (and its shards') checked against their
+    checksums (`verify=False`: rank 0, which chose the file for every rank, did); Unusable otherwise."""
     path = Path(path)
     if not path.is_file():
         raise Unusable("does not exist", "check the path")
     if verify:
         check_file_bytes(path)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # a pickle with code in it, a file torch cannot read
         detail = _first_sentence(err)
         if "would run" in detail or _starts_as_zip(path):
@@ -161,11 +157,10 @@ def read_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", 
 _OLDER = "use another checkpoint of that run (an older step-*.pt, or best.pt) or a copy of this one from elsewhere"
 
 
-def load_checkpoint(path: str | Path, map_location: torch.device | str = "cpu", mmap: bool = False,
-                    verify: bool = True) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     """`read_checkpoint`, with what is wrong as one CheckpointError line naming the fix."""
     try:
-        return read_checkpoint(path, map_location, mmap, verify)
+        return read_checkpoint(path, mmap, verify)
     except Unusable as err:
         raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
 
@@ -234,8 +229,8 @@ def _first_sentence(err: Exception) -> str:
     text = str(err).strip()
     if not text:
         return type(err).__name__
-    # torch < 2.6 says "Unsupported global: GLOBAL x.y", later ones "Trying to load
-    # unsupported GLOBAL x.y whose module x is blocked".
+    # torch says "Unsupported global: GLOBAL x.y" for a class it does not allow, and "Trying to
+    # load unsupported GLOBAL x.y whose module x is blocked" for one of os, subprocess, ...
     if code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text):
         return f"loading it would run {code.group(1)}, which ringtrain refuses"
     if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):

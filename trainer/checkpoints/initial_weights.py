@@ -1,16 +1,7 @@
-"""A new run's starting weights from a file: `trainer.init_from=<path>` (fine-tuning).
-
-    trainer.init_from=outputs/runs/<run>/checkpoints/best.pt     a ringtrain checkpoint (plain or sharded)
-    trainer.init_from=weights.safetensors                         a safetensors file (`ringtrain export`'s)
-    trainer.init_from=state_dict.pt                               torch.save(model.state_dict(), ...)
-
-Weights only: the run starts at step 0 with a fresh optimizer, schedule and data order, its
-own config deciding the model (which must have the file's tensor names and shapes). A run that
-resumes (trainer.resume, or auto finding its own checkpoint) ignores init_from, so a restarted
-fine-tuning run never goes back to the pretrained weights.
-
-The weights go into the bare model after it is built and before the strategy wraps or shards
-it, so every rank starts from the same file.
+"""A new run's starting weights from a file, `trainer.init_from=<path>` (README.md "Starting
+from trained weights"): a ringtrain checkpoint (plain or sharded), a .safetensors file or a
+torch.save(model.state_dict()) file. Weights only, into the bare model after it is built and
+before the strategy wraps or shards it, so every rank starts from the same file.
 """
 from __future__ import annotations
 
@@ -63,7 +54,7 @@ def _read_torch_file(path: str) -> dict:
     """A ringtrain checkpoint (through the loader every tool uses, with its checks), else a
     plain `torch.save(model.state_dict())` file as {"model": ...}."""
     try:
-        return read_checkpoint(path, "cpu")
+        return read_checkpoint(path)
     except Unusable as err:  # a state_dict file carries torch.save's checksums too
         if err.damaged:
             raise ConfigError(f"trainer.init_from={path} {err}; pass an intact copy of it") from None

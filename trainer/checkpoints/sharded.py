@@ -48,7 +48,6 @@ ALLOWED_GLOBALS = frozenset({
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
 })
-TRUST_FLAG = "trust_checkpoint=true (trainer.trust_checkpoint=true when training)"
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):
@@ -66,8 +65,8 @@ class _DataOnlyReader(dcp.FileSystemReader):
         try:
             metadata = _DataOnlyUnpickler(io.BytesIO(raw)).load()
         except Exception as err:  # a crafted index, or one of classes this list lacks
-            raise CheckpointError(f"sharded checkpoint {self.path} cannot be read as data ({str(err)[:200]}); "
-                                  f"if you trust it, pass {TRUST_FLAG}") from None
+            raise CheckpointError(f"sharded checkpoint {self.path} cannot be read as data ({str(err)[:200]}); if you "
+                                  f"trust it, pass trust_checkpoint=true (trainer.trust_checkpoint=true when training)") from None
         files = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
         if any(Path(name).name != name or name in ("", ".", "..") for name in files):
             raise CheckpointError(f"sharded checkpoint {self.path} names files outside its directory; pass a "

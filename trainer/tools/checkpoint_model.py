@@ -31,7 +31,7 @@ def read_checkpoint(path: str, loaded: Mapping[str, Any] | None = None) -> dict[
     if not Path(path).is_file():
         raise CheckpointError(f"checkpoint={path!r} is not a file; pass one a run wrote, e.g. "
                               f"checkpoint=outputs/runs/<run>/checkpoints/last.pt")
-    return load_checkpoint(path, "cpu", mmap=True)
+    return load_checkpoint(path, mmap=True)
 
 
 def build_checked_model(state: Mapping[str, Any], path: str, job: Mapping[str, Any] | None = None,

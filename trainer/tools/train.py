@@ -58,11 +58,8 @@ def prepare(command: CommandLine) -> list[CommandLine]:
 
 
 def main(command: CommandLine) -> None:
-    def train(cfg: Any) -> float:
-        return train_job(cfg, command)
-
     try:
-        run_app(TRAIN, train, command)
+        run_app(TRAIN, lambda cfg: train_job(cfg, command), command)
     except SystemExit as exit:  # a mistake (2), a stop signal (143), non-finite values (3)
         if not under_torchrun():
             raise
@@ -86,9 +83,8 @@ def train_job(cfg: Any, command: CommandLine) -> float:
         job.group = Path(hydra.sweep.dir).name if in_sweep else None
         job.recipe = record(hydra, job.resolved)
         # The job's .hydra/ files as Hydra writes them (the run writes them once the directory is its own).
-        hydra_cfg = HydraConfig.instance().cfg
-        files = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
-                 "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task)}
+        files = {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(HydraConfig.instance().cfg),
+                 "overrides.yaml": OmegaConf.to_yaml(hydra.overrides.task)}
         try:
             result = launch(job, run_dir, given=given, record=files)
             if (stopped := stopped_error(result, job.trainer.checkpoint)) and not in_sweep:

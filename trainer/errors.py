@@ -1,15 +1,9 @@
 """User mistakes: one line on stderr and a non-zero exit, instead of a traceback.
 
-Exit statuses of `python train.py` (and of each rank):
-  0    the run is complete
-  1    a crash (a traceback says where), or another rank's crash (one line on this rank)
-  2    a mistake in the configuration or inputs, in one line, before work starts where it can be
-  3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
-  143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the log's
-       last line is the command that continues the run (tools/train.py; loop/stopping.py
-       says why 143)
-The error bases live here, importing nothing of ringtrain, so every module can raise one and
-`exit_on_user_error` catch them all without importing those modules.
+Exit statuses of `python train.py` (and of each rank; the README lists them too): 0 the run is
+complete; 1 a crash (a traceback says where), or another rank's crash (one line on this rank);
+and the three below. The error bases live here, importing nothing of ringtrain, so every module
+can raise one and `exit_on_user_error` catch them all without importing those modules.
 """
 from __future__ import annotations
 
@@ -20,8 +14,10 @@ import traceback
 from datetime import timedelta
 from typing import Iterator
 
-USER_ERROR_EXIT = 2  # as argparse's
-NONFINITE_EXIT = 3
+USER_ERROR_EXIT = 2  # as argparse's: a mistake in the configuration or inputs, in one line, before work starts where it can
+NONFINITE_EXIT = 3  # trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
+# A stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the log's last
+# line is the command that continues the run (loop/stopping.py says why 143).
 STOPPED_BY_SIGNAL_EXIT = 143
 
 

@@ -78,11 +78,15 @@ def exit_on_user_error() -> Iterator[None]:
         sys.exit(USER_ERROR_EXIT)
     # A spawned worker's own error is already printed above; a lost peer's is in its output.
     except RankEnded as err:
-        first = first_to_report(err.exit_code)
-        if first and str(err):
-            print(f"error: {err}", file=sys.stderr)
-        # Another rank said the job's mistake (its status 2): this rank ended because of it.
-        sys.exit(err.exit_code if first else _reported_status(err.exit_code))
+        status = err.exit_code
+        if first_to_report(status):
+            if str(err):
+                print(f"error: {err}", file=sys.stderr)
+        else:  # another rank said the job's mistake (its status 2): this rank ended because of it
+            with contextlib.suppress(Exception):
+                key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
+                status = int(_job_store().get(key))
+        sys.exit(status)
     except TrainingStopped as err:
         sys.exit(err.exit_code)
 
@@ -107,14 +111,6 @@ def first_to_report(status: int) -> bool:
                 if _first_to_report:
                     store.set(key + "/status", str(status))
     return _first_to_report
-
-
-def _reported_status(default: int) -> int:
-    try:
-        key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
-        return int(_job_store().get(key))
-    except Exception:
-        return default
 
 
 def _job_store():

@@ -89,8 +89,7 @@ class FSDP(ProcessGroupStrategy):
 
     @staticmethod
     def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The norm of all `tensors`, plain and sharded (DTensor: each rank's shards, the norm
-        all-reduces) alike, as a plain tensor."""
+        # Plain tensors and DTensor shards norm apart (foreach refuses a mix); a DTensor's all-reduces.
         sharded = [t for t in tensors if isinstance(t, DTensor)]
         plain = [t for t in tensors if not isinstance(t, DTensor)]
         norms = [torch.nn.utils.get_total_norm(group) for group in (sharded, plain) if group]

@@ -15,7 +15,6 @@ from ringtrain.errors import ConfigError
 from ringtrain.loggers import Logger, final_and_best, flatten, import_extra
 
 log = logging.getLogger("ringtrain")
-# MLflow's run status for each way a run ends.
 RUN_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
 

@@ -125,9 +125,8 @@ def _flops(run: Run) -> tuple[float | None, float | None]:
 
 
 class Profiler(Callback):
-    """trainer.profile_steps > 0 (debug=profiler): torch.profiler over that many steps after two
-    to settle, on rank 0; the trace goes to <run dir>/profiler/rank0.<n>.pt.trace.json, the log
-    names it, TensorBoard's PyTorch Profiler plugin or Perfetto shows it."""
+    """trainer.profile_steps > 0 (conf/debug/profiler.yaml): torch.profiler over that many steps
+    after two to settle, on rank 0; the log names the trace and what opens it."""
 
     rank_zero_only = True
 

@@ -1,9 +1,7 @@
 """Starting N ranks on this machine without torchrun, through torch's elastic launcher (what
-torchrun runs), so the ranks get what torchrun's get: RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set,
-a monitor that ends the job when one rank fails (the others get SIGTERM), SIGTERM/SIGINT passed
-on to the ranks, and restarts of the whole group (`strategy.max_restarts`; the restarted ranks
-resume from last.pt). ringtrain adds: arguments pickled as bytes, the other stop signals
-(SIGUSR1, ...) passed on too, and a failure as one line with the rank's exit status.
+torchrun runs: README, "Distributed training", says what the ranks get), which ends the job
+when one rank fails (the others get SIGTERM). ringtrain adds: arguments pickled as bytes, the
+other stop signals (SIGUSR1, ...) passed on too, and a failure as one line with the rank's exit status.
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """User mistakes: one line on stderr and a non-zero exit, instead of a traceback.
 
-Exit statuses of `python train.py` (and of each rank):
-  0    the run is complete
-  1    a crash (a traceback says where), or another rank's crash (one line on this rank)
-  2    a mistake in the configuration or inputs, in one line, before work starts where it can be
-  3    trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
-  143  a stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the log's
-       last line is the command that continues the run (tools/train.py; loop/stopping.py
-       says why 143)
-The error bases live here, importing nothing of ringtrain, so every module can raise one and
-`exit_on_user_error` catch them all without importing those modules.
+Exit statuses of `python train.py` (and of each rank; the README lists them too): 0 the run is
+complete; 1 a crash (a traceback says where), or another rank's crash (one line on this rank);
+and the three below. The error bases live here, importing nothing of ringtrain, so every module
+can raise one and `exit_on_user_error` catch them all without importing those modules.
 """
 from __future__ import annotations
 
@@ -20,8 +14,10 @@ import traceback
 from datetime import timedelta
 from typing import Iterator
 
-USER_ERROR_EXIT = 2  # as argparse's
-NONFINITE_EXIT = 3
+USER_ERROR_EXIT = 2  # as argparse's: a mistake in the configuration or inputs, in one line, before work starts where it can
+NONFINITE_EXIT = 3  # trainer.on_nonfinite=stop ended the run on a NaN/inf (the log names the step)
+# A stop signal (SIGTERM, SIGINT, SIGUSR1): the step finished, last.pt was saved, the log's last
+# line is the command that continues the run (loop/stopping.py says why 143).
 STOPPED_BY_SIGNAL_EXIT = 143
 
 
@@ -82,11 +78,15 @@ def exit_on_user_error() -> Iterator[None]:
         sys.exit(USER_ERROR_EXIT)
     # A spawned worker's own error is already printed above; a lost peer's is in its output.
     except RankEnded as err:
-        first = first_to_report(err.exit_code)
-        if first and str(err):
-            print(f"error: {err}", file=sys.stderr)
-        # Another rank said the job's mistake (its status 2): this rank ended because of it.
-        sys.exit(err.exit_code if first else _reported_status(err.exit_code))
+        status = err.exit_code
+        if first_to_report(status):
+            if str(err):
+                print(f"error: {err}", file=sys.stderr)
+        else:  # another rank said the job's mistake (its status 2): this rank ended because of it
+            with contextlib.suppress(Exception):
+                key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
+                status = int(_job_store().get(key))
+        sys.exit(status)
     except TrainingStopped as err:
         sys.exit(err.exit_code)
 
@@ -111,14 +111,6 @@ def first_to_report(status: int) -> bool:
                 if _first_to_report:
                     store.set(key + "/status", str(status))
     return _first_to_report
-
-
-def _reported_status(default: int) -> int:
-    try:
-        key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
-        return int(_job_store().get(key))
-    except Exception:
-        return default
 
 
 def _job_store():

@@ -7,11 +7,10 @@ from ringtrain.callbacks import Callback, Run, monitored
 
 
 class EarlyStopping(Callback):
-    """`monitor` (default: the task's, e.g. val/loss) must improve on its best by more than
-    `min_delta` in `mode` (default: the task's) within `patience` validations, else the run ends
-    after that validation's checkpoint, exit 0, the reason in metrics.json. It runs on every
-    rank and decides from the all-reduced metrics, so every rank stops at the same step; its
-    best and its count are kept in checkpoints, so a resumed run stops where it would have."""
+    """The settings as conf/callbacks/early_stopping.yaml says; the run ends after the checkpoint
+    of the validation that ends it. It runs on every rank and decides from the all-reduced metrics,
+    so every rank stops at the same step; its best and its count are kept in checkpoints, so a
+    resumed run stops where it would have."""
 
     def __init__(self, monitor: str | None = None, mode: str | None = None, patience: int = 3, min_delta: float = 0.0):
         if mode not in (None, "min", "max"):

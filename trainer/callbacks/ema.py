@@ -9,11 +9,10 @@ from ringtrain.errors import ConfigError
 
 
 class EMA(Callback):
-    """After every applied update, ema = decay * ema + (1 - decay) * weights, for each trainable
-    parameter, on every rank (under fsdp each rank averages its own shards, placed as the
-    parameter is). With `validate`, validation runs on the averaged weights (so the logged
-    val/ metrics, best.pt's choice and early stopping are the average's); the weights train on
-    unchanged. Checkpoints keep the average in full, by parameter name."""
+    """Averages after every applied update (conf/callbacks/ema.yaml), each trainable parameter on
+    every rank (under fsdp each rank its own shards, placed as the parameter is). With `validate`,
+    validation runs on the averages (so the logged val/ metrics, best.pt's choice and early
+    stopping are theirs); the weights train on unchanged. Checkpoints keep them in full, by name."""
 
     def __init__(self, decay: float = 0.999, validate: bool = True):
         if not 0.0 < decay < 1.0:

@@ -14,9 +14,8 @@ class TrainMetrics(Callback):
     (non-finite values, float16 overflow).
 
     The losses stay detached tensors on the device until a logging step sums them, so a step
-    costs no host synchronisation and no arithmetic. A micro-batch's loss is a mean over its
-    samples, or a sum over its tokens (a language model's, labels -100 not counted): the logged
-    loss weighs every sample, or every token, alike."""
+    costs no host synchronisation and no arithmetic; the logged loss weighs every sample, or
+    every token (StepEnd.summed: labels -100 not counted), alike."""
 
     def __init__(self) -> None:
         self._steps: list[tuple[list[tuple[torch.Tensor, object]], bool]] = []  # (losses, summed) since the last log

@@ -39,8 +39,7 @@ class ProgressBar(Callback):
             shown["tok/s"] = _si(metrics["throughput/tokens_per_sec"])
         elif "throughput/samples_per_sec" in metrics:
             shown["samples/s"] = _si(metrics["throughput/samples_per_sec"])
-        if "throughput/step_ms" in metrics:
-            ms = metrics["throughput/step_ms"]
+        if (ms := metrics.get("throughput/step_ms")) is not None:
             shown["ms/step"] = f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
         if "throughput/mfu_percent" in metrics:
             shown["mfu"] = f"{metrics['throughput/mfu_percent']:.1f}%"

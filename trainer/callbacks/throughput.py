@@ -5,11 +5,9 @@ MFU (model FLOPs utilisation, PaLM's definition, as nanoGPT and torchtitan repor
 
     model.flops_per_token() x tokens/s  /  (peak FLOP/s of one device x devices)
 
-where tokens/s is the global rate all ranks together reach, and `flops_per_token()` is the
-model's own training-FLOPs estimate (models/transformer.py: 6N + attention). A model without
-that method gets no MFU. The peak is `trainer.peak_tflops` when set, else GPU_PEAKS's for the
-GPU and the precision the run computes in (peak_tflops_for). An unknown GPU gets one info line
-and no MFU; a CPU gets no MFU unless trainer.peak_tflops gives its peak.
+where tokens/s is the global rate all ranks together reach, `flops_per_token()` is the model's
+own training-FLOPs estimate (models/transformer.py: 6N + attention), and the peak is
+`trainer.peak_tflops` when set, else GPU_PEAKS's for the GPU and precision; lacking either, no MFU.
 
 Everything here reads host-side values (a wall clock, sample counts, the caching allocator's
 statistics): a step costs nothing on the device, a logging step one small all-reduce.
@@ -127,9 +125,8 @@ def _flops(run: Run) -> tuple[float | None, float | None]:
 
 
 class Profiler(Callback):
-    """trainer.profile_steps > 0 (debug=profiler): torch.profiler over that many steps after two
-    to settle, on rank 0; the trace goes to <run dir>/profiler/rank0.<n>.pt.trace.json, the log
-    names it, TensorBoard's PyTorch Profiler plugin or Perfetto shows it."""
+    """trainer.profile_steps > 0 (conf/debug/profiler.yaml): torch.profiler over that many steps
+    after two to settle, on rank 0; the log names the trace and what opens it."""
 
     rank_zero_only = True
 

@@ -1,8 +1,6 @@
-"""MLflow, to a local store by default: `sqlite:///outputs/mlflow.db`, beside Hydra's outputs/
-(MLflow 3's own default backend; its file store, ./mlruns, refuses to start unless
-MLFLOW_ALLOW_FILE_STORE=true). `mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db`
-shows it. A sweep's jobs are runs of one experiment named by the sweep; a single run goes to
-the experiment "ringtrain"; `experiment_name` overrides both."""
+"""MLflow, to a local SQLite store by default (conf/logger/mlflow.yaml: where, how to see it, the
+experiments): MLflow 3's own default backend; its file store, ./mlruns, refuses to start unless
+MLFLOW_ALLOW_FILE_STORE=true."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +13,6 @@ from ringtrain.errors import ConfigError
 from ringtrain.loggers import Logger, final_and_best, flatten, import_extra
 
 log = logging.getLogger("ringtrain")
-# MLflow's run status for each way a run ends.
 RUN_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
 

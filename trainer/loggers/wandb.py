@@ -1,6 +1,5 @@
-"""Weights & Biases, offline by default: the run is written under <run dir>/wandb/offline-run-*/
-(a .wandb file of records) and `wandb sync <that directory>` uploads it later; no account or
-network is needed until then. A sweep's jobs are runs of one W&B group, named by the sweep."""
+"""Weights & Biases, offline by default, so no account or network is needed until `wandb sync`
+(conf/logger/wandb.yaml: where the run goes, a sweep's group)."""
 from __future__ import annotations
 
 from pathlib import Path

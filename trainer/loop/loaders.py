@@ -1,18 +1,11 @@
-"""Batches in sampler order, gathered many batches at a time.
-
-A batch is what the data gives: (inputs, target) tensor pairs from ringtrain's data sets,
-whatever its collate makes from a user's (data/batches.py says how the model meets them), moved
-to the device tensor by tensor. A Dataset's own `collate_fn` (e.g. padding each batch to its
-longest row) goes to the DataLoader; with worker processes it must pickle.
+"""Batches in sampler order, gathered many batches at a time (what a batch is: data/batches.py).
 
 A built-in data set is an in-memory tensor with `get_batch(indices)`: the loader gathers
 GATHER_BATCHES batches with one indexing call and splits the result into views, instead of
 `batch_size` `__getitem__` calls plus a collate per batch (most of a small model's loop time).
 Any other map-style Dataset goes through one torch DataLoader with the same order (through a
-sampler, so it resumes mid-epoch exactly), worker processes (`trainer.num_workers`, ...) and
-worker seeds from a generator seeded by (seed, epoch), never the global RNG dropout and resume
-depend on. Orders are index tensors, never lists (a list of a million indices costs ~90 ms an
-epoch).
+sampler, so it resumes mid-epoch exactly) and worker processes (`trainer.num_workers`, ...).
+Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch).
 """
 from __future__ import annotations
 

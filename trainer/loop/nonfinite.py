@@ -1,16 +1,11 @@
-"""What to do when a loss or gradient norm is NaN or infinite: trainer.on_nonfinite.
+"""What to do when a loss or gradient norm is NaN or infinite: trainer.on_nonfinite, stop
+(default), skip or ignore (README, "Non-finite values", says what each does and costs).
 
-  stop    (default) end the run (exit 3; a sweep scores the worst value), naming the first
-          non-finite step. Free on the device: each micro-batch's detached loss goes on a list,
-          read with one host sync only where values are about to be logged, evaluated or saved
-          (`check`). A non-finite gradient shows in the next step's loss; the checked step has
-          none yet, so `check` also reads its gradient norm (when measured) or else the weights'
-          norm, and no checkpoint (best.pt included) holds weights a non-finite update touched.
-          For a non-finite gradient between checks, the step named is the one after it.
-  skip    skip that update (the schedule still advances), count it (`train/skipped_steps`, the
-          final `done:` line; the first is a warning) and go on: a gradient norm and one flag
-          read, a host sync, per step.
-  ignore  apply every update, as a plain loop would.
+stop keeps each micro-batch's detached loss on a list, read with one host sync only where values
+are about to be logged, evaluated or saved (`check`). A non-finite gradient shows in the next
+step's loss; the checked step has none yet, so `check` also reads its gradient norm (when
+measured) or else the weights' norm: no checkpoint (best.pt included) holds weights a
+non-finite update touched.
 Every rank decides alike: a rank's loss is its own (one micro-batch may give a NaN loss and a
 finite gradient), so the flag is all-reduced first (skip: in the sync it costs anyway; stop: at
 each check); the gradient norm is taken after DDP's all-reduce, the weights' norm is global.

@@ -78,8 +78,7 @@ class StreamLoader:
         if self._batches is None:
             self._batches = iter(self.loader)
         taken = 0
-        for batch in self._batches:
-            taken += 1
+        for taken, batch in enumerate(self._batches, start=1):
             yield to_device(batch, self.dist.device)
         raise ConfigError(
             f"the streamed training set {type(self.dataset).__name__} ended after {taken} batches of this run; a "

@@ -1,15 +1,10 @@
-"""`trainer.compile`: torch.compile for training, region by region, falling back to eager mode
-when compiling fails.
+"""`trainer.compile`: torch.compile for training, region by region (README, trainer.compile_scope;
+benchmarks/bench_compile.py), falling back to eager mode when compiling fails.
 
-What is compiled (`trainer.compile_scope`): `regional`, the default, compiles each of the
-model's repeated blocks (`repeated_blocks`, a Transformer's layers) and leaves the rest eager, as
-torchtitan's apply_compile and Accelerate's regional compilation do: dynamo guards on a block's
-class and shapes, not on the object, so one block's graph serves them all (README,
-trainer.compile_scope; benchmarks/bench_compile.py). `whole`, or a model without repeated blocks,
-compiles the model in one graph. Either way in place, with `nn.Module.compile`: no wrapper enters
-the module tree, so state dicts keep their plain keys (no `_orig_mod.`) and checkpoints load
-compiled or not. Evaluation runs the compiled blocks eagerly (`torch.compiler.set_stance(
-"force_eager")`): inference mode and each new batch shape would recompile.
+Compiling `repeated_blocks` one by one costs about one block's compile: dynamo guards on a
+block's class and shapes, not on the object, so one block's graph serves them all. In place
+(`nn.Module.compile`), so no wrapper enters the module tree: state dicts keep their plain keys
+(no `_orig_mod.`) and checkpoints load compiled or not.
 
 The `CompiledModel` goes *inside* DDP, as nanoGPT and torchtitan order it: its compiled call
 runs within DDP's forward, so dynamo's DDP optimizer splits the graph at DDP's buckets and the

@@ -1,8 +1,4 @@
-"""strategy=ddp: DistributedDataParallel, one process per device, a full copy of the model on each.
-
-Gradients are all-reduced in buckets during backward (overlapping it); during accumulation
-only the last micro-batch's backward reduces (`no_sync` for the others).
-"""
+"""strategy=ddp: DistributedDataParallel, one process per device, a full copy of the model on each."""
 from __future__ import annotations
 
 import contextlib

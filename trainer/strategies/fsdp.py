@@ -1,9 +1,6 @@
-"""strategy=fsdp: fully sharded data parallel with PyTorch's FSDP2.
-
-DDP keeps the full parameters, gradients and optimizer state on every rank (16 bytes a
-parameter with fp32 AdamW); FSDP2 (`fully_shard`) keeps 1/N of each on each of N ranks and
-all-gathers one unit's parameters (a transformer Block) just before that unit runs. What
-differs from ddp is all here, each in the method the run calls for it.
+"""strategy=fsdp: fully sharded data parallel with PyTorch's FSDP2 (`fully_shard`; what each rank
+keeps: conf/strategy/fsdp.yaml). What differs from ddp is all here, each in the method the run
+calls for it.
 """
 from __future__ import annotations
 
@@ -92,8 +89,7 @@ class FSDP(ProcessGroupStrategy):
 
     @staticmethod
     def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The norm of all `tensors`, plain and sharded (DTensor: each rank's shards, the norm
-        all-reduces) alike, as a plain tensor."""
+        # Plain tensors and DTensor shards norm apart (foreach refuses a mix); a DTensor's all-reduces.
         sharded = [t for t in tensors if isinstance(t, DTensor)]
         plain = [t for t in tensors if not isinstance(t, DTensor)]
         norms = [torch.nn.utils.get_total_norm(group) for group in (sharded, plain) if group]

@@ -1,9 +1,7 @@
 """Starting N ranks on this machine without torchrun, through torch's elastic launcher (what
-torchrun runs), so the ranks get what torchrun's get: RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* set,
-a monitor that ends the job when one rank fails (the others get SIGTERM), SIGTERM/SIGINT passed
-on to the ranks, and restarts of the whole group (`strategy.max_restarts`; the restarted ranks
-resume from last.pt). ringtrain adds: arguments pickled as bytes, the other stop signals
-(SIGUSR1, ...) passed on too, and a failure as one line with the rank's exit status.
+torchrun runs: README, "Distributed training", says what the ranks get), which ends the job
+when one rank fails (the others get SIGTERM). ringtrain adds: arguments pickled as bytes, the
+other stop signals (SIGUSR1, ...) passed on too, and a failure as one line with the rank's exit status.
 """
 from __future__ import annotations
 
@@ -58,7 +56,7 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
-        with _quiet_elastic_logs(), _other_stop_signals_reach_ranks(stop_signals):
+        with _launching(stop_signals):
             results = elastic_launch(config, _run_rank)(fn, pickled_args)
     except ChildFailedError as err:
         if all(failure.exitcode == STOPPED_BY_SIGNAL_EXIT for failure in err.failures.values()):
@@ -150,29 +148,19 @@ def _end_if_the_launcher_dies(launcher: int) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_elastic_logs() -> Iterator[None]:
-    levels = {logger: logger.level for logger in map(logging.getLogger, _ELASTIC_LOGGERS)}
-    for logger in levels:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in levels.items():
-            logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def _other_stop_signals_reach_ranks(names: Sequence[str]) -> Iterator[None]:
-    """Stop signals elastic's agent does not handle (SIGUSR1) raised as its SignalException, so
-    it passes them on as it does SIGTERM, rather than dying and leaving the ranks behind."""
+def _launching(stop_signals: Sequence[str]) -> Iterator[None]:
+    """Elastic's loggers quiet, and the stop signals its agent does not handle (SIGUSR1) raised
+    as its SignalException, so it passes them on as it does SIGTERM, rather than dying and
+    leaving the ranks behind; each put back as it was on leaving."""
     def stop(signum: int, frame: Any) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
     main = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
-    extra = [getattr(signal, name) for name in names if main and getattr(signal, name) not in _HANDLED_BY_ELASTIC]
-    previous = {signum: signal.signal(signum, stop) for signum in extra}
-    try:
+    extra = [getattr(signal, name) for name in stop_signals if main and getattr(signal, name) not in _HANDLED_BY_ELASTIC]
+    with contextlib.ExitStack() as restore:
+        for logger in map(logging.getLogger, _ELASTIC_LOGGERS):
+            restore.callback(logger.setLevel, logger.level)
+            logger.setLevel(logging.CRITICAL)
+        for signum in extra:
+            restore.callback(signal.signal, signum, signal.signal(signum, stop))  # the previous handler
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)

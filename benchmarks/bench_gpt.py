@@ -25,7 +25,7 @@ Each row runs `--warmup` optimizer steps (compilation happens there), then `--wi
 of `--steps` steps, each timed between two device synchronisations; the fastest window counts
 (a shared machine's load only ever slows a window down). `--rounds 2` or more runs the rows
 again in reverse order (a GPU's clocks favour no row) and keeps each row's best. Printed per row: tokens/s, ms/step, MFU (from the
-model's flops_per_token() and the device's peak, trainer/callbacks/throughput.py, or --peak-tflops),
+model's flops_per_token() and the device's peak, trainer/callbacks/metrics.py, or --peak-tflops),
 peak GPU memory, and the ratio to the faster raw loop. `--profile DIR` profiles the last 2
 warm-up steps of each row in the first round (torch.profiler; traces to DIR) and prints, per
 step, what ringtrain's eager and compiled rows run that the raw loop's do not: wall and kernel
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
-from ringtrain.callbacks.throughput import gpu_peaks, peak_tflops_for  # noqa: E402
+from ringtrain.callbacks.metrics import gpu_peaks, peak_tflops_for  # noqa: E402
 from ringtrain.data.tokens import MarkovTokens  # noqa: E402
 from ringtrain.models.transformer import Transformer  # noqa: E402
 from ringtrain.optim import parameter_groups  # noqa: E402

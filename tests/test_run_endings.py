@@ -121,7 +121,7 @@ def test_a_callback_failing_in_on_fit_end_leaves_the_run_complete(project):
 
 
 def test_the_progress_bar_closes_without_having_been_made():
-    from ringtrain.callbacks.progress import ProgressBar
+    from ringtrain.callbacks.console import ProgressBar
 
     ProgressBar().on_exception(None, RuntimeError("the run failed before on_fit_start"))
 

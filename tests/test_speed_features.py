@@ -300,7 +300,7 @@ def test_only_token_data_logs_tokens_per_second(tmp_path, caplog):
     ("NVIDIA GeForce RTX 4090", 165.2, 82.6), ("Tesla V100-SXM2-16GB", None, None),
 ])
 def test_gpu_peaks_are_found_by_device_name(name, bf16, tf32):
-    from ringtrain.callbacks.throughput import gpu_peaks, peak_tflops_for
+    from ringtrain.callbacks.metrics import gpu_peaks, peak_tflops_for
 
     peaks = gpu_peaks(name)
     assert (peaks.bf16, peaks.tf32) == (bf16, tf32)
@@ -313,7 +313,7 @@ def test_gpu_peaks_are_found_by_device_name(name, bf16, tf32):
 def test_an_unknown_gpu_gets_no_mfu_and_one_info_line(monkeypatch, caplog):
     from types import SimpleNamespace
 
-    from ringtrain.callbacks.throughput import _flops
+    from ringtrain.callbacks.metrics import _flops
 
     model = Transformer(vocab_size=16, block_size=16, d_model=32, n_layers=1, n_heads=2)
     trainer = SimpleNamespace(peak_tflops=0.0, precision="bf16-mixed", tf32=True)

@@ -4,6 +4,7 @@ signature, each mistake one line naming the key and the fix; `build` is Hydra's 
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import importlib
 import inspect
@@ -188,14 +189,22 @@ def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def build(node: Mapping, key: str, **filled: Any) -> Any:
-    """`instantiate(node, **filled)` with plain lists and dicts; argument errors -> ConfigError."""
+    """`instantiate(node, **filled)` with plain lists and dicts; argument errors -> ConfigError.
+
+    A node of plain arguments (no other key of Hydra's, no `_target_` nested in it: every stock
+    option of the default job) is its target called with a copy of them, which is what
+    instantiate does with it: Hydra's OmegaConf round trip costs ~2 ms a node, most of
+    ringtrain's start-up above Hydra's own (benchmarks/bench_process.py)."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
+        if not any(name in node for name in HYDRA_KEYS[1:]) and not _holds_a_node(list(node.values())):
+            arguments = copy.deepcopy({name: value for name, value in node.items() if name != "_target_"})
+            return locate(node["_target_"], key)(**arguments, **filled)
         return instantiate(dict(node), _convert_="all", **filled)
-    except InstantiationException as err:
-        cause = err.__cause__
+    except (InstantiationException, ValueError) as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) else err
         if isinstance(cause, ConfigError):
             raise cause from None
         if isinstance(cause, ValueError):  # the target's own check of its arguments
@@ -204,6 +213,12 @@ def build(node: Mapping, key: str, **filled: Any) -> Any:
                 message = f"{key} ({node.get('_target_')}): {message}; fix the {key} arguments"
             raise ConfigError(message) from None
         raise
+
+
+def _holds_a_node(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return "_target_" in value or _holds_a_node(list(value.values()))
+    return isinstance(value, (list, tuple)) and any(_holds_a_node(item) for item in value)
 
 
 def is_node(value: Any) -> bool:

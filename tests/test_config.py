@@ -51,6 +51,31 @@ def test_every_component_option_is_a_target_node():
 FITTING = [("linear", "regression"), ("mlp", "classification"), ("transformer", "tokens")]
 
 
+def test_a_component_is_built_as_hydras_instantiate_builds_it():
+    """`build` calls a node of plain arguments itself, and hands Hydra the rest (nested nodes,
+    `_partial_`): each gives what `instantiate(node, _convert_="all")` gives, plain copies of
+    the node's lists and dicts, and a target's ValueError is one ConfigError line naming the node."""
+    import functools
+
+    from hydra.utils import instantiate
+
+    from ringtrain.components import build
+
+    plain = {"_target_": "builtins.dict", "sizes": [64, 32], "extra": {"scale": 2.0}, "name": "x"}
+    nested = {"_target_": "builtins.dict", "inner": {"_target_": "builtins.dict", "sizes": [1]}}
+    partial = {"_target_": "builtins.dict", "_partial_": True, "a": 1}
+    for node in (plain, nested):
+        built = build(node, "model")
+        assert built == instantiate(dict(node), _convert_="all")
+        assert type(built) is dict and all(type(v) in (list, dict, str) for v in built.values())
+    built = build(plain, "model", filled=3)
+    assert built["filled"] == 3 and built["sizes"] is not plain["sizes"] and built["extra"] is not plain["extra"]
+    assert isinstance(build(partial, "model"), functools.partial) and build(partial, "model")() == {"a": 1}
+    with pytest.raises(ConfigError, match=r"^optimizer \(torch.optim.SGD\): Invalid learning rate: -1.0; fix the "
+                                          r"optimizer arguments$"):
+        build({"_target_": "torch.optim.SGD", "lr": -1.0}, "optimizer", params=[torch.zeros(1, requires_grad=True)])
+
+
 @pytest.mark.parametrize("model,data", FITTING)
 def test_every_model_data_pair_composes_validates_and_builds(model, data):
     run = validate(compose_config([f"model={model}", f"data={data}", *SMALL_DATA[data]]))

@@ -191,10 +191,10 @@ def test_a_callback_with_nothing_to_do_at_a_step_is_not_called_at_it(monkeypatch
     """Issue 37: at a step that does not log, on_step_end is called only on the callbacks with
     work there (the losses and sample counts kept for the next log); the progress bar without a
     bar, the summary once printed and the profiler without profile_steps say so in on_fit_start."""
-    from ringtrain.callbacks import metrics, progress, summary, throughput
+    from ringtrain.callbacks import console, metrics
 
     calls = Counter()
-    for cls in (progress.ProgressBar, summary.ModelSummary, throughput.Profiler, throughput.Throughput,
+    for cls in (console.ProgressBar, console.ModelSummary, metrics.Profiler, metrics.Throughput,
                 metrics.TrainMetrics):
         def counting(self, run, end, original=cls.on_step_end, name=cls.__name__):
             if not end.logging:

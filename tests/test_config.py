@@ -309,7 +309,8 @@ def composition_refusal(args: list[str], capsys, task=lambda cfg: None) -> str:
                           "~logger turns logging off"),
         (["model=small_cnn"], "choose one of hf_gpt2, linear, mlp, transformer; your own? put model/small_cnn.yaml in a "
                               "config folder and pass --config-dir <folder>"),
-        (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are callbacks, data,"),
+        (["optimiser.lr=0.1"], "optimiser is not a config group; did you mean optimizer? the groups are adapter, "
+                               "callbacks, data,"),
         (["optimiser=adam"], "experiment, debug, hparams_search"),
         (["trainer.devices=2"], "trainer.devices is not a setting here; use strategy=ddp strategy.nproc_per_node=N"),
         (["trainer.fast_dev_run=true"], "use debug=fast_dev_run"),

@@ -318,6 +318,8 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
         return f"{key} is not a setting here; {hint}"
     known = sorted(str(k) for k in parent.keys() if k not in ("_target_", "hydra")) if parent is not None else []
     owner, _, name = full_key.rpartition(".")  # no owner: the top level of the config, where name is section
+    if not owner and primary.presets:  # a group whose default is none (adapter) has a folder, not a section
+        known = sorted(set(known) | {p.name for p in CONF_DIR.glob("[a-z]*/")} - {"hydra", *primary.presets})
     names = known if owner else known + list(primary.presets)
     close = difflib.get_close_matches(name, names, n=1)
     mean = f"did you mean {close[0]}? " if close else ""

@@ -1,6 +1,7 @@
 """Components from `_target_` nodes (every model, data set, task, optimizer, scheduler, strategy,
 callback and logger, ringtrain's or a user's): `check` holds a node against its target's
-signature, each mistake one line naming the key and the fix; `build` is Hydra's instantiate.
+signature, each mistake one line naming the key and the fix; `build` is Hydra's instantiate
+(or, for a node of plain arguments, what it does with one).
 """
 from __future__ import annotations
 

@@ -48,10 +48,14 @@ def resolve(cfg: Any) -> dict:
     yet left as text (see the module docstring)."""
     from omegaconf import OmegaConf
 
+    model = cfg.get("model")
+    model = OmegaConf.to_container(model, resolve=False) if OmegaConf.is_config(model) else model
+    names = set(re.findall(r"\$\{data\.dims\.(\w+)\}", json.dumps(model, default=str)))
+    if not names:  # nothing waits for the data: resolved as composed (a tenth of the round trip below)
+        return OmegaConf.to_container(cfg, resolve=True)
     plain = OmegaConf.to_container(cfg, resolve=False)
     data = plain.get("data") if isinstance(plain.get("data"), dict) else {}
     given = data.get("dims") if isinstance(data.get("dims"), dict) else None  # split data's own dims
-    names = set(re.findall(r"\$\{data\.dims\.(\w+)\}", json.dumps(plain.get("model"), default=str)))
     later = {name: "\\${data.dims.%s}" % name for name in names if given is None or name not in given}
     if later:  # resolves to the literal ${data.dims.<name>}
         plain["data"] = {**data, "dims": {**(given or {}), **later}}

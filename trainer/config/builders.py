@@ -39,7 +39,7 @@ from ringtrain.errors import ConfigError
 
 FILL_KEY = "fill_sizes"
 FILL_MODES = ("named", "all", "none")
-DIMS_REFERENCE = re.compile(r"^\$\{data\.dims\.(\w+)\}$")
+DIMS_REFERENCE = re.compile(r"\$\{data\.dims\.(\w+)\}")
 POSITION_NAMES = ("n_positions", "max_position_embeddings", "block_size")
 
 
@@ -50,7 +50,7 @@ def resolve(cfg: Any) -> dict:
 
     model = cfg.get("model")
     model = OmegaConf.to_container(model, resolve=False) if OmegaConf.is_config(model) else model
-    names = set(re.findall(r"\$\{data\.dims\.(\w+)\}", json.dumps(model, default=str)))
+    names = set(DIMS_REFERENCE.findall(json.dumps(model, default=str)))
     if not names:  # nothing waits for the data: resolved as composed (a tenth of the round trip below)
         return OmegaConf.to_container(cfg, resolve=True)
     plain = OmegaConf.to_container(cfg, resolve=False)
@@ -71,7 +71,7 @@ def fill_data_sizes(node: Any, dims: Mapping[str, Any], key: str = "model") -> A
         return {k: fill_data_sizes(v, dims, f"{key}.{k}") for k, v in node.items()}
     if isinstance(node, list):
         return [fill_data_sizes(v, dims, f"{key}.{i}") for i, v in enumerate(node)]
-    match = DIMS_REFERENCE.match(node) if isinstance(node, str) else None
+    match = DIMS_REFERENCE.fullmatch(node) if isinstance(node, str) else None
     if match is None:
         return node
     if match[1] not in dims:

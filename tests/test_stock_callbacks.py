@@ -633,7 +633,7 @@ def test_the_readmes_user_callback_runs_as_the_readme_says(tmp_path):
     validations = [float(v) for v in re.findall(r"step \d+ epoch [\d.]+: val/loss=([\d.]+)", log)]
     first = next(i for i, loss in enumerate(validations) if loss <= 0.05)
     assert len(validations) == first + 1 < 10  # stopped at it, before the 10 epochs were done
-    assert summary["stopped"] == f"val/loss reached 0.05 after {first + 1} validations"
+    assert summary["stopped"] == f"val/loss reached 0.05 at validation {first + 1}"
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert state["callbacks"]["target"] == {"validations": first + 1}
 

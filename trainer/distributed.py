@@ -85,7 +85,6 @@ def resolve_device(accelerator: str, local_rank: int) -> torch.device:
 
 
 def join_process_group(backend: str, accelerator: str, timeout_minutes: float) -> DistInfo:
-    """Join the process group the launcher described in the environment; return this rank's place in it."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = resolve_device(accelerator, local_rank)

@@ -30,7 +30,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(node: dict, model: nn.Module, device: torch.device, lr_scale: float = 1.0) -> torch.optim.Optimizer:
-    """The optimizer `node` describes, over `model`'s parameters."""
     node = dict(node)
     target = locate(node["_target_"], "optimizer")
     extra: dict[str, Any] = {"params": [p for p in model.parameters() if p.requires_grad]}

@@ -2,21 +2,16 @@
 conf/strategy/, a module each, plus what they share (the process-group base, starting ranks
 through torch's elastic launcher, compiling the model); here the strategy interface, what every
 strategy does as one process on one device (which is `strategy=single`), and the numeric
-precision every strategy computes in.
+precision and determinism every strategy computes with.
 
-A strategy is a small object built from conf/strategy/<option>.yaml by `_target_` (Lightning
-Fabric's idea, without its class tree), the only place that knows which strategy runs: the
-loop, the job and the tools call its methods, never ask its name. docs/ARCHITECTURE.md's
-Strategies table lists them in the order a run calls them, with what each strategy does. Yours
-is a subclass in your package and a YAML file in your --config-dir (README).
+A strategy is Lightning Fabric's idea without its class tree: docs/ARCHITECTURE.md's Strategies
+table lists its methods in the order a run calls them, what each strategy does, and how to add yours.
 
 Mixed precision (`Precision`, trainer.precision): the autocast context and, for float16, the
 gradient scaler.
   32          full float32, no autocast
   bf16-mixed  autocast to bfloat16 (CPU and GPU); bfloat16 has float32's range, so no scaler
   16-mixed    autocast to float16 on CUDA with a GradScaler against gradient underflow
-and, on CUDA, whether float32 matmuls may use TensorFloat-32 tensor cores (`trainer.tf32`), and
-whether only deterministic kernels run (`trainer.deterministic`).
 
 GradScaler.step reads "were there infs?" on the host every step (16-mixed only), unless the
 optimizer is fused: fused AdamW (the default on CUDA) skips the step on the device, no sync.

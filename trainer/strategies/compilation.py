@@ -108,7 +108,6 @@ class CompiledModel(nn.Module):
 
 
 def _tensors(outputs: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a model's outputs: a tensor, or tuples, lists and dicts of them."""
     if isinstance(outputs, torch.Tensor):
         yield outputs
     elif isinstance(outputs, (list, tuple, dict)):

@@ -35,8 +35,6 @@ NO_PROCESS_GROUP_MESSAGE = (
 
 
 class FSDP(ProcessGroupStrategy):
-    """FSDP2 over every rank (conf/strategy/fsdp.yaml)."""
-
     option = "fsdp"
     forwards_in_lockstep = True  # each sharded layer's forward all-gathers its parameters
 

@@ -78,9 +78,8 @@ def launch_ranks(nprocs: int, fn: Callable[..., Any], args: tuple, max_restarts:
 
 
 def warn_if_ranks_share_cores(nprocs: int) -> None:
-    """One warning line when `nprocs` CPU ranks would share fewer cores than that (the cores
-    this process may run on): each rank then gets a fraction of a core, and the job runs slower
-    than with fewer ranks (a trial: 64 ranks on 2 cores took 95 s for 2 steps)."""
+    """One warning line when `nprocs` CPU ranks would outnumber the cores, its message says the cost
+    (a trial: 64 ranks on 2 cores took 95 s for 2 steps)."""
     try:
         cores = len(os.sched_getaffinity(0))  # what a container or taskset allows, not the machine's
     except AttributeError:  # not on Linux

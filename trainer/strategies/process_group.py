@@ -18,8 +18,6 @@ BACKENDS = ("auto", "gloo", "nccl")
 
 
 class ProcessGroupStrategy(Strategy):
-    """A process per device, joined in one process group (the base of DDP and FSDP)."""
-
     spans_processes = True
 
     def __init__(self, *, backend: str, nproc_per_node: int, timeout_minutes: float, max_restarts: int,

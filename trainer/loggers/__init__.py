@@ -13,8 +13,6 @@ from ringtrain.errors import ConfigError
 
 
 class Logger:
-    """Receives one run's hyperparameters and metrics (rank 0 only)."""
-
     continued: dict = {}  # the checkpoint's state_dict(): the logger run to continue
 
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:

@@ -126,8 +126,7 @@ class Run:
 
 
 class Callbacks:
-    """The run's callbacks by name; `call(hook, run, ...)` runs a hook on those that define it,
-    on this rank."""
+    """The run's callbacks by name; `call(hook, run, ...)` runs a hook on this rank."""
 
     def __init__(self, callbacks: dict[str, Callback], is_main: bool, several_ranks: bool = False):
         self.all = dict(callbacks)

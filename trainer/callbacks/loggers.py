@@ -23,7 +23,6 @@ class Loggers(Callback):
         self.started: dict = {}
 
     def state_dict(self) -> dict:
-        """Each logger's own (its run's id): a resumed run continues its logger runs."""
         return {key: state for key, logger in self.loggers.items()
                 if callable(getattr(logger, "state_dict", None)) and (state := logger.state_dict())}
 

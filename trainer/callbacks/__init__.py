@@ -48,8 +48,6 @@ ENDING_HOOKS = ("on_exception", "on_fit_end")
 
 
 class Callback:
-    """Override the hooks you need (HOOKS)."""
-
     rank_zero_only = False  # True: run on rank 0 alone
     # True: on_step_end is called at logging steps only (it does nothing at others). Read again
     # after on_fit_start and at each logging step: a callback whose work at every step is done
@@ -128,8 +126,7 @@ class Run:
 
 
 class Callbacks:
-    """The run's callbacks by name; `call(hook, run, ...)` runs a hook on those that define it,
-    on this rank."""
+    """The run's callbacks by name; `call(hook, run, ...)` runs a hook on this rank."""
 
     def __init__(self, callbacks: dict[str, Callback], is_main: bool, several_ranks: bool = False):
         self.all = dict(callbacks)

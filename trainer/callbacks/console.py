@@ -77,7 +77,6 @@ class ProgressBar(Callback):
     def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
         if "train/loss" not in metrics:
             return
-        # The loss and the speed figures, short enough for a progress bar.
         shown = {"loss": f"{metrics['train/loss']:.4g}"}
         if "throughput/tokens_per_sec" in metrics:
             shown["tok/s"] = _si(metrics["throughput/tokens_per_sec"])

@@ -22,13 +22,13 @@ class EarlyStopping(Callback):
         self.waited = 0
 
     def on_fit_start(self, run: Run) -> None:
-        if self.waited >= self.patience:  # resumed from the checkpoint of the validation that ended the run
-            run.request_stop(self._reason(run))
+        self._stop_when_out_of_patience(run)  # resumed from the checkpoint of the validation that ended the run
 
-    def _reason(self, run: Run) -> str:
-        best = "a finite value" if self.best is None else f"{self.best:.6g}"
-        return (f"early stopping: {self.monitor or run.task.monitor} did not improve on {best} "
-                f"(by more than {self.min_delta:g}) in {self.patience} validations")
+    def _stop_when_out_of_patience(self, run: Run) -> None:
+        if self.waited >= self.patience:
+            best = "a finite value" if self.best is None else f"{self.best:.6g}"
+            run.request_stop(f"early stopping: {self.monitor or run.task.monitor} did not improve on {best} "
+                             f"(by more than {self.min_delta:g}) in {self.patience} validations")
 
     def on_validation_end(self, run: Run, metrics: dict[str, float]) -> None:
         monitor, mode = self.monitor or run.task.monitor, self.mode or run.task.mode
@@ -39,8 +39,7 @@ class EarlyStopping(Callback):
             self.best, self.waited = value, 0
             return
         self.waited += 1
-        if self.waited >= self.patience:
-            run.request_stop(self._reason(run))
+        self._stop_when_out_of_patience(run)
 
     def state_dict(self) -> dict:
         return {"best": self.best, "waited": self.waited}

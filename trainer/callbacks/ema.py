@@ -31,8 +31,7 @@ class EMA(Callback):
     def on_step_end(self, run: Run, step: StepEnd) -> None:
         if not step.applied:
             return
-        for name, param in self.params.items():
-            average = self.averages[name]
+        for (name, param), average in zip(self.params.items(), self.averages.values()):
             if average.shape != param.shape:
                 raise ConfigError(f"callbacks.ema: {name} changed shape from {tuple(average.shape)} to "
                                   f"{tuple(param.shape)} during training; an average needs fixed shapes: drop the EMA callback")

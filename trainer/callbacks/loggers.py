@@ -23,7 +23,6 @@ class Loggers(Callback):
         self.started: dict = {}
 
     def state_dict(self) -> dict:
-        """Each logger's own (its run's id): a resumed run continues its logger runs."""
         return {key: state for key, logger in self.loggers.items()
                 if callable(getattr(logger, "state_dict", None)) and (state := logger.state_dict())}
 
@@ -34,18 +33,14 @@ class Loggers(Callback):
 
     def on_fit_start(self, run: Run) -> None:
         for key, logger in self.loggers.items():
-            with _writing(key, run):
+            with self._writing(key, run):
                 logger.start(run.run_dir, run.run_dir.name, run.group, run.config)
             self.started[key] = logger
 
     def on_log(self, run: Run, metrics: dict[str, float], step: int) -> None:
-        for key, logger in list(self.started.items()):
-            try:
-                with _writing(key, run):
-                    logger.log_metrics(metrics, step)
-            except UserError:
-                del self.started[key]  # its store is full or gone: not finished either
-                raise
+        for key, logger in self.started.items():
+            with self._writing(key, run):
+                logger.log_metrics(metrics, step)
 
     def on_fit_end(self, run: Run, result) -> None:
         best = {result.monitor: result.best_metric} if result.best_metric is not None else None
@@ -61,7 +56,7 @@ class Loggers(Callback):
         started, self.started = self.started, {}  # once: a failure in on_fit_end must not finish them again
         for key, logger in started.items():
             try:
-                with _writing(key, None):
+                with self._writing(key, None):
                     logger.finish(summary, status)
             except Exception as err:
                 if not failing:
@@ -69,20 +64,20 @@ class Loggers(Callback):
                 # The run is failing already: its own error is the one to report; the others still close.
                 log.warning(f"logger.{key} could not record the failed run: {type(err).__name__}: {err}")
 
-
-@contextlib.contextmanager
-def _writing(key: str, run: Run | None) -> Iterator[None]:
-    """A logger's write that fails on the file system (a full disk, a store gone) ends the run in
-    one line naming the logger and the fix, not in its library's tracebacks; the checkpoints
-    saved so far are untouched (a save in flight completes: checkpoints/__init__.py)."""
-    try:
-        yield
-    except OSError as err:
-        reason = err.strerror or str(err) or type(err).__name__
-        where = f" ({err.filename})" if err.filename else ""
-        fix = ("free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT)
-               else "check that it is writable and its file system healthy")
-        step = f" at step {run.step}" if run is not None else ""
-        kept = f"; the checkpoints saved so far are kept ({run.run_dir / 'checkpoints'})" if run is not None else ""
-        raise UserError(f"logger.{key} cannot write{step}: {reason}{where}; {fix}, or leave the logger out "
-                        f"(~logger.{key}){kept}") from None
+    @contextlib.contextmanager
+    def _writing(self, key: str, run: Run | None) -> Iterator[None]:
+        """A logger's write that fails on the file system (a full disk, a store gone) ends the run in
+        one line naming the logger and the fix, not in its library's tracebacks; the checkpoints
+        saved so far are untouched (a save in flight completes: checkpoints/__init__.py)."""
+        try:
+            yield
+        except OSError as err:
+            self.started.pop(key, None)  # its store is full or gone: not finished either
+            reason = err.strerror or str(err) or type(err).__name__
+            where = f" ({err.filename})" if err.filename else ""
+            fix = ("free space there" if err.errno in (errno.ENOSPC, errno.EDQUOT)
+                   else "check that it is writable and its file system healthy")
+            step = f" at step {run.step}" if run is not None else ""
+            kept = f"; the checkpoints saved so far are kept ({run.run_dir / 'checkpoints'})" if run is not None else ""
+            raise UserError(f"logger.{key} cannot write{step}: {reason}{where}; {fix}, or leave the logger out "
+                            f"(~logger.{key}){kept}") from None

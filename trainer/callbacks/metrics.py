@@ -177,8 +177,7 @@ class Throughput(Callback):
 
 
 def _flops(run: Run) -> tuple[float | None, float | None]:
-    """The model's training FLOPs per token (its `flops_per_token()`), and the peak FLOP/s of
-    every device together, where known (see the module docstring)."""
+    """(the model's flops_per_token(), the peak FLOP/s of every device together), where known."""
     trainer, device = run.trainer, run.dist.device
     estimate = getattr(run.model, "flops_per_token", None)
     flops_per_token = float(estimate()) if callable(estimate) else None

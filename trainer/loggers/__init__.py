@@ -13,8 +13,6 @@ from ringtrain.errors import ConfigError
 
 
 class Logger:
-    """Receives one run's hyperparameters and metrics (rank 0 only)."""
-
     continued: dict = {}  # the checkpoint's state_dict(): the logger run to continue
 
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
@@ -48,13 +46,10 @@ def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}: bool, int, float and str kept, anything else (lists, None) as str."""
     out: dict[str, Any] = {}
     for key, value in config.items():
-        name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
-        elif isinstance(value, (bool, int, float, str)):
-            out[name] = value
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
-            out[name] = str(value)
+            out[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
 
 

@@ -11,6 +11,7 @@ the nested config as YAML is already in the run's record (<run dir>/.hydra/confi
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 from pathlib import Path
@@ -28,9 +29,8 @@ class CSVLogger(Logger):
         self.metrics_path = run_dir / "metrics.csv"
         # A resumed run (same run directory) goes on appending under the columns it had.
         self.columns = ["step"]
-        if self.metrics_path.exists():
-            with self.metrics_path.open(newline="") as file:
-                self.columns = next(csv.reader(file), self.columns)
+        with contextlib.suppress(FileNotFoundError), self.metrics_path.open(newline="") as file:
+            self.columns = next(csv.reader(file), self.columns)
         self.row: dict = {}
         _write_pairs(run_dir / "hparams.csv", flatten(config))
 
@@ -51,9 +51,8 @@ class CSVLogger(Logger):
         if new_columns:
             # A new column changes the header: rewrite the file (as Lightning's CSVLogger does).
             rows = []
-            if self.metrics_path.exists():
-                with self.metrics_path.open(newline="") as file:
-                    rows = list(csv.DictReader(file))
+            with contextlib.suppress(FileNotFoundError), self.metrics_path.open(newline="") as file:
+                rows = list(csv.DictReader(file))
             self.columns += new_columns
             write_text_atomically(self.metrics_path, _csv_text(self.columns, [*rows, self.row]))
         else:

@@ -11,8 +11,6 @@ from ringtrain.loggers import Logger, flatten
 
 
 class TensorBoardLogger(Logger):
-    """Scalars under the names they are logged with; the final metrics also as `final/<name>`."""
-
     def start(self, run_dir: Path, run_name: str, group: str | None, config: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 

@@ -180,12 +180,6 @@ def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) ->
     model.load_state_dict(state, strict=False)
 
 
-def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter elements, each shared tensor counted once."""
-    parameters = list(model.parameters())  # parameters() yields a tied tensor once
-    return sum(p.numel() for p in parameters if p.requires_grad), sum(p.numel() for p in parameters)
-
-
 def save_peft_adapter(model: nn.Module, lora: LoRA, directory: str | Path,
                       base_model_name_or_path: str | None = None, task_type: str | None = None) -> Path:
     """Write adapter_config.json and adapter_model.safetensors as PEFT's save_pretrained does,

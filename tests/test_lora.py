@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ringtrain.callbacks.console import count as trainable_parameter_count
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import (
     LoRA,
@@ -20,7 +21,6 @@ from ringtrain.models.lora import (
     load_adapter_state_dict,
     merge_lora,
     save_peft_adapter,
-    trainable_parameter_count,
 )
 from ringtrain.models.transformer import Transformer
 

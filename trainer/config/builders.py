@@ -111,16 +111,15 @@ def names_filled(node: Mapping, names: list[str]) -> list[str]:
 
 def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
     """The data's sizes the model gets (see the module docstring); refuse a disagreeing one."""
-    filled = names_filled(node, list(dims))
-    for name, value in dims.items():
-        # Set in the node as well: refused where the data would fill it, when the values differ.
-        unset = {k: v for k, v in node.items() if k != name}
-        if name in node and node[name] != value and name in names_filled(unset, list(dims)):
+    # What the data would fill were the node to set no size; one the node sets as well must agree.
+    fillable = names_filled({k: v for k, v in node.items() if k not in dims}, list(dims))
+    for name in fillable:
+        if name in node and node[name] != dims[name]:
             raise ConfigError(
-                f"model.{name}={node[name]} but the data has {name}={value}; drop the model.{name} override "
+                f"model.{name}={node[name]} but the data has {name}={dims[name]}; drop the model.{name} override "
                 f"(the data sets it) or set model.{FILL_KEY}=none to set every size yourself"
             )
-    return {name: dims[name] for name in filled}
+    return {name: dims[name] for name in fillable if name not in node}
 
 
 def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], train: Any, data_node: Any) -> None:

@@ -54,13 +54,9 @@ def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) 
         jobs.append(job)
 
     best: dict[str, dict] = {}
-    for job in jobs:
-        value = job["value"]
-        if value is None:
-            continue
-        current = best.get(job["monitor"])
-        if current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"]):
-            best[job["monitor"]] = job
+    for job in (job for job in jobs if job["value"] is not None):  # on a tie, the first job stays best
+        better = min if job["mode"] == "min" else max
+        best[job["monitor"]] = better(best.get(job["monitor"], job), job, key=lambda entry: entry["value"])
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "best": best}
 
 

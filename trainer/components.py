@@ -24,7 +24,6 @@ EXTRAS = {"transformers": "hf", "datasets": "hf", "tokenizers": "hf", "safetenso
 
 
 def locate(path: Any, key: str) -> Callable:
-    """The class or function at import path `path`, or a ConfigError saying what is wrong."""
     if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
         raise ConfigError(f"{key}._target_={path!r} is not an import path; write e.g. my_pkg.nets.MyNet")
     parts = path.split(".")
@@ -67,7 +66,6 @@ def locate(path: Any, key: str) -> Callable:
 
 
 def accepts(target: Any, name: str) -> bool:
-    """Whether calling `target` can take argument `name`."""
     parameters = parameters_of(target)
     return parameters is not None and (name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
 
@@ -181,7 +179,6 @@ def _check_forwarded(node: Mapping, key: str, target: Callable, name: str) -> No
 
 
 def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    """After a function target has run: refuse what it returned when it is of the wrong kind."""
     if not isinstance(obj, kind):
         raise ConfigError(
             f"{key}._target_ built a {type(obj).__name__}, not {_kind_name(kind)}; point {key}._target_ at one"

@@ -232,7 +232,6 @@ def scratch_directory() -> str:
 
 
 def composition_message(err: Exception, primary: PrimaryConfig, command: CommandLine) -> str:
-    """Hydra's exception as one line naming the fix, read from its fields."""
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
         group = err.missing_cfg_file.rpartition("/")[0]

@@ -131,7 +131,6 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
 
 
 def _check_stored(override: Any, source: Path) -> None:
-    """One stored override against the rules of the module docstring."""
     line, key = override.input_line, override.key_or_group
     parts = key.split(".")
     if override.is_add() or override.is_force_add():
@@ -174,7 +173,6 @@ def _refusal(source: Path, line: Any, why: str) -> ConfigError:
 
 
 def _quoted(path: Any) -> str:
-    """A path as an override's value: as it is, or in Hydra's quotes when it has other signs."""
     text = str(path)
     return text if re.fullmatch(r"[\w./+-]+", text) else "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 

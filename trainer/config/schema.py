@@ -87,7 +87,6 @@ class TrainerConfig:
 
 
 def trainer_config(**settings: Any) -> TrainerConfig:
-    """conf/trainer/default.yaml's settings (composed by Hydra) with `settings` changed, checked and typed."""
     defaults = OmegaConf.to_container(composed()["trainer"])
     return typed_trainer({**defaults, **settings})
 
@@ -114,8 +113,7 @@ class Job:
 
 
 def validate(cfg: Any) -> Job:
-    """Check the composed config; return the Job, or raise ConfigError on the first mistake.
-    A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
+    """A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
     gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
     from ringtrain.callbacks import HOOKS, Callback, unknown_hooks
 

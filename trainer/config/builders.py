@@ -245,8 +245,7 @@ def check_model(node: Mapping, dims: Mapping[str, Any] | None, provided_by: str)
     """Hold the model node against its target (components.py), with the data's sizes
     `dims` (None: not known before the data is built) as the arguments ringtrain fills."""
     filled = None if dims is None else names_filled(node, list(dims))
-    return check(node, "model", kind=nn.Module, provided=filled, reserved=(FILL_KEY,),
-                 provided_by=provided_by if dims is not None else "")
+    return check(node, "model", kind=nn.Module, provided=filled, reserved=(FILL_KEY,), provided_by=provided_by)
 
 
 def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:

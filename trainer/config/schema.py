@@ -124,7 +124,6 @@ def validate(cfg: Any) -> Job:
         resolved = resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config: {_omegaconf_message(err)}") from None
-    resolved.pop("hydra", None)
     _check_sections(resolved)
     trainer = typed_trainer(resolved["trainer"])
     strategy = build_strategy(resolved["strategy"])

@@ -89,10 +89,9 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
         return target  # a builtin without a signature, or a partial that gets the rest later
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     for name in passed:
-        if name not in parameters and not takes_any:
-            wanted = _kind_name(kind) if kind is not None else f"a callable taking {name}"
+        if name not in parameters and not takes_any:  # `passed` comes with a `kind` (schema.py check_optimization)
             raise ConfigError(f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes "
-                              f"it; point {key}._target_ at {wanted}")
+                              f"it; point {key}._target_ at {_kind_name(kind)}")
     unknown_provided = provided is None
     provided, reserved = set(provided or ()), set(reserved)
     arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k not in reserved}

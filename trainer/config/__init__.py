@@ -340,8 +340,7 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
 
 
 class SweepSummary(Callback):
-    """conf/train.yaml's hydra.callbacks: after a multirun, <sweep dir>/sweep_summary.json and a
-    log line per job (config/sweep.py)."""
+    """conf/train.yaml's hydra.callbacks: after a multirun, the sweep's summary (config/sweep.py)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         from ringtrain.config.sweep import write_summary

@@ -6,19 +6,12 @@ arguments before `setup()`, where they can), or for `data.train` / `data.val` no
 else the training Dataset's `dims`. The data's lengths are held against the batch and the number
 of ranks too (`check_data_lengths`, `check_validation_limit`).
 
-Which model arguments get them, by the model node's own key `fill_sizes` (never passed on):
-  named (default)  an argument the target names and the node leaves unset; a `**kwargs`
-                   catch-all gets nothing (torchvision's and timm's factories pass it on to a
-                   class that may not take `in_features`)
-  all              also into a `**kwargs` catch-all (a factory of yours that forwards them)
-  none             nothing: the node sets every size itself
-  [names]          exactly these sizes, named or through `**kwargs`
-The node may set a size the data fills only to the same value.
-
-Anywhere inside the model node (a nested `transformers.GPT2Config` node too),
-`${data.dims.vocab_size}` is the data's value. Where the sizes are known only once the data is
-built (a text file's vocabulary), `resolve` leaves the references as text for
-`fill_data_sizes` to fill when the model is built, on each rank or from a checkpoint.
+Which model arguments get them, by the model node's own key `fill_sizes` (never passed on), and
+`${data.dims.<name>}` anywhere in the model node: README, "Sizes the data dictates". By default a
+`**kwargs` catch-all gets none: torchvision's and timm's factories pass it on to a class that may
+not take `in_features`. Where the sizes are known only once the data is built (a text file's
+vocabulary), `resolve` leaves the references as text for `fill_data_sizes` to fill when the model
+is built, on each rank or from a checkpoint.
 """
 from __future__ import annotations
 

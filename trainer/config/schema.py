@@ -1,10 +1,8 @@
 """The checked job, before any process group, data or GPU is touched: `validate(cfg)` turns the
-composed config into a `Job` or raises one ConfigError line for the first mistake (an unknown
-key, a wrong type, a target that does not import or take its arguments, a callback hook ringtrain
-never calls, a missing file or device). Cheap constructions run too, so the components' own
-argument checks fire now, not after minutes of data setup and the ranks' start: the data component
-(its constructor only checks, by contract), the task, and the optimizer and schedule on a
-stand-in parameter. The rest fails as one line when built or at the first step (loop/setup.py).
+composed config into a `Job` or raises one ConfigError line for the first mistake (README, "Checked
+before any work"). Cheap constructions run too (the data component, whose constructor only checks,
+by contract; the task; the optimizer and schedule on a stand-in parameter), so that their own
+argument checks fire now, not after minutes of data setup and the ranks' start.
 """
 from __future__ import annotations
 

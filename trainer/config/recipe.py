@@ -11,10 +11,8 @@ overrides before the user's:
     ringtrain evaluate checkpoint=x.pt data.path=other.txt
       -> model=transformer ... model.n_layers=4 data.path=/home/me/input.txt checkpoint=x.pt data.path=other.txt
 
-A stored override that adds a key (+, ++), sets an instantiation key (`_target_`, `_args_`, ...)
-or a code-loading keyword (CODE_LOADING_KEYS), holds `${...}`, names a Hydra setting or a package,
-sweeps, or picks an option that is not a plain name is refused in one line; so is a key the
-composed config lacks (Hydra's refusal, named as the checkpoint's).
+A stored override is refused as README's "What is replayed is checked" lists (`_check_stored`); so
+is a key the composed config lacks (Hydra's refusal, named as the checkpoint's).
 """
 from __future__ import annotations
 

@@ -119,20 +119,17 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
 def _check_kind(node: Mapping, key: str, target: Callable, kind: Any) -> None:
     """The kind a class target is, or a function target returns where it says so (it is not
     called to find out: calling may do anything)."""
+    returns = None if kind is None or inspect.isclass(target) else _type_hints(target).get("return")
     if kind is not None and inspect.isclass(target) and not issubclass(target, kind):
         # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
         # which says nothing about what the class is.
         bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
-        described = f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__
-        raise ConfigError(f"{key}._target_={node['_target_']!r} is a {described}, not {_kind_name(kind)}; "
-                          f"point {key}._target_ at one")
-    if kind is not None and not inspect.isclass(target):
-        returns = _type_hints(target).get("return")
-        if inspect.isclass(returns) and not issubclass(returns, kind):
-            raise ConfigError(
-                f"{key}._target_={node['_target_']!r} returns a {_public_name(returns)}, not {_kind_name(kind)}; "
-                f"point {key}._target_ at one"
-            )
+        what = f"is a {target.__qualname__}" + (f" (a {_public_name(bases[-1])})" if bases else "")
+    elif inspect.isclass(returns) and not issubclass(returns, kind):
+        what = f"returns a {_public_name(returns)}"
+    else:
+        return
+    raise ConfigError(f"{key}._target_={node['_target_']!r} {what}, not {_kind_name(kind)}; point {key}._target_ at one")
 
 
 def _check_unnamed(node: Mapping, key: str, target: Callable, name: str, named: Mapping, takes_any: bool,

@@ -233,6 +233,7 @@ ZERO_MEANS = {
     "profile_steps": "no profiler",
     "num_workers": "load in the training process",
     "eval_every_minutes": "off",
+    "grad_clip_norm": "no clipping",
 }
 CHOICES = {"precision": PRECISIONS, "accelerator": ACCELERATORS, "compile_mode": COMPILE_MODES,
            "compile_scope": COMPILE_SCOPES, "on_nonfinite": NONFINITE_POLICIES}
@@ -264,8 +265,6 @@ def check_options(t: TrainerConfig, strategy: Strategy) -> None:
     if not 0 <= t.eval_every_fraction <= 1:
         raise ConfigError(f"trainer.eval_every_fraction={t.eval_every_fraction} must be in [0, 1] (0.25: four "
                           f"times an epoch; 0: off)")
-    if t.grad_clip_norm < 0:
-        raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be >= 0 (0 disables it)")
     for name, default in (("compile_mode", "default"), ("compile_scope", "regional")):
         if getattr(t, name) != default and not t.compile:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} has no effect without compiling; add trainer.compile=true")

@@ -36,8 +36,6 @@ POSITION_NAMES = ("n_positions", "max_position_embeddings", "block_size")
 
 
 def resolve(cfg: Any) -> dict:
-    """The composed config resolved to plain data, a `${data.dims.<name>}` the config cannot give
-    yet left as text (see the module docstring)."""
     from omegaconf import OmegaConf
 
     names = set(DIMS_REFERENCE.findall(str(cfg.get("model"))))  # a config's text shows its interpolations as written
@@ -56,7 +54,6 @@ def resolve(cfg: Any) -> dict:
 
 
 def fill_data_sizes(node: Any, dims: Mapping[str, Any], key: str = "model") -> Any:
-    """`node` with every `${data.dims.<name>}` replaced by the data's value."""
     if isinstance(node, Mapping):
         return {k: fill_data_sizes(v, dims, f"{key}.{k}") for k, v in node.items()}
     if isinstance(node, list):
@@ -100,7 +97,6 @@ def names_filled(node: Mapping, names: list[str]) -> list[str]:
 
 
 def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
-    """The data's sizes the model gets (see the module docstring); refuse a disagreeing one."""
     # What the data would fill were the node to set no size; one the node sets as well must agree.
     fillable = names_filled({k: v for k, v in node.items() if k not in dims}, list(dims))
     for name in fillable:

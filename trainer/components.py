@@ -72,9 +72,7 @@ def accepts(target: Any, name: str) -> bool:
 
 def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, provided: Iterable[str] | None = (),
           reserved: Iterable[str] = (), provided_by: str = "", passed: Iterable[str] = ()) -> Callable:
-    """Hold `node` against its target's signature; return the target.
-
-    `kind`: what the target must build (a class is checked now, a function by `check_built`
+    """`kind`: what the target must build (a class is checked now, a function by `check_built`
     once it has run: it is never called here). `provided`: arguments ringtrain fills by name
     (None: not known yet, a missing one is left to the build), filled by `provided_by` (named
     in the message). `reserved`: ringtrain's own keys, not passed on. `passed`: arguments

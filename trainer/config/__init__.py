@@ -117,9 +117,7 @@ TRAIN = PrimaryConfig("train", "ringtrain", usage="ringtrain [group=option ...] 
 
 
 def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: CommandLine) -> Any:
-    """Run `task` as the Hydra app of conf/<primary.name>.yaml on `command` (the entry module put
-    its arguments, the replayed ones among them, where Hydra reads them); a composition mistake
-    is one line."""
+    """The entry module already put `command`'s arguments (the replayed ones among them) where Hydra reads them."""
     register_resolvers()
     os.environ["HYDRA_FULL_ERROR"] = "1"
     # transformers' progress bars (loading weights) would come between a command's lines, or

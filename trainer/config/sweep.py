@@ -1,8 +1,6 @@
-"""What a multirun leaves behind: one summary of every job, naming the best. Once every job has
-finished, whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/__init__.py,
-conf/train.yaml's hydra.callbacks) in the launching process, which imports this module; it
-collects each job's metrics.json into `<sweep dir>/sweep_summary.json` and logs one line per
-job, best first.
+"""What a multirun leaves behind (README, "Sweeps and TensorBoard"): once every job has finished,
+whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/__init__.py,
+conf/train.yaml's hydra.callbacks) in the launching process, which imports this module.
 """
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def accepts(target: Any, name: str) -> bool:
     return parameters is not None and (name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
 
 
-def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, provided: Iterable[str] | None = (),
+def check(node: Any, key: str, kind: type | None = None, provided: Iterable[str] | None = (),
           reserved: Iterable[str] = (), provided_by: str = "", passed: Iterable[str] = ()) -> Callable:
     """`kind`: what the target must build (a class is checked now, a function by `check_built`
     once it has run: it is never called here). `provided`: arguments ringtrain fills by name
@@ -89,7 +89,7 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
     for name in passed:
         if name not in parameters and not takes_any:  # `passed` comes with a `kind` (schema.py check_optimization)
             raise ConfigError(f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes "
-                              f"it; point {key}._target_ at {_kind_name(kind)}")
+                              f"it; point {key}._target_ at a {_public_name(kind)}")
     unknown_provided = provided is None
     provided, reserved = set(provided or ()), set(reserved)
     arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k not in reserved}
@@ -127,7 +127,7 @@ def _check_kind(node: Mapping, key: str, target: Callable, kind: Any) -> None:
         what = f"returns a {_public_name(returns)}"
     else:
         return
-    raise ConfigError(f"{key}._target_={node['_target_']!r} {what}, not {_kind_name(kind)}; point {key}._target_ at one")
+    raise ConfigError(f"{key}._target_={node['_target_']!r} {what}, not a {_public_name(kind)}; point {key}._target_ at one")
 
 
 def _check_unnamed(node: Mapping, key: str, target: Callable, name: str, named: Mapping, takes_any: bool,
@@ -172,10 +172,10 @@ def _check_forwarded(node: Mapping, key: str, target: Callable, name: str) -> No
         )
 
 
-def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+def check_built(obj: Any, key: str, kind: type) -> Any:
     if not isinstance(obj, kind):
         raise ConfigError(
-            f"{key}._target_ built a {type(obj).__name__}, not {_kind_name(kind)}; point {key}._target_ at one"
+            f"{key}._target_ built a {type(obj).__name__}, not a {_public_name(kind)}; point {key}._target_ at one"
         )
     return obj
 
@@ -269,11 +269,6 @@ def fits(value: Any, annotation: Any) -> bool:
         except TypeError:
             return True
     return True
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(f"a {_public_name(k)}" for k in kinds)
 
 
 def _public_name(cls: type) -> str:

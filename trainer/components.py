@@ -24,7 +24,6 @@ EXTRAS = {"transformers": "hf", "datasets": "hf", "tokenizers": "hf", "safetenso
 
 
 def locate(path: Any, key: str) -> Callable:
-    """The class or function at import path `path`, or a ConfigError saying what is wrong."""
     if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
         raise ConfigError(f"{key}._target_={path!r} is not an import path; write e.g. my_pkg.nets.MyNet")
     parts = path.split(".")
@@ -67,16 +66,13 @@ def locate(path: Any, key: str) -> Callable:
 
 
 def accepts(target: Any, name: str) -> bool:
-    """Whether calling `target` can take argument `name`."""
     parameters = parameters_of(target)
     return parameters is not None and (name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()))
 
 
-def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, provided: Iterable[str] | None = (),
+def check(node: Any, key: str, kind: type | None = None, provided: Iterable[str] | None = (),
           reserved: Iterable[str] = (), provided_by: str = "", passed: Iterable[str] = ()) -> Callable:
-    """Hold `node` against its target's signature; return the target.
-
-    `kind`: what the target must build (a class is checked now, a function by `check_built`
+    """`kind`: what the target must build (a class is checked now, a function by `check_built`
     once it has run: it is never called here). `provided`: arguments ringtrain fills by name
     (None: not known yet, a missing one is left to the build), filled by `provided_by` (named
     in the message). `reserved`: ringtrain's own keys, not passed on. `passed`: arguments
@@ -91,10 +87,9 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
         return target  # a builtin without a signature, or a partial that gets the rest later
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
     for name in passed:
-        if name not in parameters and not takes_any:
-            wanted = _kind_name(kind) if kind is not None else f"a callable taking {name}"
+        if name not in parameters and not takes_any:  # `passed` comes with a `kind` (schema.py check_optimization)
             raise ConfigError(f"{key}._target_={node['_target_']!r} takes no argument {name!r}, which ringtrain passes "
-                              f"it; point {key}._target_ at {wanted}")
+                              f"it; point {key}._target_ at a {_public_name(kind)}")
     unknown_provided = provided is None
     provided, reserved = set(provided or ()), set(reserved)
     arguments = {k: v for k, v in node.items() if k not in HYDRA_KEYS and k not in reserved}
@@ -122,20 +117,17 @@ def check(node: Any, key: str, kind: type | tuple[type, ...] | None = None, prov
 def _check_kind(node: Mapping, key: str, target: Callable, kind: Any) -> None:
     """The kind a class target is, or a function target returns where it says so (it is not
     called to find out: calling may do anything)."""
+    returns = None if kind is None or inspect.isclass(target) else _type_hints(target).get("return")
     if kind is not None and inspect.isclass(target) and not issubclass(target, kind):
         # The most general base the user would name: a Dataset's MRO ends in typing.Generic,
         # which says nothing about what the class is.
         bases = [b for b in target.__mro__[1:] if b not in (object, typing.Generic)]
-        described = f"{target.__qualname__} (a {_public_name(bases[-1])})" if bases else target.__qualname__
-        raise ConfigError(f"{key}._target_={node['_target_']!r} is a {described}, not {_kind_name(kind)}; "
-                          f"point {key}._target_ at one")
-    if kind is not None and not inspect.isclass(target):
-        returns = _type_hints(target).get("return")
-        if inspect.isclass(returns) and not issubclass(returns, kind):
-            raise ConfigError(
-                f"{key}._target_={node['_target_']!r} returns a {_public_name(returns)}, not {_kind_name(kind)}; "
-                f"point {key}._target_ at one"
-            )
+        what = f"is a {target.__qualname__}" + (f" (a {_public_name(bases[-1])})" if bases else "")
+    elif inspect.isclass(returns) and not issubclass(returns, kind):
+        what = f"returns a {_public_name(returns)}"
+    else:
+        return
+    raise ConfigError(f"{key}._target_={node['_target_']!r} {what}, not a {_public_name(kind)}; point {key}._target_ at one")
 
 
 def _check_unnamed(node: Mapping, key: str, target: Callable, name: str, named: Mapping, takes_any: bool,
@@ -180,11 +172,10 @@ def _check_forwarded(node: Mapping, key: str, target: Callable, name: str) -> No
         )
 
 
-def check_built(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    """After a function target has run: refuse what it returned when it is of the wrong kind."""
+def check_built(obj: Any, key: str, kind: type) -> Any:
     if not isinstance(obj, kind):
         raise ConfigError(
-            f"{key}._target_ built a {type(obj).__name__}, not {_kind_name(kind)}; point {key}._target_ at one"
+            f"{key}._target_ built a {type(obj).__name__}, not a {_public_name(kind)}; point {key}._target_ at one"
         )
     return obj
 
@@ -278,11 +269,6 @@ def fits(value: Any, annotation: Any) -> bool:
         except TypeError:
             return True
     return True
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(f"a {_public_name(k)}" for k in kinds)
 
 
 def _public_name(cls: type) -> str:

@@ -117,9 +117,7 @@ TRAIN = PrimaryConfig("train", "ringtrain", usage="ringtrain [group=option ...] 
 
 
 def run_app(primary: PrimaryConfig, task: Callable[[Any], Any], command: CommandLine) -> Any:
-    """Run `task` as the Hydra app of conf/<primary.name>.yaml on `command` (the entry module put
-    its arguments, the replayed ones among them, where Hydra reads them); a composition mistake
-    is one line."""
+    """The entry module already put `command`'s arguments (the replayed ones among them) where Hydra reads them."""
     register_resolvers()
     os.environ["HYDRA_FULL_ERROR"] = "1"
     # transformers' progress bars (loading weights) would come between a command's lines, or
@@ -232,7 +230,6 @@ def scratch_directory() -> str:
 
 
 def composition_message(err: Exception, primary: PrimaryConfig, command: CommandLine) -> str:
-    """Hydra's exception as one line naming the fix, read from its fields."""
     if isinstance(err, MissingConfigException) and err.missing_cfg_file:
         # Hydra lists the options for group=option, not for one of a list (callbacks=[default,x]).
         group = err.missing_cfg_file.rpartition("/")[0]
@@ -341,8 +338,7 @@ def _unknown_key_message(full_key: str, parent: Any, primary: PrimaryConfig, com
 
 
 class SweepSummary(Callback):
-    """conf/train.yaml's hydra.callbacks: after a multirun, <sweep dir>/sweep_summary.json and a
-    log line per job (config/sweep.py)."""
+    """conf/train.yaml's hydra.callbacks: after a multirun, the sweep's summary (config/sweep.py)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         from ringtrain.config.sweep import write_summary

@@ -6,23 +6,15 @@ arguments before `setup()`, where they can), or for `data.train` / `data.val` no
 else the training Dataset's `dims`. The data's lengths are held against the batch and the number
 of ranks too (`check_data_lengths`, `check_validation_limit`).
 
-Which model arguments get them, by the model node's own key `fill_sizes` (never passed on):
-  named (default)  an argument the target names and the node leaves unset; a `**kwargs`
-                   catch-all gets nothing (torchvision's and timm's factories pass it on to a
-                   class that may not take `in_features`)
-  all              also into a `**kwargs` catch-all (a factory of yours that forwards them)
-  none             nothing: the node sets every size itself
-  [names]          exactly these sizes, named or through `**kwargs`
-The node may set a size the data fills only to the same value.
-
-Anywhere inside the model node (a nested `transformers.GPT2Config` node too),
-`${data.dims.vocab_size}` is the data's value. Where the sizes are known only once the data is
-built (a text file's vocabulary), `resolve` leaves the references as text for
-`fill_data_sizes` to fill when the model is built, on each rank or from a checkpoint.
+Which model arguments get them, by the model node's own key `fill_sizes` (never passed on), and
+`${data.dims.<name>}` anywhere in the model node: README, "Sizes the data dictates". By default a
+`**kwargs` catch-all gets none: torchvision's and timm's factories pass it on to a class that may
+not take `in_features`. Where the sizes are known only once the data is built (a text file's
+vocabulary), `resolve` leaves the references as text for `fill_data_sizes` to fill when the model
+is built, on each rank or from a checkpoint.
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -44,13 +36,9 @@ POSITION_NAMES = ("n_positions", "max_position_embeddings", "block_size")
 
 
 def resolve(cfg: Any) -> dict:
-    """The composed config resolved to plain data, a `${data.dims.<name>}` the config cannot give
-    yet left as text (see the module docstring)."""
     from omegaconf import OmegaConf
 
-    model = cfg.get("model")
-    model = OmegaConf.to_container(model, resolve=False) if OmegaConf.is_config(model) else model
-    names = set(DIMS_REFERENCE.findall(json.dumps(model, default=str)))
+    names = set(DIMS_REFERENCE.findall(str(cfg.get("model"))))  # a config's text shows its interpolations as written
     if not names:  # nothing waits for the data: resolved as composed (a tenth of the round trip below)
         return OmegaConf.to_container(cfg, resolve=True)
     plain = OmegaConf.to_container(cfg, resolve=False)
@@ -66,7 +54,6 @@ def resolve(cfg: Any) -> dict:
 
 
 def fill_data_sizes(node: Any, dims: Mapping[str, Any], key: str = "model") -> Any:
-    """`node` with every `${data.dims.<name>}` replaced by the data's value."""
     if isinstance(node, Mapping):
         return {k: fill_data_sizes(v, dims, f"{key}.{k}") for k, v in node.items()}
     if isinstance(node, list):
@@ -110,17 +97,15 @@ def names_filled(node: Mapping, names: list[str]) -> list[str]:
 
 
 def model_arguments(node: Mapping, dims: Mapping[str, int]) -> dict[str, int]:
-    """The data's sizes the model gets (see the module docstring); refuse a disagreeing one."""
-    filled = names_filled(node, list(dims))
-    for name, value in dims.items():
-        # Set in the node as well: refused where the data would fill it, when the values differ.
-        unset = {k: v for k, v in node.items() if k != name}
-        if name in node and node[name] != value and name in names_filled(unset, list(dims)):
+    # What the data would fill were the node to set no size; one the node sets as well must agree.
+    fillable = names_filled({k: v for k, v in node.items() if k not in dims}, list(dims))
+    for name in fillable:
+        if name in node and node[name] != dims[name]:
             raise ConfigError(
-                f"model.{name}={node[name]} but the data has {name}={value}; drop the model.{name} override "
+                f"model.{name}={node[name]} but the data has {name}={dims[name]}; drop the model.{name} override "
                 f"(the data sets it) or set model.{FILL_KEY}=none to set every size yourself"
             )
-    return {name: dims[name] for name in filled}
+    return {name: dims[name] for name in fillable if name not in node}
 
 
 def check_model_sizes(model: nn.Module, dims: Mapping[str, Any], train: Any, data_node: Any) -> None:
@@ -246,8 +231,7 @@ def check_model(node: Mapping, dims: Mapping[str, Any] | None, provided_by: str)
     """Hold the model node against its target (components.py), with the data's sizes
     `dims` (None: not known before the data is built) as the arguments ringtrain fills."""
     filled = None if dims is None else names_filled(node, list(dims))
-    return check(node, "model", kind=nn.Module, provided=filled, reserved=(FILL_KEY,),
-                 provided_by=provided_by if dims is not None else "")
+    return check(node, "model", kind=nn.Module, provided=filled, reserved=(FILL_KEY,), provided_by=provided_by)
 
 
 def build_model(node: Mapping, dims: Mapping[str, int]) -> nn.Module:

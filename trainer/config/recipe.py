@@ -11,10 +11,8 @@ overrides before the user's:
     ringtrain evaluate checkpoint=x.pt data.path=other.txt
       -> model=transformer ... model.n_layers=4 data.path=/home/me/input.txt checkpoint=x.pt data.path=other.txt
 
-A stored override that adds a key (+, ++), sets an instantiation key (`_target_`, `_args_`, ...)
-or a code-loading keyword (CODE_LOADING_KEYS), holds `${...}`, names a Hydra setting or a package,
-sweeps, or picks an option that is not a plain name is refused in one line; so is a key the
-composed config lacks (Hydra's refusal, named as the checkpoint's).
+A stored override is refused as README's "What is replayed is checked" lists (`_check_stored`); so
+is a key the composed config lacks (Hydra's refusal, named as the checkpoint's).
 """
 from __future__ import annotations
 
@@ -131,7 +129,6 @@ def replay(recipe: Any, source: Path, user_overrides: Iterable[str], skip: Itera
 
 
 def _check_stored(override: Any, source: Path) -> None:
-    """One stored override against the rules of the module docstring."""
     line, key = override.input_line, override.key_or_group
     parts = key.split(".")
     if override.is_add() or override.is_force_add():
@@ -174,7 +171,6 @@ def _refusal(source: Path, line: Any, why: str) -> ConfigError:
 
 
 def _quoted(path: Any) -> str:
-    """A path as an override's value: as it is, or in Hydra's quotes when it has other signs."""
     text = str(path)
     return text if re.fullmatch(r"[\w./+-]+", text) else "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 

@@ -1,10 +1,8 @@
 """The checked job, before any process group, data or GPU is touched: `validate(cfg)` turns the
-composed config into a `Job` or raises one ConfigError line for the first mistake (an unknown
-key, a wrong type, a target that does not import or take its arguments, a callback hook ringtrain
-never calls, a missing file or device). Cheap constructions run too, so the components' own
-argument checks fire now, not after minutes of data setup and the ranks' start: the data component
-(its constructor only checks, by contract), the task, and the optimizer and schedule on a
-stand-in parameter. The rest fails as one line when built or at the first step (loop/setup.py).
+composed config into a `Job` or raises one ConfigError line for the first mistake (README, "Checked
+before any work"). Cheap constructions run too (the data component, whose constructor only checks,
+by contract; the task; the optimizer and schedule on a stand-in parameter), so that their own
+argument checks fire now, not after minutes of data setup and the ranks' start.
 """
 from __future__ import annotations
 
@@ -87,7 +85,6 @@ class TrainerConfig:
 
 
 def trainer_config(**settings: Any) -> TrainerConfig:
-    """conf/trainer/default.yaml's settings (composed by Hydra) with `settings` changed, checked and typed."""
     defaults = OmegaConf.to_container(composed()["trainer"])
     return typed_trainer({**defaults, **settings})
 
@@ -114,8 +111,7 @@ class Job:
 
 
 def validate(cfg: Any) -> Job:
-    """Check the composed config; return the Job, or raise ConfigError on the first mistake.
-    A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
+    """A config composed with Hydra's settings (`hydra`: the compose API's return_hydra_config)
     gives the job its recipe (config/recipe.py); @hydra.main's job sets it from HydraConfig."""
     from ringtrain.callbacks import HOOKS, Callback, unknown_hooks
 
@@ -126,7 +122,6 @@ def validate(cfg: Any) -> Job:
         resolved = resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"config: {_omegaconf_message(err)}") from None
-    resolved.pop("hydra", None)
     _check_sections(resolved)
     trainer = typed_trainer(resolved["trainer"])
     strategy = build_strategy(resolved["strategy"])
@@ -238,6 +233,7 @@ ZERO_MEANS = {
     "profile_steps": "no profiler",
     "num_workers": "load in the training process",
     "eval_every_minutes": "off",
+    "grad_clip_norm": "no clipping",
 }
 CHOICES = {"precision": PRECISIONS, "accelerator": ACCELERATORS, "compile_mode": COMPILE_MODES,
            "compile_scope": COMPILE_SCOPES, "on_nonfinite": NONFINITE_POLICIES}
@@ -269,8 +265,6 @@ def check_options(t: TrainerConfig, strategy: Strategy) -> None:
     if not 0 <= t.eval_every_fraction <= 1:
         raise ConfigError(f"trainer.eval_every_fraction={t.eval_every_fraction} must be in [0, 1] (0.25: four "
                           f"times an epoch; 0: off)")
-    if t.grad_clip_norm < 0:
-        raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be >= 0 (0 disables it)")
     for name, default in (("compile_mode", "default"), ("compile_scope", "regional")):
         if getattr(t, name) != default and not t.compile:
             raise ConfigError(f"trainer.{name}={getattr(t, name)} has no effect without compiling; add trainer.compile=true")

@@ -1,8 +1,6 @@
-"""What a multirun leaves behind: one summary of every job, naming the best. Once every job has
-finished, whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/__init__.py,
-conf/train.yaml's hydra.callbacks) in the launching process, which imports this module; it
-collects each job's metrics.json into `<sweep dir>/sweep_summary.json` and logs one line per
-job, best first.
+"""What a multirun leaves behind (README, "Sweeps and TensorBoard"): once every job has finished,
+whatever the launcher, Hydra calls `SweepSummary.on_multirun_end` (config/__init__.py,
+conf/train.yaml's hydra.callbacks) in the launching process, which imports this module.
 """
 from __future__ import annotations
 
@@ -54,13 +52,9 @@ def summarize_sweep(sweep_dir: Path, record_subdir: str | None = RECORD_SUBDIR) 
         jobs.append(job)
 
     best: dict[str, dict] = {}
-    for job in jobs:
-        value = job["value"]
-        if value is None:
-            continue
-        current = best.get(job["monitor"])
-        if current is None or (value < current["value"] if job["mode"] == "min" else value > current["value"]):
-            best[job["monitor"]] = job
+    for job in (job for job in jobs if job["value"] is not None):  # on a tie, the first job stays best
+        better = min if job["mode"] == "min" else max
+        best[job["monitor"]] = better(best.get(job["monitor"], job), job, key=lambda entry: entry["value"])
     return {"sweep_dir": str(sweep_dir), "jobs": jobs, "best": best}
 
 

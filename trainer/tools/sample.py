@@ -40,10 +40,6 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     """Continue the (B, T) token ids `idx` by up to `max_new_tokens` tokens; returns (B, T + new).
     `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model mapping
     (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be at least 1 (or None for all tokens)")
     limit = position_limit(model)
     block_size = limit[1] if limit else None
     was_training = model.training

@@ -148,8 +148,7 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
     target = choose_device(device)
     model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint).to(target)
     # The run's precision, but a 16-mixed model in float32 on the CPU (float16 needs CUDA).
-    stored = (job.get("trainer") or {}).get("precision")
-    name = str(stored) if stored is not None else "32"
+    name = str((job.get("trainer") or {}).get("precision", "32"))
     precision = Precision("32" if name == "16-mixed" and target.type != "cuda" else name, target)
     # The task, for which output of the model it reads; a function that builds one is not called here.
     node = job.get("task")

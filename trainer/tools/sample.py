@@ -203,10 +203,8 @@ class Stopping:
         text = self.vocab.decode(ids[:end])
         start = len(self.vocab.decode(ids[:prompt_length]))
         found = [(where, len(t)) for t in self.texts if (where := text.find(t, start)) >= 0]
-        if found:
-            where, length = min(found)
-            text = text[: where + length]
-        return text
+        where, length = min(found, default=(len(text), 0))
+        return text[: where + length]
 
 
 def show(texts: list[str]) -> None:

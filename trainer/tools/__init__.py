@@ -100,7 +100,6 @@ def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig,
         values = resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{str(err).strip().splitlines()[0]}; see `{primary.program} --help`") from None
-    values.pop("hydra", None)
     job = {name: values.pop(name) for name in JOB_SECTIONS if name in values}
     for name in values:
         if name not in parameters:

@@ -47,8 +47,7 @@ class EvalJob:
 
 def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None, job: dict, command: CommandLine,
              weights: str = "model", trust_checkpoint: bool = False) -> tuple[dict, EvalResult | None]:
-    """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
-    records and rank 0's result (None on the other ranks)."""
+    """What the metrics file records, and rank 0's result (None on the other ranks)."""
     keys = [override.lstrip("+~").split("=", 1)[0] for override in command.overrides]
     for section in (key.split(".")[0] for key in keys):
         if section in ("optimizer", "scheduler"):

@@ -36,8 +36,7 @@ MANIFEST_HEADER = "written by ringtrain export; a later export replaces these fi
 def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safetensors", output: str | None = None,  # noqa: A002
            overwrite: bool = False, weights: str = "model", trust_checkpoint: bool = False,
            job: dict | None = None, command: Any = None) -> Path:
-    """Write the weights of `checkpoint` as `format` (`job`: the composed job's sections);
-    returns the file or directory written."""
+    """The file or directory written (`job`: the composed job's sections)."""
     state = read_checkpoint(checkpoint, command.checkpoint if command else None)
     job = job if job is not None else composed_job(state, checkpoint)
     node = job.get("model") or {}

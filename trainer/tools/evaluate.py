@@ -79,9 +79,6 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     # nor its starting weights: the checkpoint's own weights are evaluated.
     trainer_settings = typed_trainer({**job["trainer"], "resume": None, "init_from": None})
     strategy = build_strategy(job["strategy"])
-    if under_torchrun() and not strategy.spans_processes:
-        raise ConfigError(f"strategy={strategy_name} under torchrun would evaluate on every rank alone; use "
-                          f"strategy=ddp (or auto)")
     check_options(trainer_settings, strategy)
     check_model(job["model"], check_data(job["data"]), "the data")
     check_task(build(job["task"], "task"))

@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from ringtrain.checkpoints import Resumed
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.components import build
-from ringtrain.config import CommandLine, PrimaryConfig
+from ringtrain.config import CommandLine
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_trainer
 from ringtrain.data.vocab import same_ids
@@ -157,8 +157,7 @@ def main(command: CommandLine) -> None:
     # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
     ConfigStore.instance().store(group="strategy", name="auto",
                                  node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
-    usage = "ringtrain evaluate checkpoint=<run>/checkpoints/last.pt"
-    tool_main(PrimaryConfig("evaluate", "ringtrain evaluate", usage=usage), evaluate, show)(command)
+    tool_main("evaluate", "ringtrain evaluate checkpoint=<run>/checkpoints/last.pt", evaluate, show)(command)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 

@@ -21,7 +21,6 @@ from typing import Any, Literal
 from torch import nn
 
 from ringtrain.components import build
-from ringtrain.config import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
@@ -188,8 +187,7 @@ def _finish_file(path: Path) -> None:
         os.fsync(file.fileno())
 
 
-main = tool_main(PrimaryConfig("export", "ringtrain export",
-                                usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors"), export)
+main = tool_main("export", "ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors", export)
 
 
 if __name__ == "__main__":

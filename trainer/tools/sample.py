@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ringtrain.components import build, is_node, locate
-from ringtrain.config import PrimaryConfig
 from ringtrain.config.builders import position_limit
 from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
@@ -214,8 +213,7 @@ def show(texts: list[str]) -> None:
     print(SEPARATOR.join(texts))
 
 
-main = tool_main(PrimaryConfig("sample", "ringtrain sample",
-                                usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"'), sample, show)
+main = tool_main("sample", 'ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"', sample, show)
 
 
 if __name__ == "__main__":

@@ -113,10 +113,8 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
            device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model", chat: bool = False,
            stop: list[str] | str | None = None, trust_checkpoint: bool = False, job: dict | None = None,
            command: Any = None) -> list[str]:
-    """`num_samples` texts, each the prompt and up to `max_new_tokens` generated tokens, ended at
-    the vocabulary's end-of-text token, with chat=true its end-of-turn token, or the first of the
-    `stop` texts (each sample ends with what stopped it); a user's mistakes raise ConfigError /
-    CheckpointError."""
+    """`num_samples` texts: the prompt and up to `max_new_tokens` tokens, through the token or `stop`
+    text that ended it (conf/sample.yaml's help says which do); mistakes raise ConfigError / CheckpointError."""
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0; use 0 for greedy decoding, e.g. 0.8 to sample")
     if top_k is not None and top_k < 1:

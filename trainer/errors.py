@@ -79,13 +79,12 @@ def exit_on_user_error() -> Iterator[None]:
     # A spawned worker's own error is already printed above; a lost peer's is in its output.
     except RankEnded as err:
         status = err.exit_code
-        if first_to_report(status):
-            if str(err):
-                print(f"error: {err}", file=sys.stderr)
-        else:  # another rank said the job's mistake (its status 2): this rank ended because of it
+        if not first_to_report(status):  # another rank said the job's mistake (its status 2): this rank ended because of it
             with contextlib.suppress(Exception):
                 key = _REPORTED.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + "/status"
                 status = int(_job_store().get(key))
+        elif str(err):
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(status)
     except TrainingStopped as err:
         sys.exit(err.exit_code)

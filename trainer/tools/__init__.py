@@ -77,10 +77,13 @@ def composed_job(state: dict, path: str | Path, overrides: Iterable[str] = (), c
 prepare = with_checkpoint  # a tool's command line, as the entry (ringtrain/__main__.py) prepares it
 
 
-def tool_main(primary: PrimaryConfig, tool: Callable[..., Any],
+def tool_main(name: str, usage: str, tool: Callable[..., Any],
               show: Callable[[Any], None] = print) -> Callable[[CommandLine], None]:
-    """A tool module's `main(command)`: each job of the command line is `tool(**settings)`, its
+    """A tool module's `main(command)`, `ringtrain <name>` on conf/<name>.yaml (`usage`: a whole command
+    line, the fix for a missing setting): each job of the command line is `tool(**settings)`, its
     result `show`n; a `command` parameter gets the command line (and the checkpoints it read)."""
+    primary = PrimaryConfig(name, f"ringtrain {name}", usage=usage)
+
     def main(command: CommandLine) -> None:
         def job(cfg: Any) -> None:
             with exit_on_user_error():
@@ -100,7 +103,6 @@ def settings_for(function: Callable[..., Any], cfg: Any, primary: PrimaryConfig,
         values = resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(f"{str(err).strip().splitlines()[0]}; see `{primary.program} --help`") from None
-    values.pop("hydra", None)
     job = {name: values.pop(name) for name in JOB_SECTIONS if name in values}
     for name in values:
         if name not in parameters:

@@ -15,7 +15,6 @@ import torch
 from ringtrain.checkpoints.files import save_checkpoint
 from ringtrain.checkpoints.sharded import load_sharded
 from ringtrain.checkpoints.state_dicts import full_model_state_dict, full_optimizer_state_dict
-from ringtrain.config import PrimaryConfig
 from ringtrain.errors import ConfigError
 from ringtrain.optim import build_optimizer
 from ringtrain.tools import composed_job, prepare, tool_main  # noqa: F401  (prepare: the entry's, ringtrain/__main__.py)
@@ -47,8 +46,7 @@ def consolidate(checkpoint: str, output: str | None = None, trust_checkpoint: bo
     return target
 
 
-main = tool_main(PrimaryConfig("consolidate", "ringtrain consolidate",
-                                usage="ringtrain consolidate checkpoint=<run>/checkpoints/last.pt"), consolidate)
+main = tool_main("consolidate", "ringtrain consolidate checkpoint=<run>/checkpoints/last.pt", consolidate)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from ringtrain.checkpoints import Resumed
 from ringtrain.checkpoints.files import load_checkpoint
 from ringtrain.components import build
-from ringtrain.config import CommandLine, PrimaryConfig
+from ringtrain.config import CommandLine
 from ringtrain.config.builders import build_data, check_data, check_model, check_task
 from ringtrain.config.schema import SECTIONS, TrainerConfig, build_strategy, check_options, typed_trainer
 from ringtrain.data.vocab import same_ids
@@ -47,8 +47,7 @@ class EvalJob:
 
 def evaluate(checkpoint: str, split: Literal["val", "train"], output: str | None, job: dict, command: CommandLine,
              weights: str = "model", trust_checkpoint: bool = False) -> tuple[dict, EvalResult | None]:
-    """Evaluate `checkpoint` as conf/evaluate.yaml composed says; return what the metrics file
-    records and rank 0's result (None on the other ranks)."""
+    """What the metrics file records, and rank 0's result (None on the other ranks)."""
     keys = [override.lstrip("+~").split("=", 1)[0] for override in command.overrides]
     for section in (key.split(".")[0] for key in keys):
         if section in ("optimizer", "scheduler"):
@@ -80,9 +79,6 @@ def plan(checkpoint: str, state: dict, split: str, output: str | None, job: dict
     # nor its starting weights: the checkpoint's own weights are evaluated.
     trainer_settings = typed_trainer({**job["trainer"], "resume": None, "init_from": None})
     strategy = build_strategy(job["strategy"])
-    if under_torchrun() and not strategy.spans_processes:
-        raise ConfigError(f"strategy={strategy_name} under torchrun would evaluate on every rank alone; use "
-                          f"strategy=ddp (or auto)")
     check_options(trainer_settings, strategy)
     check_model(job["model"], check_data(job["data"]), "the data")
     check_task(build(job["task"], "task"))
@@ -161,8 +157,7 @@ def main(command: CommandLine) -> None:
     # strategy=auto, evaluate's default: the option ddp under torchrun, else single.
     ConfigStore.instance().store(group="strategy", name="auto",
                                  node={"defaults": ["ddp" if under_torchrun() else "single", "_self_"]})
-    usage = "ringtrain evaluate checkpoint=<run>/checkpoints/last.pt"
-    tool_main(PrimaryConfig("evaluate", "ringtrain evaluate", usage=usage), evaluate, show)(command)
+    tool_main("evaluate", "ringtrain evaluate checkpoint=<run>/checkpoints/last.pt", evaluate, show)(command)
     if under_torchrun():  # as training: leave without the interpreter's finalisation (gloo threads)
         exit_rank(0)
 

@@ -21,7 +21,6 @@ from typing import Any, Literal
 from torch import nn
 
 from ringtrain.components import build
-from ringtrain.config import PrimaryConfig
 from ringtrain.data.tasks import ClassificationTask, LanguageModelTask
 from ringtrain.errors import ConfigError
 from ringtrain.models.lora import merge_lora, save_peft_adapter
@@ -36,8 +35,7 @@ MANIFEST_HEADER = "written by ringtrain export; a later export replaces these fi
 def export(checkpoint: str, format: Literal["safetensors", "hf", "peft"] = "safetensors", output: str | None = None,  # noqa: A002
            overwrite: bool = False, weights: str = "model", trust_checkpoint: bool = False,
            job: dict | None = None, command: Any = None) -> Path:
-    """Write the weights of `checkpoint` as `format` (`job`: the composed job's sections);
-    returns the file or directory written."""
+    """The file or directory written (`job`: the composed job's sections)."""
     state = read_checkpoint(checkpoint, command.checkpoint if command else None)
     job = job if job is not None else composed_job(state, checkpoint)
     node = job.get("model") or {}
@@ -189,8 +187,7 @@ def _finish_file(path: Path) -> None:
         os.fsync(file.fileno())
 
 
-main = tool_main(PrimaryConfig("export", "ringtrain export",
-                                usage="ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors"), export)
+main = tool_main("export", "ringtrain export checkpoint=<run>/checkpoints/best.pt format=safetensors", export)
 
 
 if __name__ == "__main__":

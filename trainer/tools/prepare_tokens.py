@@ -7,15 +7,12 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from ringtrain.config import PrimaryConfig
 from ringtrain.data.bpe import TOKENIZER_FILE, read_tokenizer
 from ringtrain.data.prepare_tokens import prepare_random, prepare_text, train_tokenizer
 from ringtrain.errors import ConfigError
 from ringtrain.tools import tool_main
 
-PREPARE_TOKENS = PrimaryConfig(
-    "prepare_tokens", "ringtrain prepare_tokens", usage="ringtrain prepare_tokens input=<text file> output=<token dir>",
-)
+USAGE = "ringtrain prepare_tokens input=<text file> output=<token dir>"
 MAX_VOCAB_SIZE = 1 << 32  # the widest token dtype is uint32
 
 
@@ -35,7 +32,7 @@ def prepare_tokens(output: str, input: str | None = None,  # noqa: A002 - the se
         notice_replaced_files(output, writes_tokenizer=False)
         return {**prepare_random(output, random_tokens, vocab_size, seed), "output": output}
     if input is None:
-        raise ConfigError(f"input is required (or random_tokens=N vocab_size=V): {PREPARE_TOKENS.usage}")
+        raise ConfigError(f"input is required (or random_tokens=N vocab_size=V): {USAGE}")
     if not 0 < val_fraction < 1:
         raise ConfigError(f"val_fraction={val_fraction} must be between 0 and 1, e.g. 0.1")
     if vocab != "bpe":
@@ -80,7 +77,7 @@ def show(meta: dict) -> None:
           f"({meta['dtype']}), vocab_size {meta['vocab_size']}")
 
 
-main = tool_main(PREPARE_TOKENS, prepare_tokens, show)
+main = tool_main("prepare_tokens", USAGE, prepare_tokens, show)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ringtrain.components import build, is_node, locate
-from ringtrain.config import PrimaryConfig
 from ringtrain.config.builders import position_limit
 from ringtrain.data.batches import logits as predictions
 from ringtrain.data.tasks import LanguageModelTask
@@ -27,7 +26,6 @@ from ringtrain.tools import composed_job, prepare, tool_main  # noqa: F401  (pre
 from ringtrain.tools.checkpoint_model import read_checkpoint, rebuild_model, task_kind
 
 SEPARATOR = "\n---------------\n"
-DEVICES = ("auto", "cpu", "cuda")
 # The data whose checkpoints keep a vocabulary to decode with (data/vocab.py), for messages.
 LANGUAGE_MODEL_DATA = ("data=text, token_file, hf_text, stream, chat, or hf_rows or token_shards with "
                        "data.tokenizer")
@@ -40,10 +38,6 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperatu
     """Continue the (B, T) token ids `idx` by up to `max_new_tokens` tokens; returns (B, T + new).
     `until(new)`, given the (B, new) ids drawn so far, ends it early when true. Any model mapping
     (B, T) ids to (B, T, vocab) logits (or the output `task` reads) works: no KV cache."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 is greedy decoding)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be at least 1 (or None for all tokens)")
     limit = position_limit(model)
     block_size = limit[1] if limit else None
     was_training = model.training
@@ -119,10 +113,8 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
            device: Literal["auto", "cpu", "cuda"] = "auto", weights: str = "model", chat: bool = False,
            stop: list[str] | str | None = None, trust_checkpoint: bool = False, job: dict | None = None,
            command: Any = None) -> list[str]:
-    """`num_samples` texts, each the prompt and up to `max_new_tokens` generated tokens, ended at
-    the vocabulary's end-of-text token, with chat=true its end-of-turn token, or the first of the
-    `stop` texts (each sample ends with what stopped it); a user's mistakes raise ConfigError /
-    CheckpointError."""
+    """`num_samples` texts: the prompt and up to `max_new_tokens` tokens, through the token or `stop`
+    text that ended it (conf/sample.yaml's help says which do); mistakes raise ConfigError / CheckpointError."""
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} must be >= 0; use 0 for greedy decoding, e.g. 0.8 to sample")
     if top_k is not None and top_k < 1:
@@ -153,8 +145,7 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
     target = choose_device(device)
     model = rebuild_model(state, checkpoint, job, weights, trust_checkpoint).to(target)
     # The run's precision, but a 16-mixed model in float32 on the CPU (float16 needs CUDA).
-    stored = (job.get("trainer") or {}).get("precision")
-    name = str(stored) if stored is not None else "32"
+    name = str((job.get("trainer") or {}).get("precision", "32"))
     precision = Precision("32" if name == "16-mixed" and target.type != "cuda" else name, target)
     # The task, for which output of the model it reads; a function that builds one is not called here.
     node = job.get("task")
@@ -169,8 +160,6 @@ def sample(checkpoint: str, prompt: str = "\n", max_new_tokens: int = 200, tempe
 
 
 def choose_device(name: str) -> torch.device:
-    if name not in DEVICES:
-        raise ConfigError(f"device={name!r} is unknown; use one of {', '.join(DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu (or auto)")
     if name == "cpu" or not torch.cuda.is_available():
@@ -211,10 +200,8 @@ class Stopping:
         text = self.vocab.decode(ids[:end])
         start = len(self.vocab.decode(ids[:prompt_length]))
         found = [(where, len(t)) for t in self.texts if (where := text.find(t, start)) >= 0]
-        if found:
-            where, length = min(found)
-            text = text[: where + length]
-        return text
+        where, length = min(found, default=(len(text), 0))
+        return text[: where + length]
 
 
 def show(texts: list[str]) -> None:
@@ -224,8 +211,7 @@ def show(texts: list[str]) -> None:
     print(SEPARATOR.join(texts))
 
 
-main = tool_main(PrimaryConfig("sample", "ringtrain sample",
-                                usage='ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"'), sample, show)
+main = tool_main("sample", 'ringtrain sample checkpoint=<run>/checkpoints/last.pt prompt="ROMEO:"', sample, show)
 
 
 if __name__ == "__main__":

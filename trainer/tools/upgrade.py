@@ -15,7 +15,6 @@ import torch
 from omegaconf import OmegaConf
 
 from ringtrain.checkpoints.files import CHECKPOINT_FORMAT, Unusable, check_file_bytes, save_checkpoint
-from ringtrain.config import PrimaryConfig
 from ringtrain.config.recipe import record
 from ringtrain.errors import ConfigError
 from ringtrain.tools import tool_main
@@ -46,9 +45,8 @@ def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None 
 
 
 # No `prepare`: the file is read by the tool itself (this ringtrain refuses it elsewhere).
-main = tool_main(PrimaryConfig("upgrade", "ringtrain upgrade",
-                               usage="ringtrain upgrade checkpoint=<run>/checkpoints/last.pt trust_checkpoint=true"),
-                 upgrade, lambda target: print(f"wrote {target} (format {CHECKPOINT_FORMAT})"))
+main = tool_main("upgrade", "ringtrain upgrade checkpoint=<run>/checkpoints/last.pt trust_checkpoint=true", upgrade,
+                 lambda target: print(f"wrote {target} (format {CHECKPOINT_FORMAT})"))
 
 
 if __name__ == "__main__":

@@ -165,7 +165,6 @@ class CheckpointManager:
         return self.last.is_file() or (self.directory / BEST_NAME).is_file() or bool(step_checkpoints(self.directory))
 
     def due(self, step: int, evaluated: bool, last: bool) -> bool:
-        """Whether `step` saves: after each evaluation, every checkpoint_every_n_steps, at the end."""
         return self.enabled and (evaluated or last or (self.every > 0 and step % self.every == 0))
 
     def save(self, step: int, best: bool, hook: Callable[[dict[str, Any]], None] = lambda state: None) -> None:

@@ -58,8 +58,6 @@ class _DataOnlyUnpickler(pickle.Unpickler):
 
 
 class _DataOnlyReader(dcp.FileSystemReader):
-    """DCP's file reader, its index unpickled as data only (see the module docstring)."""
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         raw = (Path(self.path) / ".metadata").read_bytes()
         try:

@@ -131,7 +131,6 @@ def rank() -> int:
 
 
 def from_rank0(value: Any) -> Any:
-    """Rank 0's `value` on every rank (without a process group, `value`)."""
     if distributed():
         holder = [value]
         dist.broadcast_object_list(holder, src=0)

@@ -54,7 +54,6 @@ RECORD_SUBDIR = ".hydra"  # the job's record: config.yaml, hydra.yaml, overrides
 
 
 def run_name() -> str:
-    """The default name of this job's run directory (see the module docstring)."""
     if os.environ.get("SLURM_JOB_ID"):
         array = os.environ.get("SLURM_ARRAY_TASK_ID")
         job = os.environ.get("SLURM_ARRAY_JOB_ID") if array else os.environ["SLURM_JOB_ID"]
@@ -70,7 +69,6 @@ def _other_rank() -> bool:
 
 
 def run_directory(resume: Any = None) -> str:
-    """A training job's hydra.run.dir (see the module docstring)."""
     if _other_rank():
         return "."
     if isinstance(resume, str) and resume != "auto" and Path(resume).is_file() and Path(resume).parent.name == "checkpoints":
@@ -89,8 +87,6 @@ def rank_tag() -> str:
 
 
 class RunDirectory:
-    """One job's claim on its run directory (rank 0 only; see the module docstring)."""
-
     LOCK = ".lock"
 
     def __init__(self, path: str | Path):

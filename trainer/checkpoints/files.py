@@ -26,6 +26,7 @@ compares (README.md "Checksums"): CRC-32 catches every burst up to 32 bits and a
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import shutil
@@ -294,11 +295,8 @@ def set_aside(paths: list[Path]) -> list[Path]:
 
 
 def _free_name(path: Path) -> Path:
-    number, candidate = 0, path
-    while candidate.exists():
-        number += 1
-        candidate = path.with_name(f"{path.name}.{number}")
-    return candidate
+    numbered = (path.with_name(f"{path.name}.{number}") for number in itertools.count(1))
+    return next(candidate for candidate in itertools.chain([path], numbered) if not candidate.exists())
 
 
 def remove_unnamed_shards(directory: Path) -> list[Path]:

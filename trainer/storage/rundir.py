@@ -159,14 +159,11 @@ def remove_if_empty(path: Path) -> None:
     """Remove `path` if it is empty, then its parents under the current directory while they are
     (outputs/runs/ that the refused job's directory was the first of)."""
     path, here = path.absolute(), Path.cwd()
-    while path != here:
-        try:
+    with contextlib.suppress(OSError):  # not empty (or not ours to remove): stop there
+        if here in path.parents:
+            os.removedirs(path.relative_to(here))
+        elif path != here:
             path.rmdir()
-        except OSError:  # not empty (or not ours to remove): stop here
-            return
-        path = path.parent
-        if path == here or here not in path.parents:
-            return
 
 
 NOTES_DIRECTORY = "ringtrain-restart-notes-{user}"  # under tempfile.gettempdir()

@@ -25,7 +25,6 @@ the next save or `flush` on every rank, the previous checkpoint intact.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -289,7 +288,7 @@ def find_resumable(directory: Path) -> Found:
         except Unusable as err:
             if err.refused:  # not damage a crash could leave: passing over it would hide what it holds
                 raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
-            names = [path] + [p for p in candidates if p != path and p.is_file() and _same_file(p, path)]
+            names = [path] + [p for p in candidates if p != path and p.is_file() and p.samefile(path)]
             unreadable.append((names, str(err)))
     return Found(None, None, unreadable)
 
@@ -312,13 +311,6 @@ def first_difference(old: Any, new: Any, prefix: str) -> str:
             if old.get(key) != new.get(key):
                 return first_difference(old.get(key), new.get(key), f"{prefix}.{key}")
     return f"{prefix} ({old!r} -> {new!r})"
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _describe(names: list[Path], why: str) -> str:

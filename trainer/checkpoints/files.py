@@ -236,11 +236,6 @@ def _first_sentence(err: Exception) -> str:
         return f"loading it would run {code.group(1)}, which ringtrain refuses"
     if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
         text = cause.group(1)
-    elif text.startswith("Weights only load failed"):
-        # The cause is the paragraph after torch's advice, before its pointer to the docs.
-        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-        causes = [p for p in paragraphs[1:] if not p.startswith("Check the documentation")]
-        text = causes[0] if causes else paragraphs[0]
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
 
 

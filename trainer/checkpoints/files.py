@@ -261,8 +261,6 @@ def link_checkpoint(source: Path, target: Path) -> None:
     try:
         try:
             replace_atomically(target, lambda temp: os.link(source, temp))
-        except FileNotFoundError:
-            raise
         except OSError:
             with open(source, "rb") as original, open_atomically(target) as copy:
                 shutil.copyfileobj(original, copy)

@@ -110,9 +110,7 @@ def _full(loading: bool = False) -> StateDictOptions:
     # broadcast_from_rank0 needs a process group; one process simply loads its own state.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    if loading:
-        return StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed())
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=not loading, broadcast_from_rank0=loading and distributed())
 
 
 def _rank0_only(state: dict[str, Any]) -> dict[str, Any]:

@@ -168,8 +168,7 @@ class CheckpointManager:
 
     def save(self, step: int, best: bool, hook: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
         """Every rank: the parts' state, then `hook(state)` (the callbacks' on_save_checkpoint,
-        which may add entries); rank 0 writes step-<step>.pt, last.pt (and best.pt), now or in
-        the background; every rank learns whether the write (or the previous one) failed."""
+        which may add entries), written as the module docstring says."""
         # The previous write ends first: its failure stops the run before more is gathered, one
         # copy of the state waits in memory, and its rotation cannot delete this save's shards.
         self.flush()
@@ -192,7 +191,6 @@ class CheckpointManager:
             raise CheckpointError(failure)
 
     def flush(self) -> None:
-        """Every rank: wait for rank 0's background write; its failure raises on every rank."""
         failure = self._wait() if self.dist.is_main else None
         if self.writer is not None and (failure := broadcast_object(self.dist, failure)):
             raise CheckpointError(failure)

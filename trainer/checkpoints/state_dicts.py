@@ -78,7 +78,6 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a name-keyed optimizer state (any strategy's) into `optimizer`, re-sharding it for
     FSDP, after the model is set up and the optimizer built."""
-    # Rank 0's state decides: the other ranks may have passed {}.
     settings_only, groups = from_rank0((not state.get("state"), state.get("param_groups")))
     if settings_only:
         # Only hyperparameters (SGD without momentum): DCP's loader needs a tensor to learn the

@@ -133,8 +133,7 @@ def _replacing(path: Path) -> Iterator[Path]:
 
 
 class _ErrorRecordingWriter(io.BufferedWriter):
-    """What `open_atomically` hands out (torch.save takes it): a binary file whose `write`
-    remembers the OSError it raised, which torch.save hides."""
+    """What `open_atomically` hands out: a binary file whose `write` remembers the OSError it raised."""
 
     error: OSError | None = None
 

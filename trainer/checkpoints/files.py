@@ -80,7 +80,6 @@ def step_checkpoint_name(step: int) -> str:
 
 
 def shards_name(step: int) -> str:
-    """`step-00001200.shards`: the directory of a sharded checkpoint's weights and optimizer state."""
     return f"step-{step:08d}.shards"
 
 
@@ -202,7 +201,6 @@ def _starts_as_zip(path: Path) -> bool:
 
 
 def directory_checksums(directory: Path) -> dict[str, int]:
-    """The CRC-32 of every file in `directory` (a shards directory: flat), by name."""
     return {entry.name: _file_crc32(entry) for entry in sorted(Path(directory).iterdir()) if entry.is_file()}
 
 

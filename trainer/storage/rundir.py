@@ -216,7 +216,6 @@ def forget_restart_note(completed: bool) -> None:
 
 
 def directory_before_restart() -> str | None:
-    """The run directory of this torchrun job's earlier attempt, when this is a restart."""
     if restart_count() > 0 and (note := restart_note()) is not None:
         with contextlib.suppress(OSError):
             return note.read_text().strip() or None

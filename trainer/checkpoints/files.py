@@ -96,9 +96,8 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
                   if (step := step_of_name(entry.name)) is not None and entry.is_file())
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any], intact: Path | None = None) -> None:
+def save_checkpoint(path: Path, state: dict[str, Any], intact: Path | None = None) -> None:
     """Write `state` to `path` durably, or not at all (CheckpointError naming `intact`, untouched)."""
-    path = Path(path)
     try:
         with open_atomically(path) as file:
             torch.save(state, file)

@@ -25,7 +25,6 @@ the next save or `flush` on every rank, the previous checkpoint intact.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -165,13 +164,11 @@ class CheckpointManager:
         return self.last.is_file() or (self.directory / BEST_NAME).is_file() or bool(step_checkpoints(self.directory))
 
     def due(self, step: int, evaluated: bool, last: bool) -> bool:
-        """Whether `step` saves: after each evaluation, every checkpoint_every_n_steps, at the end."""
         return self.enabled and (evaluated or last or (self.every > 0 and step % self.every == 0))
 
     def save(self, step: int, best: bool, hook: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
         """Every rank: the parts' state, then `hook(state)` (the callbacks' on_save_checkpoint,
-        which may add entries); rank 0 writes step-<step>.pt, last.pt (and best.pt), now or in
-        the background; every rank learns whether the write (or the previous one) failed."""
+        which may add entries), written as the module docstring says."""
         # The previous write ends first: its failure stops the run before more is gathered, one
         # copy of the state waits in memory, and its rotation cannot delete this save's shards.
         self.flush()
@@ -194,7 +191,6 @@ class CheckpointManager:
             raise CheckpointError(failure)
 
     def flush(self) -> None:
-        """Every rank: wait for rank 0's background write; its failure raises on every rank."""
         failure = self._wait() if self.dist.is_main else None
         if self.writer is not None and (failure := broadcast_object(self.dist, failure)):
             raise CheckpointError(failure)
@@ -290,7 +286,7 @@ def find_resumable(directory: Path) -> Found:
         except Unusable as err:
             if err.refused:  # not damage a crash could leave: passing over it would hide what it holds
                 raise CheckpointError(f"checkpoint '{path}' {err}; {err.fix}") from None
-            names = [path] + [p for p in candidates if p != path and p.is_file() and _same_file(p, path)]
+            names = [path] + [p for p in candidates if p != path and p.is_file() and p.samefile(path)]
             unreadable.append((names, str(err)))
     return Found(None, None, unreadable)
 
@@ -313,13 +309,6 @@ def first_difference(old: Any, new: Any, prefix: str) -> str:
             if old.get(key) != new.get(key):
                 return first_difference(old.get(key), new.get(key), f"{prefix}.{key}")
     return f"{prefix} ({old!r} -> {new!r})"
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _describe(names: list[Path], why: str) -> str:

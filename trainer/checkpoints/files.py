@@ -26,6 +26,7 @@ compares (README.md "Checksums"): CRC-32 catches every burst up to 32 bits and a
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import shutil
@@ -79,7 +80,6 @@ def step_checkpoint_name(step: int) -> str:
 
 
 def shards_name(step: int) -> str:
-    """`step-00001200.shards`: the directory of a sharded checkpoint's weights and optimizer state."""
     return f"step-{step:08d}.shards"
 
 
@@ -96,9 +96,8 @@ def step_checkpoints(directory: Path) -> list[tuple[int, Path]]:
                   if (step := step_of_name(entry.name)) is not None and entry.is_file())
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any], intact: Path | None = None) -> None:
+def save_checkpoint(path: Path, state: dict[str, Any], intact: Path | None = None) -> None:
     """Write `state` to `path` durably, or not at all (CheckpointError naming `intact`, untouched)."""
-    path = Path(path)
     try:
         with open_atomically(path) as file:
             torch.save(state, file)
@@ -201,7 +200,6 @@ def _starts_as_zip(path: Path) -> bool:
 
 
 def directory_checksums(directory: Path) -> dict[str, int]:
-    """The CRC-32 of every file in `directory` (a shards directory: flat), by name."""
     return {entry.name: _file_crc32(entry) for entry in sorted(Path(directory).iterdir()) if entry.is_file()}
 
 
@@ -235,11 +233,6 @@ def _first_sentence(err: Exception) -> str:
         return f"loading it would run {code.group(1)}, which ringtrain refuses"
     if cause := re.search(r"WeightsUnpickler error:\s*([^\n]+)", text):
         text = cause.group(1)
-    elif text.startswith("Weights only load failed"):
-        # The cause is the paragraph after torch's advice, before its pointer to the docs.
-        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-        causes = [p for p in paragraphs[1:] if not p.startswith("Check the documentation")]
-        text = causes[0] if causes else paragraphs[0]
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200]
 
 
@@ -265,8 +258,6 @@ def link_checkpoint(source: Path, target: Path) -> None:
     try:
         try:
             replace_atomically(target, lambda temp: os.link(source, temp))
-        except FileNotFoundError:
-            raise
         except OSError:
             with open(source, "rb") as original, open_atomically(target) as copy:
                 shutil.copyfileobj(original, copy)
@@ -294,11 +285,8 @@ def set_aside(paths: list[Path]) -> list[Path]:
 
 
 def _free_name(path: Path) -> Path:
-    number, candidate = 0, path
-    while candidate.exists():
-        number += 1
-        candidate = path.with_name(f"{path.name}.{number}")
-    return candidate
+    numbered = (path.with_name(f"{path.name}.{number}") for number in itertools.count(1))
+    return next(candidate for candidate in itertools.chain([path], numbered) if not candidate.exists())
 
 
 def remove_unnamed_shards(directory: Path) -> list[Path]:

@@ -5,6 +5,7 @@ before the strategy wraps or shards it, so every rank starts from the same file.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -59,12 +60,10 @@ def _read_torch_file(path: str) -> dict:
         if err.damaged:
             raise ConfigError(f"trainer.init_from={path} {err}; pass an intact copy of it") from None
         refusal = err
-    try:
+    with contextlib.suppress(Exception):  # not a file torch reads either: refused below
         plain = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        plain = None
-    if isinstance(plain, dict) and plain and all(isinstance(v, torch.Tensor) for v in plain.values()):
-        return {"model": plain}
+        if isinstance(plain, dict) and plain and all(isinstance(v, torch.Tensor) for v in plain.values()):
+            return {"model": plain}
     raise ConfigError(
         f"trainer.init_from={path} is neither a ringtrain checkpoint nor a state_dict file ({refusal}); pass "
         f"a checkpoint, a torch.save(model.state_dict()) file or a .safetensors file"

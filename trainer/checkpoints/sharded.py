@@ -58,8 +58,6 @@ class _DataOnlyUnpickler(pickle.Unpickler):
 
 
 class _DataOnlyReader(dcp.FileSystemReader):
-    """DCP's file reader, its index unpickled as data only (see the module docstring)."""
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         raw = (Path(self.path) / ".metadata").read_bytes()
         try:
@@ -87,12 +85,11 @@ def _reader(directory: str | Path, trusted: bool) -> dcp.FileSystemReader:
     return reader
 
 
-def save_sharded(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model and optimizer state as a torch.distributed.checkpoint directory; call it on
     every rank. Atomic: the files go to `.<name>.partial`, which rank 0 renames to `directory`
     (replacing an older one) once every rank has fsynced its files. A failure on any rank (a
     full disk) raises the same CheckpointError on every rank, the earlier checkpoints intact."""
-    directory = Path(directory)
     partial = directory.with_name(f".{directory.name}.partial")
     # What a crash mid-save left, gone before any rank writes; DCP makes the directory (each rank, in its plan).
     _on_rank0(lambda: shutil.rmtree(partial, ignore_errors=True), directory)

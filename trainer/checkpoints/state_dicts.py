@@ -78,7 +78,6 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a name-keyed optimizer state (any strategy's) into `optimizer`, re-sharding it for
     FSDP, after the model is set up and the optimizer built."""
-    # Rank 0's state decides: the other ranks may have passed {}.
     settings_only, groups = from_rank0((not state.get("state"), state.get("param_groups")))
     if settings_only:
         # Only hyperparameters (SGD without momentum): DCP's loader needs a tensor to learn the
@@ -110,9 +109,7 @@ def _full(loading: bool = False) -> StateDictOptions:
     # broadcast_from_rank0 needs a process group; one process simply loads its own state.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    if loading:
-        return StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed())
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=not loading, broadcast_from_rank0=loading and distributed())
 
 
 def _rank0_only(state: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +128,6 @@ def rank() -> int:
 
 
 def from_rank0(value: Any) -> Any:
-    """Rank 0's `value` on every rank (without a process group, `value`)."""
     if distributed():
         holder = [value]
         dist.broadcast_object_list(holder, src=0)

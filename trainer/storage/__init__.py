@@ -86,7 +86,6 @@ def replace_directory(partial: Path, directory: Path) -> None:
 
 
 def temp_path(path: Path) -> Path:
-    """Hidden, in the same directory (so the rename is atomic), unique per process."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
@@ -120,7 +119,6 @@ def remove_if_present(path: Path) -> None:
 
 @contextlib.contextmanager
 def _replacing(path: Path) -> Iterator[Path]:
-    """The temporary path to make `path`'s new file at, renamed over `path` (durably) when the block ends without an error."""
     temp = temp_path(path)
     # Left by a killed process with our pid (containers reuse pids). It may be a hard link to
     # a checkpoint (checkpoints/__init__.py links last.pt so), which writing through it would truncate.
@@ -135,8 +133,7 @@ def _replacing(path: Path) -> Iterator[Path]:
 
 
 class _ErrorRecordingWriter(io.BufferedWriter):
-    """What `open_atomically` hands out (torch.save takes it): a binary file whose `write`
-    remembers the OSError it raised, which torch.save hides."""
+    """What `open_atomically` hands out: a binary file whose `write` remembers the OSError it raised."""
 
     error: OSError | None = None
 
@@ -149,7 +146,6 @@ class _ErrorRecordingWriter(io.BufferedWriter):
 
 
 def finite_or_none(value: Any) -> Any:
-    """`value` with every non-finite float in it (in dicts, lists and tuples) made None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):

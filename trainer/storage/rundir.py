@@ -54,7 +54,6 @@ RECORD_SUBDIR = ".hydra"  # the job's record: config.yaml, hydra.yaml, overrides
 
 
 def run_name() -> str:
-    """The default name of this job's run directory (see the module docstring)."""
     if os.environ.get("SLURM_JOB_ID"):
         array = os.environ.get("SLURM_ARRAY_TASK_ID")
         job = os.environ.get("SLURM_ARRAY_JOB_ID") if array else os.environ["SLURM_JOB_ID"]
@@ -70,7 +69,6 @@ def _other_rank() -> bool:
 
 
 def run_directory(resume: Any = None) -> str:
-    """A training job's hydra.run.dir (see the module docstring)."""
     if _other_rank():
         return "."
     if isinstance(resume, str) and resume != "auto" and Path(resume).is_file() and Path(resume).parent.name == "checkpoints":
@@ -89,8 +87,6 @@ def rank_tag() -> str:
 
 
 class RunDirectory:
-    """One job's claim on its run directory (rank 0 only; see the module docstring)."""
-
     LOCK = ".lock"
 
     def __init__(self, path: str | Path):
@@ -163,14 +159,11 @@ def remove_if_empty(path: Path) -> None:
     """Remove `path` if it is empty, then its parents under the current directory while they are
     (outputs/runs/ that the refused job's directory was the first of)."""
     path, here = path.absolute(), Path.cwd()
-    while path != here:
-        try:
+    with contextlib.suppress(OSError):  # not empty (or not ours to remove): stop there
+        if here in path.parents:
+            os.removedirs(path.relative_to(here))
+        elif path != here:
             path.rmdir()
-        except OSError:  # not empty (or not ours to remove): stop here
-            return
-        path = path.parent
-        if path == here or here not in path.parents:
-            return
 
 
 NOTES_DIRECTORY = "ringtrain-restart-notes-{user}"  # under tempfile.gettempdir()
@@ -223,7 +216,6 @@ def forget_restart_note(completed: bool) -> None:
 
 
 def directory_before_restart() -> str | None:
-    """The run directory of this torchrun job's earlier attempt, when this is a restart."""
     if restart_count() > 0 and (note := restart_note()) is not None:
         with contextlib.suppress(OSError):
             return note.read_text().strip() or None

@@ -26,7 +26,7 @@ from ringtrain.config.schema import Job, gpu_preset_notice
 from ringtrain.data import DataBundle
 from ringtrain.data.tasks import validation_metrics
 from ringtrain.storage import json_text, write_text_atomically
-from ringtrain.storage.rundir import RunDirectory, forget_restart_note, leave_restart_note
+from ringtrain.storage.rundir import RunDirectory
 from ringtrain.distributed import (
     DistInfo,
     DistributedSetupError,
@@ -88,7 +88,7 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
         use_deterministic_algorithms(job.trainer.deterministic)  # before the device is set up
         dist = job.strategy.setup_process(job.trainer.accelerator)
         directory = RunDirectory(run_dir) if dist.is_main else None
-        training = refused = completed = clean_exit = False
+        training = refused = clean_exit = False
         try:
             callbacks = _callbacks(job, dist)  # before the claim: a logger that cannot work leaves nothing on disk
             shared_dir = _claim(directory, run_dir, dist)
@@ -112,7 +112,6 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
                     log.info(f"run directory: {shared_dir}")
                     if notice := gpu_preset_notice(job.trainer):
                         log.warning(notice)
-                    leave_restart_note(shared_dir)
                     if record is not None and resumed is None:
                         directory.write_record(record)
                 training = True  # from here only a failure of the first step is a refusal
@@ -122,7 +121,7 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
                 result = dataclasses.replace(result, model_state=weights if dist.is_main else None)
             if dist.is_main:
                 _report(result, model, shared_dir)
-            completed, clean_exit = not result.stopped_by_signal, True
+            clean_exit = True
             return result
         except Exception as err:
             refused = isinstance(err, ComponentFailed if training else UserError)
@@ -134,8 +133,6 @@ def train_rank(job: Job, run_dir: str, given: Resumed | None = None, record: dic
                 first_to_report(USER_ERROR_EXIT)  # claimed before leaving: a peer finding this rank gone says nothing
             raise
         finally:
-            if dist.is_main:
-                forget_restart_note(completed)
             if directory is not None:
                 directory.release(refused)
             teardown_distributed(clean_exit)

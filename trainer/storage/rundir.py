@@ -8,7 +8,7 @@ claim one job holds on it.
   SLURM (sbatch, submitit)   outputs/runs/slurm-<job id>[_<array task>]: kept across requeues
   torchrun, --rdzv-id=X      outputs/runs/torchrun-X (--standalone makes up an id: each start
                              of the command is a new run, restarts within it keep the id)
-  a torchrun restart         the directory rank 0 noted before (the restart notes below)
+  torchrun without an id     outputs/runs/<date>_<time>_<pid> of the torchrun agent (below)
   anything else              outputs/runs/<date>_<time>_<pid>
 Ranks other than 0 under torchrun resolve to "." and write nothing there: rank 0's directory
 reaches them once the process group is up (run.py).
@@ -17,15 +17,12 @@ reaches them once the process group is up (run.py).
 ends, so a killed job never blocks its resume): a second job there is refused in one line. A
 job refused before it trained takes back what it put there, and the directory if left empty.
 
-Restart notes: without an id (`--rdzv-id`, or the one `--standalone` makes up) the run
-directory is named by the clock, and torchrun restarts its workers (`--max-restarts`) with a
-new clock. So rank 0 leaves a note naming its directory, and a restarted rank 0 reads it.
-A note belongs to one torchrun agent (the workers' parent, living across their restarts),
-named by its pid and start time (a later process given the same pid is not it), in a
-directory of this user's own under the temp directory, where no other user can plant one.
-Notes cannot pile up: rank 0 removes its note when no restart will follow (the run completed,
-or no restarts are left), and every new note first sweeps away those of agents no longer
-running (stopped by Ctrl-C, killed) and an earlier ringtrain's in the temp directory itself.
+torchrun restarts its workers (`--max-restarts`) with new pids and a new clock; their parent,
+torchrun's agent, lives across the restarts. So a run without a run id is named by the agent's pid
+and start (from /proc: the same on every attempt, and no other process, before or after, has
+both), and a restarted rank 0 names the same directory, with nothing kept anywhere else. Without
+/proc (macOS), or after the system clock was stepped between two attempts, a restart names a new
+directory: `--rdzv-id` or hydra.run.dir name it for certain.
 """
 from __future__ import annotations
 
@@ -35,8 +32,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +56,22 @@ def run_name() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id not in ("", "none"):
         return f"torchrun-{run_id}"
-    return time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{os.getpid()}"
+    pid, started = os.getpid(), None  # now
+    if under_torchrun():  # torchrun's agent, which outlives the workers it restarts (see the module docstring)
+        pid = os.getppid()
+        started = start_time(pid)
+    return time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(started)) + f"_{pid}"
+
+
+def start_time(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch: the boot time and the clock ticks
+    after it (field 22 of /proc/<pid>/stat); None without /proc."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # the name may hold spaces
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _other_rank() -> bool:
@@ -73,7 +83,7 @@ def run_directory(resume: Any = None) -> str:
         return "."
     if isinstance(resume, str) and resume != "auto" and Path(resume).is_file() and Path(resume).parent.name == "checkpoints":
         return str(Path(resume).resolve().parent.parent)
-    return (directory_before_restart() if under_torchrun() else None) or f"outputs/runs/{run_name()}"
+    return f"outputs/runs/{run_name()}"
 
 
 def log_file(path: str) -> str:
@@ -164,101 +174,3 @@ def remove_if_empty(path: Path) -> None:
             os.removedirs(path.relative_to(here))
         elif path != here:
             path.rmdir()
-
-
-NOTES_DIRECTORY = "ringtrain-restart-notes-{user}"  # under tempfile.gettempdir()
-_PREFIX = "torchrun-"  # a note: torchrun-<agent pid>-<agent start>-<run id>.dir
-_OLD_PREFIX = "ringtrain-torchrun-"  # an earlier ringtrain's: <temp dir>/ringtrain-torchrun-<pid>-<run id>.dir
-
-
-def restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def restart_note() -> Path | None:
-    """The note naming rank 0's run directory for the torchrun agent running this worker
-    (None: there is no notes directory of this user's own to keep it in)."""
-    agent = os.getppid()
-    if (directory := notes_directory()) is None or (started := process_start(agent)) is None:
-        return None
-    return directory / f"{_PREFIX}{agent}-{started}-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}.dir"
-
-
-def leave_restart_note(run_dir: Path) -> None:
-    """Rank 0 under torchrun: the note for restarted workers, once the stale ones are swept away."""
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return
-    directory = notes_directory()
-    stale = [] if directory is None else [
-        note for note in directory.glob(f"{_PREFIX}*.dir")
-        if not _agent_runs(*note.name[len(_PREFIX):].split("-", 2)[:2])
-    ]
-    stale += [  # an earlier ringtrain's notes, named by the agent's pid alone
-        note for note in Path(tempfile.gettempdir()).glob(f"{_OLD_PREFIX}*.dir")
-        if not _agent_runs(note.name[len(_OLD_PREFIX):].split("-", 1)[0], None)
-    ]
-    for note in stale:
-        with contextlib.suppress(OSError):  # removed meanwhile by another job's sweep, or another user's
-            note.unlink()
-    if (note := restart_note()) is not None:
-        with contextlib.suppress(OSError):  # no writable temp dir: a restart then starts a new directory
-            write_text_atomically(note, str(run_dir))
-
-
-def forget_restart_note(completed: bool) -> None:
-    """Rank 0 under torchrun, as it ends: remove the note unless a restart will read it."""
-    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)  # restarts this torchrun agent makes
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or (not completed and most > restart_count()):
-        return
-    if (note := restart_note()) is not None:
-        with contextlib.suppress(OSError):
-            note.unlink()
-
-
-def directory_before_restart() -> str | None:
-    if restart_count() > 0 and (note := restart_note()) is not None:
-        with contextlib.suppress(OSError):
-            return note.read_text().strip() or None
-    return None
-
-
-def notes_directory() -> Path | None:
-    """This user's notes directory, made if missing; None when that name is not this user's own
-    directory (a note read from there could send a restart's checkpoints anywhere)."""
-    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    directory = Path(tempfile.gettempdir()) / NOTES_DIRECTORY.format(user=user)
-    try:
-        directory.mkdir(mode=0o700, exist_ok=True)
-        status = os.lstat(directory)  # a link (to anywhere) is not a directory here
-    except OSError:
-        return None
-    mine = not hasattr(os, "getuid") or (status.st_uid == os.getuid() and not status.st_mode & 0o022)
-    return directory if stat.S_ISDIR(status.st_mode) and mine else None
-
-
-def process_start(pid: int) -> str | None:
-    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat);
-    None when no such process runs; without /proc (macOS) "" for any process that runs."""
-    if os.name == "nt":  # where os.kill(pid, 0) would send Ctrl-C: take every agent as running
-        return ""
-    try:
-        line = Path(f"/proc/{pid}/stat").read_text()
-        return line.rsplit(")", 1)[1].split()[19]  # after the command name, which may hold spaces
-    except (OSError, IndexError):
-        if os.path.exists("/proc/self/stat"):
-            return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except OSError:  # another user's process: it runs
-        pass
-    return ""
-
-
-def _agent_runs(pid: str, started: str | None) -> bool:
-    """Whether the agent a note names still runs (`started` None: any process with that pid)."""
-    if not pid.isdigit():
-        return True  # not a note's name: leave the file alone
-    now = process_start(int(pid))
-    return now is not None and (started is None or now == started)

@@ -126,14 +126,12 @@ def flush_within(seconds: float, last_words: Callable[[], None] | None = None) -
     must not keep a process that is ending alive."""
 
     def flush() -> None:
-        try:
+        with contextlib.suppress(Exception):  # ending matters more than the last lines
             if last_words is not None:
                 last_words()
             logging.shutdown()  # flushes train.log and the console handlers
             sys.stdout.flush()
             sys.stderr.flush()
-        except Exception:  # ending matters more than the last lines
-            pass
 
     flusher = threading.Thread(target=flush, daemon=True)
     flusher.start()
@@ -227,17 +225,12 @@ class StopSignals:
         self._watcher = None
 
     def _watch(self) -> None:
-        while True:
-            try:
-                data = os.read(self._read_fd, 64)
-            except OSError:  # closed under us on exit
-                return
-            if not data:
-                return
-            for signum in data:
-                # The wakeup fd carries every signal with a Python handler, not only ours.
-                if signum in self.signums:
-                    self._on_signal(signum)
+        with contextlib.suppress(OSError):  # the read end closed under us on exit
+            while data := os.read(self._read_fd, 64):  # b"": the write end closed on exit
+                for signum in data:
+                    # The wakeup fd carries every signal with a Python handler, not only ours.
+                    if signum in self.signums:
+                        self._on_signal(signum)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -278,7 +271,7 @@ def _signal_number(name: str) -> int:
     return int(number)
 
 
-class Agreement:
+class Agreement(contextlib.AbstractContextManager):
     """The flags every rank agrees on, a step late (see the module); one process gets its own at
     once. Make it on every rank at the same point (new_group is collective) and call `exchange`
     once per step on every rank."""
@@ -314,9 +307,6 @@ class Agreement:
         flags = torch.tensor([int(local_flag)], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flags.item())
-
-    def __enter__(self) -> "Agreement":
-        return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         # The last all-reduce: every rank started it, so it completes, and it must not meet a

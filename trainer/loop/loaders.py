@@ -199,7 +199,5 @@ def build_val_loader(
     """Each sample on exactly one rank. The limits are global, so the ranks together validate on
     the samples one process would: `limit_samples` > 0 the first samples, `limit_batches` > 0
     (trainer.limit_val_batches) the first limit_batches * batch_size, whatever the ranks."""
-    length = len(dataset)
-    for limit in (limit_samples, limit_batches * batch_size):
-        length = min(length, limit) if limit else length
+    length = min([len(dataset), *(limit for limit in (limit_samples, limit_batches * batch_size) if limit)])
     return BatchLoader(dataset, batch_size, Shards(length, rank, world_size), device, workers=workers)

@@ -2,14 +2,12 @@
 optimizer, the lr schedule and the precision (`TrainingParts`), restored from the checkpoint
 the run continues from, if any; and the optimizer steps' batches, epoch after epoch.
 
-A component that fails after the checks before work passed (`failures_reported_as_mistakes`)
-ends the run as a mistake in one line (exit 2), not as a traceback from inside ringtrain.
-
-Some things show only when the components run: a constructor that raises when built for real
-(a file it opens), or a model, task and data that do not fit (a shape, a dtype, a key) and fail
-the first step. Those are the user's to fix, so the line names what failed, the exception, where
-it was raised and what to check (errors.py component_failed). A process group's failure keeps
-its own line (distributed.py), and a failure after the first step its traceback.
+A component whose constructor raises when built for real (a file it opens), or a model, task
+and data that fail the first step (a shape, a dtype, a key), is the user's to fix (README: "What
+only shows once the job runs"): `failures_reported_as_mistakes` ends the run in one line, exit 2,
+naming what failed, the exception, where it was raised and what to check (errors.py
+component_failed), not a traceback from inside ringtrain. A process group's failure keeps its
+own line (distributed.py).
 """
 from __future__ import annotations
 

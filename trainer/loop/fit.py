@@ -148,8 +148,7 @@ class StepEnds:
     watchdog: Watchdog
 
     def logs(self, step: int) -> bool:
-        """The logging cadence: every trainer.log_every_n_steps, and the last step. Asked before
-        the update too, which measures the gradient norm only where it is logged (or watched)."""
+        """Asked before the update too, which measures the gradient norm only where it is logged (or watched)."""
         return step % self.trainer.log_every_n_steps == 0 or step == self.run.total_steps
 
     def before_training(self) -> Decision:

@@ -51,7 +51,6 @@ class ShuffledShards:
         self.end = min(length, limit) if limit else length  # where the epoch's order ends
 
     def __len__(self) -> int:
-        """Samples of a whole epoch on this rank."""
         return self.share(0)
 
     def share(self, start: int) -> int:
@@ -60,7 +59,6 @@ class ShuffledShards:
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
     def indices(self, epoch: int, start: int = 0) -> torch.Tensor:
-        """This rank's samples of `epoch` after the epoch's first `start` (see the class)."""
         if self.shuffle:
             order = torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:

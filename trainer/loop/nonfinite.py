@@ -87,7 +87,6 @@ class NonFiniteWatch:
         return True
 
     def _across_ranks(self, value: torch.Tensor, op: torch_dist.ReduceOp) -> float:
-        """One value reduced by `op` over every rank, read on the host."""
         if self.dist.is_distributed:
             value = value.to(self.dist.device, torch.float64)
             torch_dist.all_reduce(value, op=op)

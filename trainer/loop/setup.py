@@ -102,19 +102,16 @@ class TrainingParts:
                 progress.finish_epoch()
                 continue
             batches, taken = loader.batches(index, start), 0
-            while True:
+            # Until the step that ends the epoch or the run (fit moves `progress` on after each yield).
+            while progress.epoch == index and progress.step < self.total_steps:
                 watchdog.feed(LOADING_TRAINING_BATCHES, progress.step)
                 group = list(islice(batches, accumulate))
                 if not group:
-                    break
+                    raise ConfigError(
+                        f"epoch {progress.epoch} ended after {taken} of its {num_batches} batches: the training "
+                        f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree")
                 taken += len(group)
                 yield group, loader.position(start, taken), taken >= num_batches
-                if progress.step >= self.total_steps or progress.epoch != index:
-                    break
-            if taken < num_batches and progress.epoch == index and progress.step < self.total_steps:
-                raise ConfigError(
-                    f"epoch {progress.epoch} ended after {taken} of its {num_batches} batches: the training "
-                    f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree")
 
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,

@@ -131,11 +131,9 @@ STOP_NONFINITE = Decision(stop=NONFINITE, stop_kind=NONFINITE)
 
 @dataclass
 class StepEnds:
-    """What follows each step of one run, decided in one place (`decide`). Each component keeps
-    its own schedule and says whether it is due (`logs`, `Evaluator.due`, `CheckpointManager.due`,
-    the callbacks' requests, eval_every_minutes, stop signals); what is due happens, unless a
-    non-finite value stops the run first. Callbacks add their state to a save (on_save_checkpoint)
-    and hear of it once it is on disk (a background save is, once written)."""
+    """What follows each step of one run, decided in one place (`decide`, from what each schedule
+    says is due: docs/ARCHITECTURE.md lists them). Callbacks add their state to a save
+    (on_save_checkpoint) and hear of it once it is on disk (a background save is, once written)."""
 
     trainer: Any
     run: Run

@@ -44,7 +44,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
     if checkpoints.resumed is not None:  # every registered part restored (loop/setup.py)
         callbacks.call("on_load_checkpoint", run, checkpoints.resumed.state)
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
-        ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop, watchdog)
+        ends = StepEnds(run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop, watchdog)
         try:
             _report_start(parts, dist, job)
             stop.lag_steps = agreement.lag_steps
@@ -135,7 +135,6 @@ class StepEnds:
     says is due: docs/ARCHITECTURE.md lists them). Callbacks add their state to a save
     (on_save_checkpoint) and hear of it once it is on disk (a background save is, once written)."""
 
-    trainer: Any
     run: Run
     callbacks: Callbacks
     evaluator: Evaluator
@@ -202,7 +201,7 @@ class StepEnds:
         elif agreed["stop_signal"]:
             stop, kind = self.stop.received or "a stop signal on another rank", "signal"
             self.callbacks.call("on_stop_signal", run, stop)
-        save = bool(self.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
+        save = bool(run.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
         if save and not saving and not validate and stops_nonfinite(None):
             return STOP_NONFINITE
         run.control.validate = run.control.save = False

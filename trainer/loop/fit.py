@@ -260,8 +260,7 @@ class StepLoss:
 
 
 def _report_start(parts: TrainingParts, dist: DistInfo, job: Any) -> None:
-    """One line each for what the run would otherwise hide at its start: a continued run's new
-    layout, a batch larger than a rank's data, a warmup that outlasts the run."""
+    """One line each for what the run would otherwise hide at its start."""
     if not dist.is_main:
         return
     progress, batch, ranks = parts.progress, job.trainer.batch_size, dist.world_size

@@ -26,7 +26,6 @@ Batch = Any
 
 
 def is_stream(dataset: Dataset) -> bool:
-    """Whether `dataset` is streamed (an IterableDataset): its loader is loop/streams.py's."""
     return isinstance(dataset, IterableDataset)
 
 

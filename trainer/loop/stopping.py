@@ -73,7 +73,6 @@ class Watchdog:
         self._fed = (time.monotonic(), activity, self._fed[2] if step is None else step)
 
     def watched(self, items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
-        """`items`, fed as `fetching` before each is fetched and `using` once it is."""
         self.feed(fetching)
         for item in items:
             self.feed(using)

@@ -3,8 +3,7 @@
 A built-in data set is an in-memory tensor with `get_batch(indices)`: the loader gathers
 GATHER_BATCHES batches with one indexing call and splits the result into views, instead of
 `batch_size` `__getitem__` calls plus a collate per batch (most of a small model's loop time).
-Any other map-style Dataset goes through one torch DataLoader with the same order (through a
-sampler, so it resumes mid-epoch exactly) and worker processes (`trainer.num_workers`, ...).
+Any other map-style Dataset goes through one DataLoader in the same order (README: "Map-style Datasets").
 Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch).
 """
 from __future__ import annotations

@@ -33,8 +33,6 @@ log = logging.getLogger("ringtrain")
 
 
 class StreamLoader:
-    """A rank's batches of a streamed training set, and the position they leave it at."""
-
     def __init__(self, dataset: IterableDataset, batch_size: int, dist: DistInfo, workers: WorkerOptions):
         try:
             from torchdata.stateful_dataloader import StatefulDataLoader

@@ -122,13 +122,12 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
 
 class BatchLoader:
     def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
-                 drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
+                 drop_last: bool = False, workers: WorkerOptions = WorkerOptions()):
         self.dataset = dataset
         self.batch_size = batch_size
         self.order = order
         self.device = device
         self.drop_last = drop_last
-        self.limit_batches = limit_batches  # > 0: only the first batches of each epoch (overfit_batches)
         self.workers = workers
         self._loader: DataLoader | None = None  # built on first use, kept (persistent workers)
         self._epoch_order: list[int] = []  # the DataLoader's sampler: the epoch being read, set before each pass
@@ -140,8 +139,7 @@ class BatchLoader:
     def batches_left(self, start: int) -> int:
         """Batches of an epoch after its first `start` samples (the same on every rank)."""
         samples = self.order.share(start)
-        batches = samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
-        return min(batches, self.limit_batches) if self.limit_batches else batches
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
     def position(self, start: int, batches_done: int) -> int:
         """Samples of the epoch's global order consumed after `batches_done` batches from `start`
@@ -185,7 +183,7 @@ def build_train_loader(
     # limit_batches (overfit_batches): the epoch is the order's first limit_batches global batches
     order = ShuffledShards(len(dataset), rank, world_size, seed, shuffle, drop_last,
                            limit=limit_batches * batch_size * world_size)
-    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, limit_batches=limit_batches, workers=workers)
+    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, workers=workers)
 
 
 def build_val_loader(

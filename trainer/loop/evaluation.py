@@ -51,8 +51,8 @@ class Evaluator:
         logged; whether the monitored one is the best so far."""
         parts = self.parts
         callbacks.call("on_validation_start", run)
-        metrics = evaluate_parts(parts.model, parts.val_sources or {"": parts.val_loader}, self.task, parts.precision,
-                                 self.dist, parts.strategy, self.watchdog)
+        metrics = evaluate_parts(parts.model, parts.val_loaders, self.task, parts.precision, self.dist, parts.strategy,
+                                 self.watchdog)
         parts.model.train()
         self.since = time.monotonic()
         run.metrics = {f"val/{k}": v for k, v in metrics.items()}

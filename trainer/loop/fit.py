@@ -44,7 +44,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
     if checkpoints.resumed is not None:  # every registered part restored (loop/setup.py)
         callbacks.call("on_load_checkpoint", run, checkpoints.resumed.state)
     with Agreement(job.strategy.timeout_minutes) as agreement, checkpoints:
-        ends = StepEnds(cfg, run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop, watchdog)
+        ends = StepEnds(run, callbacks, evaluator, checkpoints, nonfinite, agreement, stop, watchdog)
         try:
             _report_start(parts, dist, job)
             stop.lag_steps = agreement.lag_steps
@@ -68,7 +68,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
                             share = losses.forward(i, parts.module, batch)
                         parts.precision.backward(share)
                     # Clip, step (unless the non-finite watch skips it), schedule.
-                    logging_step = ends.logs(step)
+                    logging_step = step % cfg.log_every_n_steps == 0 or step == parts.total_steps
                     parts.precision.unscale_(parts.optimizer)
                     if cfg.grad_clip_norm > 0:
                         grad_norm = parts.strategy.clip_gradients(parts.params, cfg.grad_clip_norm)
@@ -131,13 +131,10 @@ STOP_NONFINITE = Decision(stop=NONFINITE, stop_kind=NONFINITE)
 
 @dataclass
 class StepEnds:
-    """What follows each step of one run, decided in one place (`decide`). Each component keeps
-    its own schedule and says whether it is due (`logs`, `Evaluator.due`, `CheckpointManager.due`,
-    the callbacks' requests, eval_every_minutes, stop signals); what is due happens, unless a
-    non-finite value stops the run first. Callbacks add their state to a save (on_save_checkpoint)
-    and hear of it once it is on disk (a background save is, once written)."""
+    """What follows each step of one run, decided in one place (`decide`, from what each schedule
+    says is due: docs/ARCHITECTURE.md lists them). Callbacks add their state to a save
+    (on_save_checkpoint) and hear of it once it is on disk (a background save is, once written)."""
 
-    trainer: Any
     run: Run
     callbacks: Callbacks
     evaluator: Evaluator
@@ -146,11 +143,6 @@ class StepEnds:
     agreement: Agreement
     stop: StopSignals
     watchdog: Watchdog
-
-    def logs(self, step: int) -> bool:
-        """The logging cadence: every trainer.log_every_n_steps, and the last step. Asked before
-        the update too, which measures the gradient norm only where it is logged (or watched)."""
-        return step % self.trainer.log_every_n_steps == 0 or step == self.run.total_steps
 
     def before_training(self) -> Decision:
         """Before the first step (after on_fit_start): a callback's stop (a run resumed from the
@@ -209,7 +201,7 @@ class StepEnds:
         elif agreed["stop_signal"]:
             stop, kind = self.stop.received or "a stop signal on another rank", "signal"
             self.callbacks.call("on_stop_signal", run, stop)
-        save = bool(self.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
+        save = bool(run.trainer.checkpoint and (saving or validate or stop or run.control.save or agreed["save"]))
         if save and not saving and not validate and stops_nonfinite(None):
             return STOP_NONFINITE
         run.control.validate = run.control.save = False
@@ -268,8 +260,7 @@ class StepLoss:
 
 
 def _report_start(parts: TrainingParts, dist: DistInfo, job: Any) -> None:
-    """One line each for what the run would otherwise hide at its start: a continued run's new
-    layout, a batch larger than a rank's data, a warmup that outlasts the run."""
+    """One line each for what the run would otherwise hide at its start."""
     if not dist.is_main:
         return
     progress, batch, ranks = parts.progress, job.trainer.batch_size, dist.world_size

@@ -3,8 +3,7 @@
 A built-in data set is an in-memory tensor with `get_batch(indices)`: the loader gathers
 GATHER_BATCHES batches with one indexing call and splits the result into views, instead of
 `batch_size` `__getitem__` calls plus a collate per batch (most of a small model's loop time).
-Any other map-style Dataset goes through one torch DataLoader with the same order (through a
-sampler, so it resumes mid-epoch exactly) and worker processes (`trainer.num_workers`, ...).
+Any other map-style Dataset goes through one DataLoader in the same order (README: "Map-style Datasets").
 Orders are index tensors, never lists (a list of a million indices costs ~90 ms an epoch).
 """
 from __future__ import annotations
@@ -26,7 +25,6 @@ Batch = Any
 
 
 def is_stream(dataset: Dataset) -> bool:
-    """Whether `dataset` is streamed (an IterableDataset): its loader is loop/streams.py's."""
     return isinstance(dataset, IterableDataset)
 
 
@@ -51,7 +49,6 @@ class ShuffledShards:
         self.end = min(length, limit) if limit else length  # where the epoch's order ends
 
     def __len__(self) -> int:
-        """Samples of a whole epoch on this rank."""
         return self.share(0)
 
     def share(self, start: int) -> int:
@@ -60,7 +57,6 @@ class ShuffledShards:
         return left // self.world_size if self.drop_last else -(-left // self.world_size)
 
     def indices(self, epoch: int, start: int = 0) -> torch.Tensor:
-        """This rank's samples of `epoch` after the epoch's first `start` (see the class)."""
         if self.shuffle:
             order = torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
@@ -126,13 +122,12 @@ def worker_options(trainer, device: torch.device) -> WorkerOptions:
 
 class BatchLoader:
     def __init__(self, dataset: Dataset, batch_size: int, order: ShuffledShards | Shards, device: torch.device,
-                 drop_last: bool = False, limit_batches: int = 0, workers: WorkerOptions = WorkerOptions()):
+                 drop_last: bool = False, workers: WorkerOptions = WorkerOptions()):
         self.dataset = dataset
         self.batch_size = batch_size
         self.order = order
         self.device = device
         self.drop_last = drop_last
-        self.limit_batches = limit_batches  # > 0: only the first batches of each epoch (overfit_batches)
         self.workers = workers
         self._loader: DataLoader | None = None  # built on first use, kept (persistent workers)
         self._epoch_order: list[int] = []  # the DataLoader's sampler: the epoch being read, set before each pass
@@ -144,8 +139,7 @@ class BatchLoader:
     def batches_left(self, start: int) -> int:
         """Batches of an epoch after its first `start` samples (the same on every rank)."""
         samples = self.order.share(start)
-        batches = samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
-        return min(batches, self.limit_batches) if self.limit_batches else batches
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
     def position(self, start: int, batches_done: int) -> int:
         """Samples of the epoch's global order consumed after `batches_done` batches from `start`
@@ -189,7 +183,7 @@ def build_train_loader(
     # limit_batches (overfit_batches): the epoch is the order's first limit_batches global batches
     order = ShuffledShards(len(dataset), rank, world_size, seed, shuffle, drop_last,
                            limit=limit_batches * batch_size * world_size)
-    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, limit_batches=limit_batches, workers=workers)
+    return BatchLoader(dataset, batch_size, order, device, drop_last=drop_last, workers=workers)
 
 
 def build_val_loader(
@@ -199,7 +193,5 @@ def build_val_loader(
     """Each sample on exactly one rank. The limits are global, so the ranks together validate on
     the samples one process would: `limit_samples` > 0 the first samples, `limit_batches` > 0
     (trainer.limit_val_batches) the first limit_batches * batch_size, whatever the ranks."""
-    length = len(dataset)
-    for limit in (limit_samples, limit_batches * batch_size):
-        length = min(length, limit) if limit else length
+    length = min([len(dataset), *(limit for limit in (limit_samples, limit_batches * batch_size) if limit)])
     return BatchLoader(dataset, batch_size, Shards(length, rank, world_size), device, workers=workers)

@@ -44,21 +44,20 @@ class NonFiniteWatch:
         losses = [loss for loss, _ in detached]
         if self.policy == "stop":
             self._unchecked.extend((step, loss) for loss in losses)
+        if self.policy != "skip":
             return True
-        if self.policy == "skip":
-            bad = ~torch.isfinite(torch.stack(losses).float()).all()
-            watched_norm = grad_norm if not self.uses_scaler else None
-            if watched_norm is not None:
-                bad = bad | ~torch.isfinite(watched_norm.float())
-            if not self._across_ranks(bad, torch_dist.ReduceOp.MAX):  # the one host sync skip costs
-                return True
-            if self.first_skip is None:  # "loss nan", "gradient norm inf", or both; said once by the loop (fit.py)
-                found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
-                if watched_norm is not None and not torch.isfinite(watched_norm.float()):
-                    found.append(f"gradient norm {float(watched_norm)}")
-                self.first_skip = " and ".join(found) or "loss on another rank"  # a second sync, once
-            return False
-        return True
+        bad = ~torch.isfinite(torch.stack(losses).float()).all()
+        watched_norm = grad_norm if not self.uses_scaler else None
+        if watched_norm is not None:
+            bad = bad | ~torch.isfinite(watched_norm.float())
+        if not self._across_ranks(bad, torch_dist.ReduceOp.MAX):  # the one host sync skip costs
+            return True
+        if self.first_skip is None:  # "loss nan", "gradient norm inf", or both; said once by the loop (fit.py)
+            found = [f"loss {float(loss)}" for loss in losses if not torch.isfinite(loss.float())][:1]
+            if watched_norm is not None and not torch.isfinite(watched_norm.float()):
+                found.append(f"gradient norm {float(watched_norm)}")
+            self.first_skip = " and ".join(found) or "loss on another rank"  # a second sync, once
+        return False
 
     def check(self, step: int, grad_norm: torch.Tensor | None) -> bool:
         """stop: whether a loss since the last check, or the update of `step` (`grad_norm`, if
@@ -88,7 +87,6 @@ class NonFiniteWatch:
         return True
 
     def _across_ranks(self, value: torch.Tensor, op: torch_dist.ReduceOp) -> float:
-        """One value reduced by `op` over every rank, read on the host."""
         if self.dist.is_distributed:
             value = value.to(self.dist.device, torch.float64)
             torch_dist.all_reduce(value, op=op)

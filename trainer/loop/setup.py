@@ -2,14 +2,12 @@
 optimizer, the lr schedule and the precision (`TrainingParts`), restored from the checkpoint
 the run continues from, if any; and the optimizer steps' batches, epoch after epoch.
 
-A component that fails after the checks before work passed (`failures_reported_as_mistakes`)
-ends the run as a mistake in one line (exit 2), not as a traceback from inside ringtrain.
-
-Some things show only when the components run: a constructor that raises when built for real
-(a file it opens), or a model, task and data that do not fit (a shape, a dtype, a key) and fail
-the first step. Those are the user's to fix, so the line names what failed, the exception, where
-it was raised and what to check (errors.py component_failed). A process group's failure keeps
-its own line (distributed.py), and a failure after the first step its traceback.
+A component whose constructor raises when built for real (a file it opens), or a model, task
+and data that fail the first step (a shape, a dtype, a key), is the user's to fix (README: "What
+only shows once the job runs"): `failures_reported_as_mistakes` ends the run in one line, exit 2,
+naming what failed, the exception, where it was raised and what to check (errors.py
+component_failed), not a traceback from inside ringtrain. A process group's failure keeps its
+own line (distributed.py).
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -71,12 +69,11 @@ class TrainingParts:
     scheduler: LRScheduler
     precision: Precision
     train_loader: BatchLoader | StreamLoader  # a map-style training set's, or a stream's (loop/streams.py)
-    val_loader: BatchLoader
+    val_loaders: dict[str, BatchLoader]  # {"": the validation set's}, or its named parts' (a mixture's)
     layout: Layout  # how the data is dealt out: ranks, per-rank batch, accumulation
     progress: Progress  # where training stands
     saved_layout: Layout  # the layout of the checkpoint it continues from (this one's for a new run)
     total_steps: int  # the step the run ends at
-    val_sources: dict[str, BatchLoader] = field(default_factory=dict)  # the validation set's named parts (a mixture's)
 
     @property
     def streamed(self) -> bool:
@@ -105,19 +102,16 @@ class TrainingParts:
                 progress.finish_epoch()
                 continue
             batches, taken = loader.batches(index, start), 0
-            while True:
+            # Until the step that ends the epoch or the run (fit moves `progress` on after each yield).
+            while progress.epoch == index and progress.step < self.total_steps:
                 watchdog.feed(LOADING_TRAINING_BATCHES, progress.step)
                 group = list(islice(batches, accumulate))
                 if not group:
-                    break
+                    raise ConfigError(
+                        f"epoch {progress.epoch} ended after {taken} of its {num_batches} batches: the training "
+                        f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree")
                 taken += len(group)
                 yield group, loader.position(start, taken), taken >= num_batches
-                if progress.step >= self.total_steps or progress.epoch != index:
-                    break
-            if taken < num_batches and progress.epoch == index and progress.step < self.total_steps:
-                raise ConfigError(
-                    f"epoch {progress.epoch} ended after {taken} of its {num_batches} batches: the training "
-                    f"Dataset yields fewer samples than its __len__ says; make __len__ and __getitem__ agree")
 
 
 def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle,
@@ -143,7 +137,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     if not trainable:
         raise ConfigError(f"{type(model).__name__} has no trainable parameters (none, or all frozen): nothing to "
                           f"train; point model._target_ at a model with parameters, or leave some trainable")
-    train_loader, val_loader, val_sources = _loaders(cfg, dist, data)
+    train_loader, val_loaders = _loaders(cfg, dist, data)
     optimizer = (job.optimizer(trainable) if callable(job.optimizer)
                  else build_optimizer(job.optimizer, model, dist.device, strategy.lr_scale(dist.world_size)))
     layout = Layout(dist.world_size, cfg.batch_size, cfg.accumulate_grad_batches)
@@ -153,7 +147,7 @@ def set_up_training(job: Any, dist: DistInfo, model: nn.Module, data: DataBundle
     set_matmul_precision(dist.device, cfg.tf32)
     precision = Precision(strategy.autocast_precision(cfg.precision), dist.device)
     parts = TrainingParts(strategy, model, module, trainable, optimizer, scheduler, precision,
-                          train_loader, val_loader, layout, progress, layout, total, val_sources)
+                          train_loader, val_loaders, layout, progress, layout, total)
     _register(checkpoints, parts, dist, base, cfg.trust_checkpoint)
     if resumed is not None:
         checkpoints.restore()
@@ -244,8 +238,7 @@ def steps_in_run(trainer: Any, loader: BatchLoader | StreamLoader, progress: Pro
     return progress.step + rest_of_epoch + (trainer.max_epochs - progress.epoch - 1) * math.ceil(len(loader) / k)
 
 
-def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | StreamLoader, BatchLoader,
-                                                                  dict[str, BatchLoader]]:
+def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | StreamLoader, dict[str, BatchLoader]]:
     overfit = cfg.overfit_batches  # > 0: train and validate on the same first batches
     workers = worker_options(cfg, dist.device)
     if is_stream(data.train):
@@ -275,5 +268,5 @@ def _loaders(cfg: Any, dist: DistInfo, data: DataBundle) -> tuple[BatchLoader | 
         if len(part) < dist.world_size:
             raise ConfigError(f"the validation set's part {name!r} has {len(part)} samples, fewer than the "
                               f"{dist.world_size} processes that share it; give it more validation data")
-    return train_loader, val_loader(data.train if overfit else data.val), \
-        {name: val_loader(part) for name, part in sources.items()}
+    whole = data.train if overfit else data.val
+    return train_loader, {name: val_loader(part) for name, part in (sources or {"": whole}).items()}

@@ -1,31 +1,22 @@
 """How a run stops from outside its step: a stop signal (`StopSignals`, `Agreement`: finish the
 step, agree, save, exit 143), or a rank that makes no progress for strategy.timeout_minutes
-(`Watchdog`: it ends, whatever it is doing).
+(`Watchdog`: it ends, whatever it is doing). What each does for the user, and why the watchdog
+(no collective timeout ends a rank stuck outside one), the README says ("Stop signals", "A
+watchdog"); here, how.
 
-Stop signals, SIGTERM, SIGINT and SIGUSR1. A preempted VM gets SIGTERM, SLURM a chosen signal
-before the time limit (`--signal=USR1@120`), a person presses Ctrl-C: none may cost the run more
-than the current step. `StopSignals` records the first signal (the loop polls it after every
-step); a second, 2 s or more later (a repeat within 2 s is a launcher forwarding it), exits at
-once, unsaved. `Agreement` has the ranks decide at the same step, so all take part in the save
-and none waits in a collective: each step starts an async all-reduce of the flags on a gloo
-group of its own, read a step later, so no step waits and the GPU never syncs; the price is one
-step of lag.
+`StopSignals` records the first signal (the loop polls it after every step); a second, 2 s or
+more later (a repeat within 2 s is a launcher forwarding it), exits at once, unsaved. `Agreement`
+has the ranks decide at the same step, so all take part in the save and none waits in a
+collective: each step starts an async all-reduce of the flags on a gloo group of its own, read
+a step later, so no step waits and the GPU never syncs; the price is one step of lag.
 
 Why 143 (128 + SIGTERM), not 0: a stopped run is not finished, and what restarts on failure
 (torchrun --max-restarts, a shell `until` loop, Kubernetes OnFailure, SLURM RequeueExit) reads
 143 as "terminated, worth retrying". One status for every stop signal; the log names which.
 
-The watchdog. A rank stuck outside a collective (a __getitem__ that never returns, a looping
-forward, a hung file system) never hits the collective timeout, and its peers wait until theirs
-fires, or forever when all are stuck. So a daemon thread per rank watches the time since the
-loop last said what the rank does (`feed`, one tuple assignment: cheap per batch); past the
-timeout it prints one line naming the rank, activity and step, and exits USER_ERROR_EXIT, which
-ends the job as a crash does.
-
-A rank merely waiting for a stuck peer must not be the one named: loading batches it cannot be
-waiting, so the timeout holds; in a step, evaluation or save (collectives) it gets `grace`
-seconds more. The watcher needs the GIL: a C extension spinning while holding it goes
-unnoticed (the collective timeout still covers the peers).
+The watchdog is a daemon thread per rank that watches the time since the loop last said what
+the rank does (`feed`, one tuple assignment: cheap per batch). It needs the GIL: a C extension
+spinning while holding it goes unnoticed (the collective timeout still covers the peers).
 """
 from __future__ import annotations
 
@@ -82,7 +73,6 @@ class Watchdog:
         self._fed = (time.monotonic(), activity, self._fed[2] if step is None else step)
 
     def watched(self, items: Iterable[T], fetching: Activity, using: Activity) -> Iterator[T]:
-        """`items`, fed as `fetching` before each is fetched and `using` once it is."""
         self.feed(fetching)
         for item in items:
             self.feed(using)
@@ -126,14 +116,12 @@ def flush_within(seconds: float, last_words: Callable[[], None] | None = None) -
     must not keep a process that is ending alive."""
 
     def flush() -> None:
-        try:
+        with contextlib.suppress(Exception):  # ending matters more than the last lines
             if last_words is not None:
                 last_words()
             logging.shutdown()  # flushes train.log and the console handlers
             sys.stdout.flush()
             sys.stderr.flush()
-        except Exception:  # ending matters more than the last lines
-            pass
 
     flusher = threading.Thread(target=flush, daemon=True)
     flusher.start()
@@ -227,17 +215,12 @@ class StopSignals:
         self._watcher = None
 
     def _watch(self) -> None:
-        while True:
-            try:
-                data = os.read(self._read_fd, 64)
-            except OSError:  # closed under us on exit
-                return
-            if not data:
-                return
-            for signum in data:
-                # The wakeup fd carries every signal with a Python handler, not only ours.
-                if signum in self.signums:
-                    self._on_signal(signum)
+        with contextlib.suppress(OSError):  # the read end closed under us on exit
+            while data := os.read(self._read_fd, 64):  # b"": the write end closed on exit
+                for signum in data:
+                    # The wakeup fd carries every signal with a Python handler, not only ours.
+                    if signum in self.signums:
+                        self._on_signal(signum)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -278,7 +261,7 @@ def _signal_number(name: str) -> int:
     return int(number)
 
 
-class Agreement:
+class Agreement(contextlib.AbstractContextManager):
     """The flags every rank agrees on, a step late (see the module); one process gets its own at
     once. Make it on every rank at the same point (new_group is collective) and call `exchange`
     once per step on every rank."""
@@ -314,9 +297,6 @@ class Agreement:
         flags = torch.tensor([int(local_flag)], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flags.item())
-
-    def __enter__(self) -> "Agreement":
-        return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         # The last all-reduce: every rank started it, so it completes, and it must not meet a

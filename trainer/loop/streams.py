@@ -33,8 +33,6 @@ log = logging.getLogger("ringtrain")
 
 
 class StreamLoader:
-    """A rank's batches of a streamed training set, and the position they leave it at."""
-
     def __init__(self, dataset: IterableDataset, batch_size: int, dist: DistInfo, workers: WorkerOptions):
         try:
             from torchdata.stateful_dataloader import StatefulDataLoader
@@ -47,7 +45,6 @@ class StreamLoader:
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which newer torch deprecates
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(dataset, batch_size=batch_size, **workers.loader_arguments(dataset))
-        self._batches: Iterator[Any] | None = None
 
     def restore(self, states: list[dict[str, Any]]) -> None:
         """Continue at this rank's position in `states` (every rank's, from a checkpoint)."""
@@ -73,12 +70,10 @@ class StreamLoader:
         return self.loader.state_dict()
 
     def batches(self) -> Iterator[Batch]:
-        """This rank's batches, on the device, from where the stream stands (one iterator for the
-        run: starting another would restart the workers from the main process's copy)."""
-        if self._batches is None:
-            self._batches = iter(self.loader)
+        """This rank's batches, on the device, from where the stream stands (called once a run:
+        another iterator would restart the workers from the main process's copy)."""
         taken = 0
-        for taken, batch in enumerate(self._batches, start=1):
+        for taken, batch in enumerate(self.loader, start=1):
             yield to_device(batch, self.dist.device)
         raise ConfigError(
             f"the streamed training set {type(self.dataset).__name__} ended after {taken} batches of this run; a "

@@ -31,6 +31,8 @@ import torch
 from conftest import QUIET, run_module, train_in_process
 from helpers import refused
 
+from ringtrain.errors import ConfigError
+
 PACKAGE = "planted_code"
 COMMANDS = ("evaluate", "sample", "export", "consolidate", "resume", "init_from", "same_command")
 # The stored config and architecture are records: planting in them changes nothing that runs.
@@ -271,3 +273,15 @@ def test_a_checkpoint_of_the_previous_format_is_refused_then_rewritten_by_the_co
     assert upgraded["format"] == 3 and upgraded["job"] == state["job"]
     assert torch.load(checkpoint.with_name("last.pt.format2"), weights_only=True)["format"] == 2
     assert run_module("ringtrain", evaluate, cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("held, said", [([1, 2], "a list"), ({"format": 3}, "format 3")])
+def test_upgrade_refuses_a_file_that_is_not_of_the_previous_format_in_one_line(tmp_path, held, said):
+    from ringtrain.tools.upgrade import upgrade
+
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    (tmp_path / "run" / ".hydra" / "hydra.yaml").write_text("hydra: {}\n")
+    (tmp_path / "run" / "checkpoints").mkdir()
+    torch.save(held, tmp_path / "run" / "checkpoints" / "last.pt")
+    with pytest.raises(ConfigError, match=f"is not of format 2 \\(it holds {said}\\): nothing to upgrade"):
+        upgrade(str(tmp_path / "run" / "checkpoints" / "last.pt"), trust_checkpoint=True)

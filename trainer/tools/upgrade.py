@@ -19,6 +19,7 @@ from ringtrain.config.recipe import record
 from ringtrain.errors import ConfigError
 from ringtrain.tools import tool_main
 
+
 def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None = None) -> Path:
     path = Path(checkpoint)
     run_record = path.absolute().parent.parent / ".hydra" / "hydra.yaml"  # the run's own, as Hydra wrote it
@@ -32,8 +33,9 @@ def upgrade(checkpoint: str, trust_checkpoint: bool = False, output: str | None 
     except (Unusable, OSError, RuntimeError) as err:
         raise ConfigError(f"{checkpoint} or its run's record {run_record} cannot be read ({str(err).splitlines()[0][:200]}); "
                           f"run upgrade on a checkpoint inside its run directory (<run>/checkpoints/)") from None
-    if not isinstance(state, dict) or state.get("format") != 2:
-        raise ConfigError(f"checkpoint {checkpoint} is not of format 2 (it has {state.get('format')!r}): nothing to upgrade")
+    held = f"format {state.get('format')!r}" if isinstance(state, dict) else f"a {type(state).__name__}"
+    if held != "format 2":
+        raise ConfigError(f"checkpoint {checkpoint} is not of format 2 (it holds {held}): nothing to upgrade")
     # The run's resolved config, kept by format 2, names its files relative to where the run started.
     resolved = state.get("config") if isinstance(state.get("config"), dict) else None
     state["job"], state["format"] = record(hydra, resolved), CHECKPOINT_FORMAT

@@ -68,7 +68,7 @@ def fit(job: Any, dist: DistInfo, run_dir: Path, parts: TrainingParts, task: Any
                             share = losses.forward(i, parts.module, batch)
                         parts.precision.backward(share)
                     # Clip, step (unless the non-finite watch skips it), schedule.
-                    logging_step = step % cfg.log_every_n_steps == 0 or step == parts.total_steps
+                    logging_step = ends.logs(step)
                     parts.precision.unscale_(parts.optimizer)
                     if cfg.grad_clip_norm > 0:
                         grad_norm = parts.strategy.clip_gradients(parts.params, cfg.grad_clip_norm)
@@ -143,6 +143,10 @@ class StepEnds:
     agreement: Agreement
     stop: StopSignals
     watchdog: Watchdog
+
+    def logs(self, step: int) -> bool:
+        """Asked before the update too, which measures the gradient norm only where it is logged (or watched)."""
+        return step % self.run.trainer.log_every_n_steps == 0 or step == self.run.total_steps
 
     def before_training(self) -> Decision:
         """Before the first step (after on_fit_start): a callback's stop (a run resumed from the

@@ -435,3 +435,10 @@ def test_cli_never_overwrites_another_runs_checkpoints(tmp_path):
     refused(proc, "holds a run whose model._target_")
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
     assert {path: path.read_bytes() for path in kept} == kept and len(kept) == 4
+
+
+def test_a_negative_setting_where_0_means_a_default_is_one_line_naming_what_0_does():
+    from ringtrain.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"^trainer\.grad_clip_norm=-1\.0 must be >= 0 \(0: no clipping\)$"):
+        Trainer(grad_clip_norm=-1.0)
